@@ -1,0 +1,79 @@
+"""hpcddp: data-parallel PyTorch training on HPC machines over MPI.
+
+    import hpcddp
+    hpcddp.init()
+    model.to(hpcddp.device())
+    optimizer = hpcddp.DistributedOptimizer(optimizer, model.named_parameters())
+    hpcddp.broadcast_parameters(model.state_dict(), root_rank=0)
+"""
+
+from .bootstrap import (
+    backend,
+    communicator,
+    device,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    node_rank,
+    num_nodes,
+    rank,
+    shutdown,
+    size,
+)
+from .broadcast import broadcast_optimizer_state, broadcast_parameters
+from .collectives import (
+    allgather,
+    allgather_async,
+    allgather_object,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    broadcast_object,
+)
+from .comm.base import Handle, ReduceOp
+from .config import InitConfig
+from .optimizer import DistributedOptimizer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DistributedOptimizer",
+    "Handle",
+    "InitConfig",
+    "ReduceOp",
+    "__version__",
+    "allgather",
+    "allgather_async",
+    "allgather_object",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "backend",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "broadcast_object",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "communicator",
+    "device",
+    "init",
+    "is_initialized",
+    "local_rank",
+    "local_size",
+    "node_rank",
+    "num_nodes",
+    "rank",
+    "shutdown",
+    "size",
+]

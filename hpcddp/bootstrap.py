@@ -1,0 +1,231 @@
+"""``hpcddp.init()``: environment -> ranks -> device -> backend -> threads."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .comm.base import Communicator
+from .config import InitConfig
+from .device import select_device, set_cpu_threads, visible_gpu_ids
+from .env import ClusterEnvironment, RankLayout, detect_environment
+
+__all__ = [
+    "backend",
+    "communicator",
+    "device",
+    "init",
+    "is_initialized",
+    "local_rank",
+    "local_size",
+    "node_rank",
+    "num_nodes",
+    "rank",
+    "shutdown",
+    "size",
+]
+
+log = logging.getLogger("hpcddp")
+
+
+@dataclass
+class _Runtime:
+    config: InitConfig
+    environment: ClusterEnvironment
+    layout: RankLayout
+    device: torch.device
+    comm: Communicator
+    num_threads: int
+
+
+_runtime: _Runtime | None = None
+
+
+def init(backend: str = "auto", *, num_threads: int | None = None, allow_gpu_sharing: bool = False) -> None:
+    """Join the job: find this rank, pick its device and backend, set its CPU threads.
+
+    Safe to call again (a no-op once initialised). Works under mpirun/mpiexec, srun,
+    torchrun and as a plain single process.
+
+    Args:
+        backend: "auto" (nccl with CUDA, else mpi), "mpi", "nccl" or "gloo".
+        num_threads: torch intra-op threads for this rank; derived from the CPUs the
+            rank may use when None (and left alone when OMP_NUM_THREADS is set).
+        allow_gpu_sharing: allow more ranks on a node than it has GPUs.
+    """
+    global _runtime
+    if _runtime is not None:
+        return
+    config = InitConfig(backend=backend, num_threads=num_threads, allow_gpu_sharing=allow_gpu_sharing)
+    environment = detect_environment()
+    layout = environment.layout()
+    mpi_comm = environment.mpi_comm
+    gpu_ids = None if mpi_comm is None else _node_gpu_ids(mpi_comm)
+    device = select_device(layout, config.allow_gpu_sharing, gpu_ids)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    chosen = _choose_backend(config.backend, environment, layout, device)
+    _export_variables(environment, layout)
+    if layout.world_size > 1 or chosen in ("gloo", "nccl"):
+        _export_rendezvous(environment)
+    comm = _create_communicator(chosen, environment, layout, device)
+    threads = set_cpu_threads(layout, config.num_threads)
+    _runtime = _Runtime(config, environment, layout, device, comm, threads)
+    log.debug("hpcddp rank %d/%d on %s, backend %s, %d threads", layout.rank, layout.world_size, device, chosen, threads)
+
+
+def _node_gpu_ids(mpi_comm):
+    def gather():
+        from ._mpi import import_mpi
+
+        node = mpi_comm.Split_type(import_mpi().COMM_TYPE_SHARED)
+        try:
+            return node.allgather(visible_gpu_ids())
+        finally:
+            node.Free()
+
+    return gather
+
+
+def _choose_backend(requested: str, environment: ClusterEnvironment, layout: RankLayout, device) -> str:
+    if requested == "nccl" and device.type != "cuda":
+        raise RuntimeError("backend='nccl' needs CUDA, but torch sees no GPU: use backend='mpi' or 'gloo'")
+    if requested == "mpi" and environment.mpi_comm is None and layout.world_size > 1:
+        raise RuntimeError(
+            f"backend='mpi' needs ranks started by an MPI launcher, but this job was started by "
+            f"{environment.name}: launch with mpirun or srun --mpi=pmix, or use backend='gloo'"
+        )
+    if requested != "auto":
+        return requested
+    if device.type == "cuda":
+        return "nccl"
+    if environment.mpi_comm is not None:
+        return "mpi"
+    return "local" if layout.world_size == 1 else "gloo"
+
+
+def _create_communicator(name: str, environment, layout: RankLayout, device) -> Communicator:
+    if name == "local":
+        from .comm.local import LocalCommunicator
+
+        return LocalCommunicator()
+    if name == "mpi":
+        from .comm.mpi import MPICommunicator
+
+        if environment.mpi_comm is None:  # a single process that asked for MPI
+            from ._mpi import import_mpi
+
+            return MPICommunicator(import_mpi().COMM_WORLD)
+        return MPICommunicator(environment.mpi_comm)
+    import torch.distributed as dist
+
+    from .comm.torchdist import TorchDistCommunicator
+
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=name,
+            init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+            rank=layout.rank,
+            world_size=layout.world_size,
+            timeout=datetime.timedelta(minutes=10),
+            **({"device_id": device} if name == "nccl" else {}),
+        )
+    return TorchDistCommunicator(name, device)
+
+
+def _export_variables(environment: ClusterEnvironment, layout: RankLayout) -> None:
+    """Export torchrun's variables so code that uses torch.distributed directly works."""
+    values = {
+        "RANK": layout.rank,
+        "WORLD_SIZE": layout.world_size,
+        "LOCAL_RANK": layout.local_rank,
+        "LOCAL_WORLD_SIZE": layout.local_size,
+        "NODE_RANK": layout.node_rank,
+    }
+    for name, value in values.items():
+        current = os.environ.get(name)
+        if current is not None and current != str(value):
+            log.warning("hpcddp: overriding %s=%s with %s from %s", name, current, value, environment.name)
+        os.environ[name] = str(value)
+
+
+def _export_rendezvous(environment: ClusterEnvironment) -> None:
+    """Agree on torch.distributed's MASTER_ADDR/MASTER_PORT (a user's pair is kept)."""
+    address, port = environment.rendezvous()
+    for name, value in (("MASTER_ADDR", address), ("MASTER_PORT", str(port))):
+        current = os.environ.get(name)
+        if current and current != value:
+            log.warning("hpcddp: overriding %s=%s with %s", name, current, value)
+        os.environ[name] = value
+
+
+def _require() -> _Runtime:
+    if _runtime is None:
+        raise RuntimeError("hpcddp is not initialised: call hpcddp.init() first")
+    return _runtime
+
+
+def is_initialized() -> bool:
+    """Return True between ``init()`` and ``shutdown()``."""
+    return _runtime is not None
+
+
+def rank() -> int:
+    """Return this process's rank in the job (0 .. size()-1)."""
+    return _require().layout.rank
+
+
+def size() -> int:
+    """Return the number of ranks in the job."""
+    return _require().layout.world_size
+
+
+def local_rank() -> int:
+    """Return this process's rank among the ranks on its node."""
+    return _require().layout.local_rank
+
+
+def local_size() -> int:
+    """Return the number of ranks on this node."""
+    return _require().layout.local_size
+
+
+def node_rank() -> int:
+    """Return the index of this node in the job (0 .. num_nodes()-1)."""
+    return _require().layout.node_rank
+
+
+def num_nodes() -> int:
+    """Return the number of nodes in the job."""
+    return _require().layout.num_nodes
+
+
+def device() -> torch.device:
+    """Return the device this rank computes on (``cuda:N`` or ``cpu``)."""
+    return _require().device
+
+
+def backend() -> str:
+    """Return the communication backend in use: "mpi", "nccl", "gloo" or "local"."""
+    return _require().comm.name
+
+
+def communicator() -> Communicator:
+    """Return the active Communicator (for wrappers and tests)."""
+    return _require().comm
+
+
+def shutdown() -> None:
+    """Leave the job: stop the communication thread and destroy the process group.
+
+    MPI itself stays initialised (it cannot be re-initialised in one process);
+    mpi4py finalises it at exit.
+    """
+    global _runtime
+    if _runtime is not None:
+        _runtime.comm.close()
+        _runtime = None

@@ -1,0 +1,115 @@
+"""Collectives through torch.distributed (nccl on GPUs, gloo on CPUs)."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .base import Communicator, Handle, ReduceOp, completed
+
+__all__ = ["TorchDistCommunicator"]
+
+_DIST_OPS = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.AVERAGE: dist.ReduceOp.SUM,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+}
+
+
+class _WorkHandle(Handle):
+    """A Handle over a torch.distributed Work; waiting on it yields ``result``."""
+
+    def __init__(self, work, result: Any, name: str) -> None:
+        super().__init__(name)
+        self._work = work
+        self._pending_result = result
+
+    def poll(self) -> bool:
+        return self._done.is_set() or self._work.is_completed()
+
+    def _block(self, timeout: float | None) -> bool:
+        if not self._done.is_set():
+            if timeout is None:
+                self._work.wait()
+            elif not self._work.wait(timeout=datetime.timedelta(seconds=timeout)):
+                return False
+            self.set_result(self._pending_result)
+        return True
+
+
+class TorchDistCommunicator(Communicator):
+    """Communicator over the default torch.distributed process group.
+
+    Args:
+        backend: "gloo" or "nccl"; the process group must already be initialised.
+        device: where the backend wants tensors (a CUDA device for nccl).
+    """
+
+    def __init__(self, backend: str, device: torch.device) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: call hpcddp.init() first")
+        super().__init__(dist.get_rank(), dist.get_world_size())
+        self.name = backend
+        self.device = device
+
+    def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device == self.device and tensor.is_contiguous():
+            return tensor
+        return tensor.to(self.device).contiguous()
+
+    def allreduce_async_(self, tensor: torch.Tensor, op: ReduceOp) -> Handle:
+        if op is ReduceOp.AVERAGE and not tensor.dtype.is_floating_point:
+            raise TypeError(f"op='average' needs a floating-point tensor, got {tensor.dtype}: use op='sum'")
+        staged = self._on_device(tensor)
+        if self.size == 1:
+            handle = completed(staged, "allreduce")
+        else:
+            handle = _WorkHandle(dist.all_reduce(staged, op=_DIST_OPS[op], async_op=True), staged, "allreduce")
+        if op is ReduceOp.AVERAGE:
+            handle.then(lambda out: out.div_(self.size))
+        return handle.then(lambda out: out if out is tensor else tensor.copy_(out))
+
+    def broadcast_async_(self, tensor: torch.Tensor, root: int) -> Handle:
+        staged = self._on_device(tensor)
+        work = dist.broadcast(staged, src=root, async_op=True)
+        handle = _WorkHandle(work, staged, "broadcast")
+        return handle.then(lambda out: out if out is tensor else tensor.copy_(out))
+
+    def allgather_async(self, tensor: torch.Tensor) -> Handle:
+        source = self._on_device(tensor.detach())
+        if source.dim() == 0:
+            source = source.reshape(1)
+        # torch.distributed gathers equal shapes only: pad the first dimension to
+        # the longest rank's, then cut each piece back.
+        rows = self.allgather_object(source.shape[0])
+        longest = max(rows)
+        padded = torch.zeros((longest, *source.shape[1:]), dtype=source.dtype, device=source.device)
+        padded[: source.shape[0]] = source
+        pieces = [torch.empty_like(padded) for _ in rows]
+        work = dist.all_gather(pieces, padded, async_op=True)
+        handle = _WorkHandle(work, pieces, "allgather")
+        return handle.then(lambda out: torch.cat([p[:n] for p, n in zip(out, rows)]).to(tensor.device))
+
+    def broadcast_object(self, obj: Any, root: int) -> Any:
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=root, device=self._object_device())
+        return holder[0]
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def _object_device(self):
+        return self.device if self.name == "nccl" else None
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

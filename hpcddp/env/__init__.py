@@ -1,0 +1,48 @@
+"""Where ranks come from: one class per launch environment, picked by ``detect_environment``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from .base import ClusterEnvironment, RankLayout, read_int
+from .mpi import MPIEnvironment
+from .single import SingleProcessEnvironment
+from .slurm import SlurmEnvironment, expand_nodelist
+from .torchrun import TorchrunEnvironment
+
+__all__ = [
+    "ClusterEnvironment",
+    "MPIEnvironment",
+    "RankLayout",
+    "SingleProcessEnvironment",
+    "SlurmEnvironment",
+    "TorchrunEnvironment",
+    "detect_environment",
+    "expand_nodelist",
+    "read_int",
+]
+
+# Order matters: mpirun inside an sbatch allocation also sees SLURM_* variables, so
+# MPI (the ranks really connected) is asked first; srun singletons come before
+# torchrun because hpcddp itself exports RANK/WORLD_SIZE for child processes; a
+# single process is the fallback that always applies.
+ENVIRONMENTS: tuple[type[ClusterEnvironment], ...] = (
+    MPIEnvironment,
+    SlurmEnvironment,
+    TorchrunEnvironment,
+    SingleProcessEnvironment,
+)
+
+
+def detect_environment(environ: Mapping[str, str] | None = None) -> ClusterEnvironment:
+    """Return the first environment in ``ENVIRONMENTS`` that applies to this process.
+
+    Args:
+        environ: the environment to inspect; ``os.environ`` by default.
+    """
+    environ = os.environ if environ is None else environ
+    for cls in ENVIRONMENTS:
+        if cls.detect(environ):
+            return cls(environ)
+    raise AssertionError("SingleProcessEnvironment always applies")

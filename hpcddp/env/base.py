@@ -1,0 +1,80 @@
+"""The interface every launch environment implements."""
+
+from __future__ import annotations
+
+import abc
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["ClusterEnvironment", "RankLayout", "read_int"]
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Where one process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_size: int
+    node_rank: int
+    num_nodes: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+        if not 0 <= self.local_rank < self.local_size:
+            raise ValueError(f"local_rank must be in [0, {self.local_size}), got {self.local_rank}")
+        if not 0 <= self.node_rank < self.num_nodes:
+            raise ValueError(f"node_rank must be in [0, {self.num_nodes}), got {self.node_rank}")
+
+
+def read_int(environ: Mapping[str, str], name: str, default: int | None = None) -> int | None:
+    """Read an integer environment variable, failing with a message that names it.
+
+    Args:
+        environ: the environment to read (``os.environ`` or a test's dict).
+        name: the variable.
+        default: returned when the variable is unset or empty.
+    """
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
+
+
+class ClusterEnvironment(abc.ABC):
+    """One way of being launched (mpirun, srun, torchrun, plain python).
+
+    Subclasses read the environment only in ``detect`` and ``__init__``; the rest of
+    hpcddp asks them for the rank layout and, for torch.distributed backends, a
+    rendezvous address.
+    """
+
+    #: short name shown by ``hpcddp info`` and in errors
+    name: str = "abstract"
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        self.environ = os.environ if environ is None else environ
+
+    @staticmethod
+    @abc.abstractmethod
+    def detect(environ: Mapping[str, str]) -> bool:
+        """Return True when this process was started by this kind of launcher."""
+
+    @abc.abstractmethod
+    def layout(self) -> RankLayout:
+        """Return this process's rank layout."""
+
+    @property
+    def mpi_comm(self):
+        """The MPI communicator holding all ranks, or None if MPI does not see them."""
+        return None
+
+    @abc.abstractmethod
+    def rendezvous(self) -> tuple[str, int]:
+        """Return the (address, port) every rank uses for torch.distributed's TCP store."""

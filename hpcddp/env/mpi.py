@@ -1,0 +1,91 @@
+"""Ranks started by an MPI launcher (mpirun, mpiexec, srun --mpi=pmix)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping
+
+from .._mpi import import_mpi, mpi_launcher_present
+from .base import ClusterEnvironment, RankLayout, read_int
+
+__all__ = ["MPIEnvironment", "find_free_port", "singleton_under_slurm"]
+
+
+def find_free_port() -> int:
+    """Return a TCP port that is free on this host right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def singleton_under_slurm(environ: Mapping[str, str], mpi_size: int) -> bool:
+    """Return True when srun started several tasks that MPI does not connect."""
+    step_tasks = read_int(environ, "SLURM_STEP_NUM_TASKS") or read_int(environ, "SLURM_NTASKS") or 1
+    return mpi_size == 1 and step_tasks > 1 and "SLURM_PROCID" in environ
+
+
+class MPIEnvironment(ClusterEnvironment):
+    """Rank layout from MPI itself: COMM_WORLD, and a shared-memory split for the node."""
+
+    name = "mpi"
+
+    def __init__(self, environ: Mapping[str, str] | None = None, comm=None) -> None:
+        super().__init__(environ)
+        MPI = import_mpi()
+        self._comm = comm if comm is not None else MPI.COMM_WORLD
+        self._layout: RankLayout | None = None
+
+    @staticmethod
+    def detect(environ: Mapping[str, str]) -> bool:
+        if not mpi_launcher_present(environ):
+            return False
+        # srun --mpi=pmi2 with an MPI that lacks PMI2 sets PMI_* but starts
+        # singletons; that case belongs to SlurmEnvironment.
+        return not singleton_under_slurm(environ, import_mpi().COMM_WORLD.Get_size())
+
+    @property
+    def mpi_comm(self):
+        return self._comm
+
+    def layout(self) -> RankLayout:
+        if self._layout is None:
+            self._layout = self._compute_layout()
+        return self._layout
+
+    def _compute_layout(self) -> RankLayout:
+        MPI = import_mpi()
+        comm = self._comm
+        node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        try:
+            local_rank, local_size = node_comm.Get_rank(), node_comm.Get_size()
+            # The local leaders (local rank 0) number the nodes in rank order.
+            leaders = comm.Split(0 if local_rank == 0 else MPI.UNDEFINED, key=comm.Get_rank())
+            if leaders != MPI.COMM_NULL:
+                node_rank, num_nodes = leaders.Get_rank(), leaders.Get_size()
+                leaders.Free()
+            else:
+                node_rank, num_nodes = 0, 0
+            node_rank, num_nodes = node_comm.bcast((node_rank, num_nodes), root=0)
+        finally:
+            node_comm.Free()
+        return RankLayout(
+            rank=comm.Get_rank(),
+            world_size=comm.Get_size(),
+            local_rank=local_rank,
+            local_size=local_size,
+            node_rank=node_rank,
+            num_nodes=num_nodes,
+        )
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0 picks the address and a free port, and broadcasts them over MPI."""
+        env = self.environ
+        choice = None
+        if self._comm.Get_rank() == 0:
+            if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+                choice = (env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+            else:
+                single_node = self.layout().num_nodes == 1
+                address = "127.0.0.1" if single_node else socket.getfqdn()
+                choice = (env.get("MASTER_ADDR") or address, find_free_port())
+        return self._comm.bcast(choice, root=0)

@@ -1,0 +1,87 @@
+"""Tasks started by srun that MPI does not connect (srun --mpi=none or pmi2 singletons)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from .base import ClusterEnvironment, RankLayout, read_int
+
+__all__ = ["SlurmEnvironment", "expand_nodelist"]
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a Slurm hostlist such as ``node[01-03,07],gpu5`` into host names.
+
+    Args:
+        nodelist: the value of ``SLURM_JOB_NODELIST``.
+    """
+    hosts: list[str] = []
+    # Split on commas that are not inside brackets.
+    for item in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", nodelist):
+        match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", item)
+        if not match:
+            hosts.append(item)
+            continue
+        prefix, ranges, suffix = match.groups()
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            if not hi:
+                hosts.append(f"{prefix}{lo}{suffix}")
+                continue
+            width = len(lo)
+            hosts.extend(f"{prefix}{i:0{width}d}{suffix}" for i in range(int(lo), int(hi) + 1))
+    return hosts
+
+
+class SlurmEnvironment(ClusterEnvironment):
+    """Rank layout from SLURM_* variables, rendezvous through torch.distributed's TCP store."""
+
+    name = "slurm"
+
+    @staticmethod
+    def detect(environ: Mapping[str, str]) -> bool:
+        # Only a job step (srun) sets SLURM_STEP_NUM_TASKS; a batch script that runs
+        # python directly is one process even when the job has many tasks.
+        return "SLURM_PROCID" in environ and (read_int(environ, "SLURM_STEP_NUM_TASKS") or 1) > 1
+
+    def layout(self) -> RankLayout:
+        env = self.environ
+        world_size = read_int(env, "SLURM_STEP_NUM_TASKS") or read_int(env, "SLURM_NTASKS", 1)
+        num_nodes = read_int(env, "SLURM_STEP_NUM_NODES") or read_int(env, "SLURM_NNODES", 1)
+        local_size = _tasks_on_this_node(env, world_size, num_nodes)
+        return RankLayout(
+            rank=read_int(env, "SLURM_PROCID", 0),
+            world_size=world_size,
+            local_rank=read_int(env, "SLURM_LOCALID", 0),
+            local_size=local_size,
+            node_rank=read_int(env, "SLURM_NODEID", 0),
+            num_nodes=num_nodes,
+        )
+
+    def rendezvous(self) -> tuple[str, int]:
+        env = self.environ
+        if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+            return env["MASTER_ADDR"], int(env["MASTER_PORT"])
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
+        address = expand_nodelist(nodelist)[0]
+        # Every task must derive the same port without talking to the others; the
+        # job id spreads concurrent jobs on one node over 15000-30000.
+        job_id = read_int(env, "SLURM_JOB_ID", 0)
+        step_id = read_int(env, "SLURM_STEP_ID", 0) or 0
+        return address, 15000 + (job_id * 7 + step_id) % 15000
+
+
+def _tasks_on_this_node(env: Mapping[str, str], world_size: int, num_nodes: int) -> int:
+    # SLURM_STEP_TASKS_PER_NODE looks like "2(x3),1": expand and pick our node.
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+    counts: list[int] = []
+    for part in filter(None, spec.split(",")):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not match:
+            break
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    node = read_int(env, "SLURM_NODEID", 0)
+    if node < len(counts):
+        return counts[node]
+    return max(1, world_size // max(1, num_nodes))

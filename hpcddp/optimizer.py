@@ -1,0 +1,370 @@
+"""DistributedOptimizer: bucketed, overlapped gradient allreduce around any torch optimizer."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd import Variable
+
+from .buckets import MB, Bucket, build_buckets
+from .comm.base import Communicator, Handle, ReduceOp, parse_op
+
+__all__ = ["DistributedOptimizer", "COMPRESSIONS"]
+
+COMPRESSIONS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class _Slot:
+    """Where one parameter's gradient lives: its bucket and its view into the buffer."""
+
+    bucket: int
+    view: torch.Tensor
+    name: str
+    ready: bool = False
+
+
+@dataclass
+class ReductionTimes:
+    """perf_counter timestamps of the last reduction, for overlap checks and timelines."""
+
+    backward_start: float = 0.0
+    backward_end: float = 0.0
+    bucket_launch: list[float] = field(default_factory=list)
+    bucket_done: list[float] = field(default_factory=list)
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wrap a torch optimizer so that ``step()`` applies gradients averaged over all ranks.
+
+    Gradients live in flat bucket buffers (``param.grad`` is a view into one), filled
+    in reverse parameter order as DDP does. A post-accumulate-grad hook on every
+    parameter counts it ready; when a bucket is complete, and every bucket before it
+    has been launched, its allreduce starts while backward continues. ``step()``
+    waits for the reductions, then runs the wrapped optimizer. Results equal
+    ``torch.nn.parallel.DistributedDataParallel``'s.
+
+    A parameter that gets no gradient in a backward pass counts as a zero gradient
+    on that rank (no hang, no error), so after a reduction every parameter has a
+    gradient. ``zero_grad`` zeroes the buffers in place and keeps the views.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer``.
+        named_parameters: ``model.named_parameters()``; gives names for errors and
+            the registration order. Defaults to the optimizer's parameters.
+        bucket_cap_mb: size limit of a bucket in MiB (DDP's 25).
+        first_bucket_mb: size limit of the first bucket in MiB (DDP's 1): small, so
+            communication starts early in backward.
+        backward_passes_per_step: reduce once every this many backward passes,
+            accumulating locally in between.
+        compression: None, "fp16" or "bf16": the dtype gradients travel in.
+        op: "average" (default) or "sum" across ranks.
+        communicator: the Communicator to use; the one ``hpcddp.init()`` made by default.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+        bucket_cap_mb: float = 25,
+        first_bucket_mb: float = 1,
+        backward_passes_per_step: int = 1,
+        compression: str | None = None,
+        op: str | ReduceOp = "average",
+        *,
+        communicator: Communicator | None = None,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        _check_positive("bucket_cap_mb", bucket_cap_mb)
+        _check_positive("first_bucket_mb", first_bucket_mb)
+        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
+        key = compression.lower() if isinstance(compression, str) else compression
+        if key not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of None, 'fp16', 'bf16', got {compression!r}")
+        self._op = parse_op(op)
+        if self._op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            raise ValueError(f"op must be 'average' or 'sum' for gradients, got {op!r}")
+        if communicator is None:
+            from .bootstrap import communicator as current
+
+            communicator = current()
+        self._optimizer = optimizer
+        self._comm = communicator
+        self.backward_passes_per_step = backward_passes_per_step
+        self._named = _collect_parameters(optimizer, named_parameters)
+        self.times = ReductionTimes()
+        self._no_sync = False
+        self._pass_open = False
+        self._pass_reduces = False
+        self._passes_since_reduce = 0
+        self._handles: list[Handle] = []
+        self._hooks: list[Any] = []
+        self._buckets: list[Bucket] = []
+        self._slots: dict[int, _Slot] = {}
+        if self._comm.size > 1:
+            self._buckets = build_buckets(
+                [p for _, p in self._named],
+                int(bucket_cap_mb * MB),
+                int(first_bucket_mb * MB),
+                COMPRESSIONS[key],
+            )
+            self._attach()
+
+    # -- behave like the wrapped optimizer ---------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        if name == "_optimizer":
+            raise AttributeError(name)
+        return getattr(self._optimizer, name)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self._optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self._optimizer.param_groups = value
+
+    @property
+    def state(self):  # type: ignore[override]
+        return self._optimizer.state
+
+    @property
+    def defaults(self):  # type: ignore[override]
+        return self._optimizer.defaults
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the wrapped optimizer's state dict."""
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict into the wrapped optimizer."""
+        self._optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Not supported: parameters must be known when the buckets are built."""
+        raise RuntimeError(
+            "DistributedOptimizer cannot add parameter groups after construction: "
+            "add them to the optimizer before wrapping it"
+        )
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self._optimizer!r}, buckets={len(self._buckets)})"
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        """The gradient buckets, in launch order (empty in a world of one)."""
+        return self._buckets
+
+    @property
+    def parameter_names(self) -> list[str]:
+        """Names of the reduced parameters, in registration order."""
+        return [name for name, _ in self._named]
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _attach(self) -> None:
+        names = {id(p): name for name, p in self._named}
+        for bucket in self._buckets:
+            for param, view in zip(bucket.params, bucket.views):
+                slot = _Slot(bucket=bucket.index, view=view, name=names[id(param)])
+                self._slots[id(param)] = slot
+                _adopt_grad(param, view)
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
+        self._pending = [len(b.params) for b in self._buckets]
+        self._next_launch = 0
+
+    def close(self) -> None:
+        """Remove the hooks; the wrapped optimizer keeps working as a local one."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        if not self._pass_open:
+            self._open_pass()
+        slot = self._slots[id(param)]
+        _adopt_grad(param, slot.view)
+        if not self._pass_reduces or slot.ready:
+            return
+        slot.ready = True
+        self._pending[slot.bucket] -= 1
+        if self._pending[slot.bucket] == 0:
+            self._launch_ready()
+
+    def _open_pass(self) -> None:
+        if self._handles:
+            raise RuntimeError(
+                "a backward pass started while the previous gradients are still being reduced: "
+                "call optimizer.step() (or synchronize()) after every "
+                f"backward_passes_per_step={self.backward_passes_per_step} backward passes, or raise "
+                "backward_passes_per_step to accumulate more passes locally"
+            )
+        self._pass_open = True
+        self._pass_reduces = not self._no_sync and self._passes_since_reduce + 1 >= self.backward_passes_per_step
+        self.times.backward_start = time.perf_counter()
+        Variable._execution_engine.queue_callback(self._close_pass)
+
+    def _close_pass(self) -> None:
+        self._pass_open = False
+        self._passes_since_reduce += 1
+        self.times.backward_end = time.perf_counter()
+        if self._pass_reduces:
+            self._launch_all()
+
+    # -- launching ----------------------------------------------------------------------------
+    def _launch_ready(self) -> None:
+        # Buckets start strictly in index order so every rank issues the same
+        # sequence of collectives, whatever order its gradients arrive in.
+        while self._next_launch < len(self._buckets) and self._pending[self._next_launch] == 0:
+            self._launch(self._buckets[self._next_launch])
+            self._next_launch += 1
+
+    def _launch_all(self) -> None:
+        """Launch every bucket not yet launched; unused parameters count as zero."""
+        for bucket in self._buckets[self._next_launch :]:
+            for param, view in zip(bucket.params, bucket.views):
+                slot = self._slots[id(param)]
+                if not slot.ready:
+                    _adopt_grad(param, view)
+                    slot.ready = True
+            self._pending[bucket.index] = 0
+        self._launch_ready()
+        self._passes_since_reduce = 0
+
+    def _launch(self, bucket: Bucket) -> None:
+        if not self.times.bucket_launch or bucket.index == 0:
+            self.times.bucket_launch = [0.0] * len(self._buckets)
+            self.times.bucket_done = [0.0] * len(self._buckets)
+        self.times.bucket_launch[bucket.index] = time.perf_counter()
+        payload = bucket.buffer
+        if self._op is ReduceOp.AVERAGE:
+            # Divide before summing, as DDP does: it keeps fp16 sums in range.
+            payload.div_(self._comm.size)
+        if bucket.wire is not None:
+            payload = bucket.wire.copy_(payload)
+        self._handles.append(self._comm.allreduce_async_(payload, ReduceOp.SUM))
+
+    # -- step --------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Finish the reduction of the accumulated gradients (launching it if needed)."""
+        if not self._buckets:
+            return
+        if not self._handles and self._passes_since_reduce > 0:
+            self._launch_all()
+        for bucket, handle in zip(self._buckets, self._handles):
+            handle.wait()
+            if bucket.wire is not None:
+                bucket.buffer.copy_(bucket.wire)
+            self.times.bucket_done[bucket.index] = time.perf_counter()
+        self._reset_reduction()
+
+    def _reset_reduction(self) -> None:
+        self._handles.clear()
+        for slot in self._slots.values():
+            slot.ready = False
+        self._pending = [len(b.params) for b in self._buckets]
+        self._next_launch = 0
+
+    def step(self, closure=None):
+        """Wait for the averaged gradients, then take the wrapped optimizer's step.
+
+        Args:
+            closure: passed to the wrapped optimizer's ``step``.
+        """
+        self.synchronize()
+        return self._optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients: bucket buffers in place (views kept), others as torch does.
+
+        Args:
+            set_to_none: for parameters outside the buckets, set ``grad`` to None.
+        """
+        if self._handles:
+            # A reduction nobody stepped on: finish it so the buffers are not
+            # written while the communication thread reads them.
+            for handle in self._handles:
+                handle.wait()
+            self._reset_reduction()
+        bucketed = set(self._slots)
+        for bucket in self._buckets:
+            bucket.buffer.zero_()
+            for param, view in zip(bucket.params, bucket.views):
+                if param.grad is not view:
+                    param.grad = view
+        for group in self.param_groups:
+            for param in group["params"]:
+                if id(param) in bucketed or param.grad is None:
+                    continue
+                if set_to_none:
+                    param.grad = None
+                else:
+                    param.grad.detach_().zero_()
+        self._passes_since_reduce = 0
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally inside this block, as DDP's ``no_sync()``.
+
+        The first backward pass after the block reduces everything accumulated.
+        """
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+
+def _adopt_grad(param: torch.nn.Parameter, view: torch.Tensor) -> None:
+    """Make ``param.grad`` the bucket view, moving any gradient autograd put elsewhere."""
+    grad = param.grad
+    if grad is view:
+        return
+    if grad is None:
+        view.zero_()
+    else:
+        view.copy_(grad)
+    param.grad = view
+
+
+def _check_positive(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+
+
+def _collect_parameters(optimizer, named_parameters) -> list[tuple[str, torch.nn.Parameter]]:
+    in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        named = [(f"param.{i}", p) for i, p in enumerate(in_optimizer)]
+    else:
+        named = list(named_parameters)
+        seen_names: set[str] = set()
+        seen_params: dict[int, str] = {}
+        for entry in named:
+            if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], torch.Tensor)):
+                raise TypeError(
+                    f"named_parameters must yield (name, parameter) pairs such as model.named_parameters(), got {entry!r:.80}"
+                )
+            name, param = entry
+            if name in seen_names:
+                raise ValueError(f"named_parameters lists the name {name!r} twice: names must be unique")
+            if id(param) in seen_params:
+                raise ValueError(
+                    f"named_parameters lists one parameter twice, as {seen_params[id(param)]!r} and {name!r}: "
+                    "pass each parameter once"
+                )
+            seen_names.add(name)
+            seen_params[id(param)] = name
+        missing = [p for p in in_optimizer if id(p) not in seen_params]
+        if missing:
+            raise ValueError(
+                f"named_parameters is missing {len(missing)} of the optimizer's parameters: "
+                "pass model.named_parameters() for the model the optimizer trains"
+            )
+    return [(name, p) for name, p in named if p.requires_grad]
