@@ -56,6 +56,10 @@ class Bucket:
     params: list[torch.nn.Parameter]
     buffer: torch.Tensor
     views: list[torch.Tensor] = field(default_factory=list)
+    #: one number per parameter after the gradients: 1 where this rank produced a
+    #: gradient since the last reduction. Summed with the gradients, it tells every
+    #: rank which parameters no rank used, without another collective.
+    used: torch.Tensor | None = None
     #: compressed copy sent over the wire (fp16/bf16), or None
     wire: torch.Tensor | None = None
 
@@ -87,13 +91,13 @@ def build_buckets(
         chosen = [params[i] for i in members]
         total = sum(p.numel() for p in chosen)
         first = chosen[0]
-        buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
+        buffer = torch.zeros(total + len(chosen), dtype=first.dtype, device=first.device)
         views, offset = [], 0
         for param in chosen:
             views.append(buffer[offset : offset + param.numel()].view_as(param))
             offset += param.numel()
         wire = None
         if wire_dtype is not None and wire_dtype != first.dtype and first.dtype.is_floating_point:
-            wire = torch.empty(total, dtype=wire_dtype, device=first.device)
-        buckets.append(Bucket(index=index, params=chosen, buffer=buffer, views=views, wire=wire))
+            wire = torch.empty(buffer.numel(), dtype=wire_dtype, device=first.device)
+        buckets.append(Bucket(index=index, params=chosen, buffer=buffer, views=views, used=buffer[total:], wire=wire))
     return buckets

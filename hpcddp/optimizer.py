@@ -26,7 +26,9 @@ class _Slot:
     bucket: int
     view: torch.Tensor
     name: str
+    position: int
     ready: bool = False
+    used: bool = False
 
 
 @dataclass
@@ -101,6 +103,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._named = _collect_parameters(optimizer, named_parameters)
         self.times = ReductionTimes()
         self._no_sync = False
+        self._set_to_none = True
         self._pass_open = False
         self._pass_reduces = False
         self._passes_since_reduce = 0
@@ -171,8 +174,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _attach(self) -> None:
         names = {id(p): name for name, p in self._named}
         for bucket in self._buckets:
-            for param, view in zip(bucket.params, bucket.views):
-                slot = _Slot(bucket=bucket.index, view=view, name=names[id(param)])
+            for position, (param, view) in enumerate(zip(bucket.params, bucket.views)):
+                slot = _Slot(bucket=bucket.index, view=view, name=names[id(param)], position=position)
                 self._slots[id(param)] = slot
                 _adopt_grad(param, view)
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
@@ -190,6 +193,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._open_pass()
         slot = self._slots[id(param)]
         _adopt_grad(param, slot.view)
+        slot.used = True
         if not self._pass_reduces or slot.ready:
             return
         slot.ready = True
@@ -242,6 +246,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.times.bucket_launch = [0.0] * len(self._buckets)
             self.times.bucket_done = [0.0] * len(self._buckets)
         self.times.bucket_launch[bucket.index] = time.perf_counter()
+        bucket.used.copy_(torch.tensor([self._slots[id(p)].used for p in bucket.params], dtype=bucket.used.dtype))
         payload = bucket.buffer
         if self._op is ReduceOp.AVERAGE:
             # Divide before summing, as DDP does: it keeps fp16 sums in range.
@@ -262,12 +267,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if bucket.wire is not None:
                 bucket.buffer.copy_(bucket.wire)
             self.times.bucket_done[bucket.index] = time.perf_counter()
+            if self._set_to_none:
+                self._drop_unused_grads(bucket)
         self._reset_reduction()
+
+    def _drop_unused_grads(self, bucket: Bucket) -> None:
+        # As DDP: a parameter no rank used keeps grad None (after zero_grad's
+        # default set_to_none=True), so optimizers skip it instead of applying
+        # momentum or weight decay to a zero gradient.
+        if bool((bucket.used != 0).all()):
+            return
+        for param, used in zip(bucket.params, bucket.used.tolist()):
+            if used == 0:
+                param.grad = None
 
     def _reset_reduction(self) -> None:
         self._handles.clear()
         for slot in self._slots.values():
             slot.ready = False
+            slot.used = False
         self._pending = [len(b.params) for b in self._buckets]
         self._next_launch = 0
 
@@ -284,14 +302,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Zero the gradients: bucket buffers in place (views kept), others as torch does.
 
         Args:
-            set_to_none: for parameters outside the buckets, set ``grad`` to None.
+            set_to_none: as torch's: after the next reduction, parameters that no
+                rank used keep ``grad`` None (with False they get zeros); parameters
+                outside the buckets get None now.
         """
+        self._set_to_none = set_to_none
         if self._handles:
             # A reduction nobody stepped on: finish it so the buffers are not
             # written while the communication thread reads them.
             for handle in self._handles:
                 handle.wait()
             self._reset_reduction()
+        for slot in self._slots.values():
+            slot.used = False
         bucketed = set(self._slots)
         for bucket in self._buckets:
             bucket.buffer.zero_()

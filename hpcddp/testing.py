@@ -1,0 +1,69 @@
+"""Launch a command on N MPI ranks with a time limit (used by the test suite and CI).
+
+A failing rank must fail the run and nothing may hang: ``run_mpi`` puts mpirun in
+its own process group and kills the whole group when the time limit passes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+
+from .launch import mpirun_command
+
+__all__ = ["MPIRunResult", "run_mpi"]
+
+
+class MPIRunResult(subprocess.CompletedProcess):
+    """A finished mpirun: ``returncode``, ``stdout`` (stderr merged), ``timed_out``."""
+
+    timed_out: bool = False
+
+
+def run_mpi(
+    num_ranks: int,
+    args: Sequence[str],
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+) -> MPIRunResult:
+    """Run ``args`` on ``num_ranks`` ranks under mpirun and return its result.
+
+    Args:
+        num_ranks: how many ranks to start on this host.
+        args: the program and its arguments (``[sys.executable, "-m", "pytest", ...]``).
+        timeout: seconds before every rank is killed and the run counts as failed.
+        env: extra environment variables for the ranks.
+        cwd: working directory.
+    """
+    command = mpirun_command(num_ranks, list(args), env=env)
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        start_new_session=True,
+    )
+    timed_out = False
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        out += f"\n[hpcddp.testing] killed after {timeout} s: {' '.join(command)}\n"
+    result = MPIRunResult(command, 124 if timed_out else proc.returncode, out, None)
+    result.timed_out = timed_out
+    return result
+
+
+if __name__ == "__main__":  # python -m hpcddp.testing N TIMEOUT cmd...
+    res = run_mpi(int(sys.argv[1]), sys.argv[3:], float(sys.argv[2]))
+    print(res.stdout)
+    sys.exit(res.returncode)

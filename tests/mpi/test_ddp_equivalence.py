@@ -1,0 +1,195 @@
+"""hpcddp's DistributedOptimizer (mpi backend) ends with the same parameters as DDP on gloo."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hpcddp
+
+STEPS = 12
+
+
+class Net(torch.nn.Module):
+    """Small MLP with a branch that only some ranks, in some steps, use."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(12, 48)
+        self.hidden = torch.nn.Linear(48, 48)
+        self.rare = torch.nn.Linear(48, 48)
+        self.out = torch.nn.Linear(48, 4)
+
+    def forward(self, x, use_rare=False):
+        h = F.relu(self.inp(x))
+        h = F.relu(self.hidden(h))
+        if use_rare:
+            h = F.relu(self.rare(h))
+        return self.out(h)
+
+
+def make_model():
+    torch.manual_seed(1234)
+    return Net()
+
+
+def batches(steps, per_rank=8):
+    generator = torch.Generator().manual_seed(100 + hpcddp.rank())
+    return [(torch.randn(per_rank, 12, generator=generator), torch.randint(0, 4, (per_rank,), generator=generator)) for _ in range(steps)]
+
+
+def assert_same(reference, model):
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def train_ddp(model, data, optimizer_cls, accumulate=1, rare=lambda step: False, **ddp_kwargs):
+    # `rare` is unused in some steps, so DDP must look for unused parameters.
+    ddp = DDP(model, find_unused_parameters=True, **ddp_kwargs)
+    optimizer = optimizer_cls(ddp.parameters())
+    for step, (x, y) in enumerate(data):
+        micro = list(zip(x.chunk(accumulate), y.chunk(accumulate)))
+        optimizer.zero_grad()
+        for i, (mx, my) in enumerate(micro):
+            if i < len(micro) - 1:
+                with ddp.no_sync():
+                    F.cross_entropy(ddp(mx, rare(step)), my).backward()
+            else:
+                F.cross_entropy(ddp(mx, rare(step)), my).backward()
+        optimizer.step()
+    return model
+
+
+def train_hpcddp(model, data, optimizer_cls, accumulate=1, rare=lambda step: False, use_no_sync=False, **kwargs):
+    passes = 1 if use_no_sync else accumulate
+    optimizer = hpcddp.DistributedOptimizer(
+        optimizer_cls(model.parameters()), model.named_parameters(), backward_passes_per_step=passes, **kwargs
+    )
+    for step, (x, y) in enumerate(data):
+        micro = list(zip(x.chunk(accumulate), y.chunk(accumulate)))
+        optimizer.zero_grad()
+        for i, (mx, my) in enumerate(micro):
+            if use_no_sync and i < len(micro) - 1:
+                with optimizer.no_sync():
+                    F.cross_entropy(model(mx, rare(step)), my).backward()
+            else:
+                F.cross_entropy(model(mx, rare(step)), my).backward()
+        optimizer.step()
+    optimizer.close()
+    return model, optimizer
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+@pytest.mark.parametrize("optimizer_cls", [sgd, adam])
+def test_several_buckets_match_ddp(gloo, optimizer_cls):
+    data = batches(STEPS)
+    reference = train_ddp(make_model(), data, optimizer_cls, bucket_cap_mb=0.01)
+    model, optimizer = train_hpcddp(make_model(), data, optimizer_cls, bucket_cap_mb=0.005, first_bucket_mb=0.002)
+    assert len(optimizer.buckets) >= 3
+    assert_same(reference, model)
+
+
+def test_accumulation_matches_ddp_no_sync(gloo):
+    data = batches(STEPS, per_rank=16)
+    reference = train_ddp(make_model(), data, sgd, accumulate=2)
+    model, _ = train_hpcddp(make_model(), data, sgd, accumulate=2, bucket_cap_mb=0.01)
+    assert_same(reference, model)
+
+
+def test_no_sync_context_matches_ddp_no_sync(gloo):
+    data = batches(STEPS, per_rank=16)
+    reference = train_ddp(make_model(), data, sgd, accumulate=2)
+    model, _ = train_hpcddp(make_model(), data, sgd, accumulate=2, use_no_sync=True, bucket_cap_mb=0.01)
+    assert_same(reference, model)
+
+
+def test_parameter_unused_on_some_ranks_matches_ddp(gloo):
+    # Rank r uses the `rare` layer in steps where (step + r) % 3 == 0: in every
+    # step some ranks use it and others do not (all of them at 1 rank).
+    def rare(step):
+        return (step + hpcddp.rank()) % 3 == 0
+
+    data = batches(STEPS)
+    reference = train_ddp(make_model(), data, sgd, rare=rare)
+    model, _ = train_hpcddp(make_model(), data, sgd, rare=rare, bucket_cap_mb=0.01)
+    assert_same(reference, model)
+
+
+def test_parameter_unused_everywhere_keeps_grad_none_as_ddp(gloo):
+    model = make_model()
+    before = copy.deepcopy(model.rare.weight.detach())
+    optimizer = hpcddp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    for x, y in batches(3):
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        assert model.rare.weight.grad is None
+        assert model.hidden.weight.grad is not None
+    torch.testing.assert_close(model.rare.weight, before)
+    optimizer.zero_grad(set_to_none=False)
+    x, y = batches(1)[0]
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    assert model.rare.weight.grad is not None and torch.count_nonzero(model.rare.weight.grad) == 0
+    optimizer.close()
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_compression_stays_close_to_ddp(gloo, compression):
+    data = batches(STEPS)
+    reference = train_ddp(make_model(), data, sgd)
+    model, _ = train_hpcddp(make_model(), data, sgd, compression=compression)
+    tolerance = 2e-2 if compression == "bf16" else 2e-3
+    for a, b in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(b, a, atol=tolerance, rtol=tolerance)
+
+
+def test_sum_op_is_world_size_times_average(gloo):
+    model_avg, model_sum = make_model(), make_model()
+    x, y = batches(1)[0]
+    opt_avg = hpcddp.DistributedOptimizer(torch.optim.SGD(model_avg.parameters(), lr=0.0), model_avg.named_parameters())
+    opt_sum = hpcddp.DistributedOptimizer(torch.optim.SGD(model_sum.parameters(), lr=0.0), model_sum.named_parameters(), op="sum")
+    for model, optimizer in ((model_avg, opt_avg), (model_sum, opt_sum)):
+        F.cross_entropy(model(x), y).backward()
+        optimizer.synchronize()
+    for a, b in zip(model_avg.parameters(), model_sum.parameters()):
+        if a.grad is None:  # the unused `rare` layer
+            assert b.grad is None
+            continue
+        torch.testing.assert_close(b.grad, a.grad * hpcddp.size(), atol=1e-6, rtol=1e-5)
+    opt_avg.close()
+    opt_sum.close()
+
+
+def test_lr_scheduler_accepts_the_wrapper(gloo):
+    model = make_model()
+    optimizer = hpcddp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    x, y = batches(1)[0]
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == 0.5
+    optimizer.close()
+
+
+def test_gradients_are_identical_on_every_rank_after_step(gloo):
+    model = make_model()
+    optimizer = hpcddp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), bucket_cap_mb=0.01)
+    x, y = batches(1)[0]
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    for param in (p for p in model.parameters() if p.grad is not None):
+        gathered = hpcddp.allgather(param.grad.unsqueeze(0))
+        for other in gathered:
+            assert torch.equal(other, gathered[0])
+    optimizer.close()

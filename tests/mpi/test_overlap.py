@@ -1,0 +1,41 @@
+"""Communication starts during backward, not after it."""
+
+import time
+
+import torch
+
+import hpcddp
+
+
+class SlowFirstLayer(torch.autograd.Function):
+    """Identity whose backward takes a while: the first layer's gradient comes last."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.2)
+        return grad
+
+
+def test_first_bucket_starts_before_backward_ends():
+    torch.manual_seed(0)
+    first = torch.nn.Linear(64, 64)
+    layers = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    params = list(first.named_parameters(prefix="first")) + list(layers.named_parameters(prefix="layers"))
+    optimizer = hpcddp.DistributedOptimizer(
+        torch.optim.SGD([p for _, p in params], lr=0.1), params, bucket_cap_mb=0.02, first_bucket_mb=0.02
+    )
+    assert len(optimizer.buckets) >= 3
+    x = torch.randn(8, 64, requires_grad=True)
+    loss = layers(first(SlowFirstLayer.apply(x))).sum()
+    loss.backward()
+    optimizer.step()
+    times = optimizer.times
+    # The last layers' buckets were already on the wire while the slow first
+    # layer was still in backward.
+    assert times.bucket_launch[0] < times.backward_end - 0.15, times
+    assert all(t > 0 for t in times.bucket_done)
+    optimizer.close()

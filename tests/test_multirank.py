@@ -1,0 +1,47 @@
+"""Run the tests/mpi suites on 2 and 4 MPI ranks of this host, each launch with a time limit."""
+
+import os
+import sys
+
+import pytest
+
+from hpcddp.testing import run_mpi
+
+from .conftest import ROOT
+
+# Generous for a shared 2-core machine: 4 ranks start torch and run DDP side by side.
+TIME_LIMIT_S = 600
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_mpi_suite(num_ranks):
+    result = run_mpi(
+        num_ranks,
+        [sys.executable, "-m", "pytest", "-q", "-x", "--color=no", "-p", "no:cacheprovider", "tests/mpi"],
+        timeout=TIME_LIMIT_S,
+        env={"HPCDDP_MPI_TESTS": "1", "PYTHONUNBUFFERED": "1"},
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, f"mpirun -np {num_ranks} failed (exit {result.returncode}):\n{result.stdout[-20000:]}"
+    assert "passed" in result.stdout, result.stdout[-5000:]
+
+
+def test_failing_rank_fails_the_run(tmp_path):
+    script = tmp_path / "fail_on_rank1.py"
+    script.write_text(
+        "import hpcddp, torch\n"
+        "hpcddp.init()\n"
+        "if hpcddp.rank() == 1:\n"
+        "    raise SystemExit(3)\n"
+        "hpcddp.allreduce(torch.ones(1))\n"
+    )
+    result = run_mpi(2, [sys.executable, str(script)], timeout=120, cwd=ROOT)
+    assert not result.timed_out, result.stdout
+    assert result.returncode != 0
+
+
+def test_time_limit_kills_a_hung_job(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text("import time\ntime.sleep(600)\n")
+    result = run_mpi(2, [sys.executable, str(script)], timeout=5, cwd=ROOT)
+    assert result.timed_out and result.returncode == 124
