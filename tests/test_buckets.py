@@ -1,0 +1,49 @@
+"""Bucket assignment follows DDP's rule; gradients are views into the flat buffers."""
+
+import torch
+
+from hpcddp.buckets import MB, assign_buckets, build_buckets
+
+
+def tensors(*sizes, dtype=torch.float32):
+    return [torch.zeros(n, dtype=dtype) for n in sizes]
+
+
+def test_reverse_order_and_first_bucket_small():
+    # 4-byte floats: 0.25M elements = 1 MiB.
+    params = tensors(*[MB // 4] * 6)
+    assert assign_buckets(params, bucket_cap_bytes=2 * MB, first_bucket_bytes=MB) == [[5], [4, 3], [2, 1], [0]]
+
+
+def test_bucket_closes_once_it_reaches_its_cap():
+    params = tensors(100, 100, 100, 100)
+    # 400 bytes each; cap 1000 bytes -> 3 tensors (1200 >= 1000) then the rest.
+    assert assign_buckets(params, bucket_cap_bytes=1000, first_bucket_bytes=1000) == [[3, 2, 1], [0]]
+
+
+def test_one_large_tensor_gets_its_own_bucket():
+    params = tensors(10, 10_000_000, 10)
+    assert assign_buckets(params, 25 * MB, MB) == [[2, 1], [0]]
+
+
+def test_dtypes_never_share_a_bucket():
+    params = [torch.zeros(10), torch.zeros(10, dtype=torch.float64), torch.zeros(10), torch.zeros(10, dtype=torch.float64)]
+    buckets = assign_buckets(params, 25 * MB, MB)
+    for bucket in buckets:
+        assert len({params[i].dtype for i in bucket}) == 1
+    assert sorted(i for b in buckets for i in b) == [0, 1, 2, 3]
+
+
+def test_views_share_the_flat_buffer():
+    params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
+    (bucket,) = build_buckets(params, 25 * MB, MB)
+    assert [p.shape for p in bucket.params] == [torch.Size([5]), torch.Size([3, 4])]
+    bucket.views[1].fill_(2.0)
+    assert bucket.buffer[5:17].eq(2.0).all()
+    assert bucket.used.numel() == 2 and bucket.buffer.numel() == 17 + 2
+
+
+def test_compression_allocates_a_wire_buffer():
+    params = [torch.nn.Parameter(torch.randn(8))]
+    (bucket,) = build_buckets(params, 25 * MB, MB, wire_dtype=torch.float16)
+    assert bucket.wire.dtype == torch.float16 and bucket.wire.numel() == bucket.buffer.numel()

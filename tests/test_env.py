@@ -1,0 +1,86 @@
+"""Launch-environment detection with patched environments (no MPI started)."""
+
+import pytest
+
+from hpcddp.env import (
+    SingleProcessEnvironment,
+    SlurmEnvironment,
+    TorchrunEnvironment,
+    detect_environment,
+    expand_nodelist,
+)
+from hpcddp.env.mpi import singleton_under_slurm
+
+
+def test_plain_process_is_single():
+    env = detect_environment({})
+    assert isinstance(env, SingleProcessEnvironment)
+    assert env.layout().world_size == 1
+
+
+def test_torchrun_variables():
+    environ = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1", "MASTER_ADDR": "n1", "MASTER_PORT": "1234"}
+    env = detect_environment(environ)
+    assert isinstance(env, TorchrunEnvironment)
+    layout = env.layout()
+    assert (layout.rank, layout.world_size, layout.local_rank, layout.local_size, layout.node_rank, layout.num_nodes) == (5, 8, 1, 4, 1, 2)
+    assert env.rendezvous() == ("n1", 1234)
+
+
+def slurm_step(**extra):
+    base = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_PROCID": "3",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "1",
+        "SLURM_STEP_NUM_TASKS": "4",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+        "SLURM_JOB_NODELIST": "gpu[07-08]",
+        "SLURM_STEP_ID": "0",
+    }
+    return {**base, **extra}
+
+
+def test_srun_singletons_use_slurm_variables():
+    env = detect_environment(slurm_step())
+    assert isinstance(env, SlurmEnvironment)
+    layout = env.layout()
+    assert (layout.rank, layout.world_size, layout.local_rank, layout.local_size, layout.node_rank, layout.num_nodes) == (3, 4, 1, 2, 1, 2)
+    address, port = env.rendezvous()
+    assert address == "gpu07" and 15000 <= port < 30000
+    assert SlurmEnvironment(slurm_step(SLURM_PROCID="0")).rendezvous() == (address, port)
+
+
+def test_batch_script_without_srun_is_a_single_process():
+    environ = {"SLURM_JOB_ID": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "4"}
+    assert isinstance(detect_environment(environ), SingleProcessEnvironment)
+
+
+def test_singleton_detection():
+    assert singleton_under_slurm(slurm_step(), mpi_size=1)
+    assert not singleton_under_slurm(slurm_step(), mpi_size=4)
+    assert not singleton_under_slurm({}, mpi_size=1)
+
+
+@pytest.mark.parametrize(
+    "nodelist, hosts",
+    [
+        ("node01", ["node01"]),
+        ("node[01-03]", ["node01", "node02", "node03"]),
+        ("gpu[1,3-4],cpu7", ["gpu1", "gpu3", "gpu4", "cpu7"]),
+        ("a[08-10]b", ["a08b", "a09b", "a10b"]),
+    ],
+)
+def test_expand_nodelist(nodelist, hosts):
+    assert expand_nodelist(nodelist) == hosts
+
+
+def test_invalid_integer_names_the_variable():
+    with pytest.raises(ValueError, match="environment variable WORLD_SIZE must be an integer, got 'four'"):
+        detect_environment({"RANK": "0", "WORLD_SIZE": "four"}).layout()
+
+
+def test_rank_outside_world_is_refused():
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
+        TorchrunEnvironment({"RANK": "2", "WORLD_SIZE": "2"}).layout()

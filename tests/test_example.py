@@ -1,0 +1,57 @@
+"""examples/train.py: accuracy on 2 ranks, the same loss on 1 and 4 ranks, runs plain and oversubscribed."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hpcddp.testing import run_mpi
+
+from .conftest import ROOT
+
+SCRIPT = f"{ROOT}/examples/train.py"
+
+
+def run_example(num_ranks, tmp_path, *extra):
+    out = tmp_path / f"metrics{num_ranks}.json"
+    result = run_mpi(num_ranks, [sys.executable, SCRIPT, "--quiet", "--json", str(out), *extra], timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-5000:]
+    return json.loads(out.read_text())
+
+
+def test_two_ranks_reach_95_percent_in_under_a_minute(tmp_path):
+    metrics = run_example(2, tmp_path)
+    assert metrics["world_size"] == 2
+    assert metrics["test_accuracy"] >= 0.95, metrics
+    assert metrics["seconds"] < 60, metrics
+
+
+def test_one_and_four_ranks_end_with_the_same_loss(tmp_path):
+    one = run_example(1, tmp_path, "--epochs", "4")
+    four = run_example(4, tmp_path, "--epochs", "4")
+    assert four["world_size"] == 4
+    assert abs(one["test_loss"] - four["test_loss"]) < 1e-4, (one, four)
+
+
+def test_runs_unchanged_as_plain_python(tmp_path):
+    out = tmp_path / "plain.json"
+    subprocess.run([sys.executable, SCRIPT, "--quiet", "--epochs", "1", "--json", str(out)], check=True, timeout=300, cwd=ROOT)
+    assert json.loads(out.read_text())["world_size"] == 1
+
+
+def test_runs_on_eight_oversubscribed_ranks(tmp_path):
+    metrics = run_example(8, tmp_path, "--epochs", "1")
+    assert metrics["world_size"] == 8
+
+
+def test_bad_batch_size_is_one_clear_line(tmp_path):
+    result = run_mpi(2, [sys.executable, SCRIPT, "--batch-size", "63"], timeout=120, cwd=ROOT)
+    assert result.returncode != 0
+    assert "--batch-size must be divisible by the number of ranks (2), got 63" in result.stdout
+
+
+@pytest.mark.parametrize("bad", [["--epochs", "0"]])
+def test_bad_arguments_are_rejected(bad):
+    result = subprocess.run([sys.executable, SCRIPT, *bad], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--epochs must be >= 1" in result.stderr

@@ -1,0 +1,211 @@
+"""DistributedOptimizer in one process, against a fake communicator of two identical ranks."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hpcddp.comm.base import Communicator, ReduceOp, completed
+from hpcddp.comm.local import LocalCommunicator
+from hpcddp.optimizer import DistributedOptimizer
+
+
+class TwinRanks(Communicator):
+    """Pretends a second rank holds exactly the same tensors: a sum doubles them."""
+
+    name = "twin"
+
+    def __init__(self):
+        super().__init__(rank=0, size=2)
+        self.calls = []
+
+    def allreduce_async_(self, tensor, op):
+        self.calls.append((tensor.numel(), tensor.dtype))
+        assert op is ReduceOp.SUM
+        return completed(tensor.mul_(2))
+
+    def broadcast_async_(self, tensor, root):
+        return completed(tensor)
+
+    def allgather_async(self, tensor):
+        return completed(torch.cat([tensor, tensor]))
+
+    def broadcast_object(self, obj, root):
+        return obj
+
+    def allgather_object(self, obj):
+        return [obj, obj]
+
+    def barrier(self):
+        pass
+
+
+def model_and_data():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
+    return model, torch.randn(16, 10), torch.randint(0, 3, (16,))
+
+
+def wrap(model, comm=None, **kwargs):
+    return DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), communicator=comm or TwinRanks(), **kwargs)
+
+
+def plain_step(model, x, y):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+
+
+def test_average_of_identical_ranks_equals_a_local_step():
+    model, x, y = model_and_data()
+    reference, _, _ = model_and_data()
+    optimizer = wrap(model, bucket_cap_mb=0.001, first_bucket_mb=0.0005)
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    plain_step(reference, x, y)
+    for a, b in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(b, a)
+
+
+def test_buckets_launch_during_backward_in_order():
+    model, x, y = model_and_data()
+    comm = TwinRanks()
+    optimizer = wrap(model, comm, bucket_cap_mb=0.001, first_bucket_mb=0.0005)
+    F.cross_entropy(model(x), y).backward()
+    assert len(comm.calls) == len(optimizer.buckets) >= 3
+    expected = [b.buffer.numel() for b in optimizer.buckets]
+    assert [numel for numel, _ in comm.calls] == expected
+    times = optimizer.times
+    assert times.bucket_launch == sorted(times.bucket_launch)
+    assert times.bucket_launch[0] < times.backward_end
+
+
+def test_gradients_are_bucket_views():
+    model, x, y = model_and_data()
+    optimizer = wrap(model)
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    for bucket in optimizer.buckets:
+        for param, view in zip(bucket.params, bucket.views):
+            assert param.grad.data_ptr() == view.data_ptr()
+
+
+def test_model_zero_grad_set_to_none_is_recovered():
+    model, x, y = model_and_data()
+    reference, _, _ = model_and_data()
+    optimizer = wrap(model)
+    model.zero_grad(set_to_none=True)  # torch's default drops our views
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    plain_step(reference, x, y)
+    for a, b in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(b, a)
+
+
+def test_backward_passes_per_step_reduces_once_every_k():
+    model, x, y = model_and_data()
+    comm = TwinRanks()
+    optimizer = wrap(model, comm, backward_passes_per_step=3)
+    for _ in range(2):
+        F.cross_entropy(model(x), y).backward()
+    assert comm.calls == []
+    F.cross_entropy(model(x), y).backward()
+    assert len(comm.calls) == len(optimizer.buckets)
+    optimizer.step()
+
+
+def test_no_sync_defers_to_the_next_pass():
+    model, x, y = model_and_data()
+    comm = TwinRanks()
+    optimizer = wrap(model, comm)
+    with optimizer.no_sync():
+        F.cross_entropy(model(x), y).backward()
+    assert comm.calls == []
+    F.cross_entropy(model(x), y).backward()
+    assert len(comm.calls) == len(optimizer.buckets)
+
+
+def test_step_reduces_what_accumulated_even_before_k_passes():
+    model, x, y = model_and_data()
+    comm = TwinRanks()
+    optimizer = wrap(model, comm, backward_passes_per_step=4)
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    assert len(comm.calls) == len(optimizer.buckets)
+
+
+def test_second_backward_before_step_is_a_clear_error():
+    class SlowTwin(TwinRanks):
+        def allreduce_async_(self, tensor, op):  # never completes on its own
+            from hpcddp.comm.base import Handle
+
+            self.calls.append(tensor.numel())
+            return Handle()
+
+    model, x, y = model_and_data()
+    optimizer = wrap(model, SlowTwin())
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="backward_passes_per_step"):
+        F.cross_entropy(model(x), y).backward()
+
+
+def test_world_of_one_installs_nothing():
+    model, x, y = model_and_data()
+    reference, _, _ = model_and_data()
+    optimizer = wrap(model, LocalCommunicator())
+    assert optimizer.buckets == []
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    plain_step(reference, x, y)
+    for a, b in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(b, a)
+
+
+def test_state_dict_round_trip_and_param_groups():
+    model, x, y = model_and_data()
+    optimizer = wrap(model)
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    assert isinstance(optimizer, torch.optim.Optimizer)
+    state = optimizer.state_dict()
+    optimizer.param_groups[0]["lr"] = 0.5
+    optimizer.load_state_dict(state)
+    assert optimizer.param_groups[0]["lr"] == 0.1
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"bucket_cap_mb": 0}, "bucket_cap_mb must be > 0, got 0"),
+        ({"bucket_cap_mb": -1}, "bucket_cap_mb must be > 0, got -1"),
+        ({"first_bucket_mb": 0}, "first_bucket_mb must be > 0, got 0"),
+        ({"backward_passes_per_step": 0}, "backward_passes_per_step must be an integer >= 1, got 0"),
+        ({"backward_passes_per_step": 1.5}, "backward_passes_per_step must be an integer >= 1, got 1.5"),
+        ({"compression": "int8"}, "compression must be one of None, 'fp16', 'bf16', got 'int8'"),
+        ({"op": "product"}, "op must be one of"),
+        ({"op": "max"}, "op must be 'average' or 'sum' for gradients, got 'max'"),
+    ],
+)
+def test_bad_arguments_name_the_argument_and_value(kwargs, message):
+    model, _, _ = model_and_data()
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        wrap(model, **kwargs)
+
+
+def test_parameter_listed_twice_is_refused():
+    model, _, _ = model_and_data()
+    named = list(model.named_parameters())
+    with pytest.raises(ValueError, match="lists one parameter twice"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named + [("again", named[0][1])], communicator=TwinRanks())
+    with pytest.raises(ValueError, match="lists the name '0.weight' twice"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named + [("0.weight", torch.nn.Parameter(torch.ones(1)))], communicator=TwinRanks())
+
+
+def test_named_parameters_must_cover_the_optimizer():
+    model, _, _ = model_and_data()
+    with pytest.raises(ValueError, match="named_parameters is missing 2 of the optimizer's parameters"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), list(model.named_parameters())[2:], communicator=TwinRanks())
+
+
+def test_not_an_optimizer_is_a_type_error():
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        DistributedOptimizer("sgd", communicator=TwinRanks())

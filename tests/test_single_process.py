@@ -1,0 +1,61 @@
+"""hpcddp.init() in a plain process: a world of one with no communication."""
+
+import pytest
+import torch
+
+import hpcddp
+
+
+@pytest.fixture
+def single(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    hpcddp.init()
+    yield
+    hpcddp.shutdown()
+
+
+def test_world_of_one(single):
+    assert (hpcddp.rank(), hpcddp.size(), hpcddp.local_rank(), hpcddp.local_size(), hpcddp.node_rank()) == (0, 1, 0, 1, 0)
+    assert hpcddp.backend() == "local"
+    assert hpcddp.device() == torch.device("cpu")
+    t = torch.arange(4.0)
+    assert torch.equal(hpcddp.allreduce(t), t)
+    assert torch.equal(hpcddp.allgather(t), t)
+    assert hpcddp.allgather_object("x") == ["x"]
+
+
+def test_threads_follow_the_cpus_of_the_rank(single):
+    import os
+
+    if os.environ.get("OMP_NUM_THREADS"):
+        pytest.skip("OMP_NUM_THREADS is set, so torch's thread count is the user's")
+    assert torch.get_num_threads() == len(os.sched_getaffinity(0))
+
+
+def test_calls_before_init_say_what_to_do():
+    hpcddp.shutdown()
+    with pytest.raises(RuntimeError, match=r"call hpcddp.init\(\) first"):
+        hpcddp.rank()
+
+
+def test_bad_backend_names_the_choices():
+    with pytest.raises(ValueError, match="backend must be one of 'auto', 'mpi', 'nccl', 'gloo', got 'tcp'"):
+        hpcddp.init(backend="tcp")
+
+
+def test_nccl_without_cuda_says_so(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(RuntimeError, match="backend='nccl' needs CUDA"):
+        hpcddp.init(backend="nccl")
+
+
+def test_gloo_in_a_single_process_works(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    hpcddp.init(backend="gloo")
+    try:
+        assert hpcddp.backend() == "gloo"
+        assert torch.equal(hpcddp.allreduce(torch.ones(3), op="sum"), torch.ones(3))
+    finally:
+        hpcddp.shutdown()
