@@ -1,11 +1,263 @@
-"""`hpcddp bench` (not implemented yet)."""
+"""`hpcddp bench allreduce|train`: run on every rank (``mpirun -np N hpcddp bench ...``); rank 0 prints."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
 
 import click
 
 __all__ = ["bench"]
 
 
-@click.command()
+@click.group()
 def bench() -> None:
-    """Not implemented yet."""
-    raise click.UsageError("hpcddp bench is not implemented yet")
+    """Measure allreduce bandwidth and training-step cost against the raw libraries and torch DDP."""
+
+
+def _size(ctx, param, value):
+    from ..bench.metrics import parse_size
+
+    try:
+        return parse_size(value, f"--{param.name.removesuffix('_size')}")
+    except ValueError as err:
+        raise click.BadParameter(str(err), ctx=ctx, param=param) from None
+
+
+def _echo(line: str = "") -> None:
+    import hpcddp
+
+    if hpcddp.rank() == 0:
+        click.echo(line)
+
+
+def _write_json(path: str, payload: dict) -> None:
+    import hpcddp
+
+    if hpcddp.rank() == 0:
+        with open(path, "w") as out:
+            json.dump(payload, out, indent=2)
+            out.write("\n")
+        click.echo(f"wrote {path}")
+
+
+@bench.command()
+@click.option(
+    "--min",
+    "min_size",
+    default="8",
+    show_default=True,
+    callback=_size,
+    help="Smallest message (bytes; K/M/G suffixes).",
+)
+@click.option(
+    "--max",
+    "max_size",
+    default="256M",
+    show_default=True,
+    callback=_size,
+    help="Largest message; sizes double from --min.",
+)
+@click.option(
+    "--iters", default=20, show_default=True, type=click.IntRange(min=1), help="Timed iterations per size and path."
+)
+@click.option(
+    "--warmup", default=5, show_default=True, type=click.IntRange(min=0), help="Untimed iterations before them."
+)
+@click.option(
+    "--paths",
+    default="hpcddp,mpi4py,torch",
+    show_default=True,
+    help="Comma-separated: hpcddp (hpcddp.allreduce_), mpi4py (raw Allreduce on numpy), torch (torch.distributed, gloo on CPU).",
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, writable=True),
+    help="Write the results as JSON here (rank 0).",
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, writable=True),
+    help="Write a PNG of busbw against size here (needs matplotlib).",
+)
+def allreduce(min_size, max_size, iters, warmup, paths, json_path, plot_path) -> None:
+    """Sweep float32 sum-allreduce over message sizes; print time, algbw and busbw (nccl-tests' definitions)."""
+    from ..bench.metrics import size_sweep
+
+    try:
+        sizes = size_sweep(min_size, max_size)
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None
+    requested = [p.strip() for p in paths.split(",") if p.strip()]
+    from ..bench.allreduce import PATHS
+
+    unknown = [p for p in requested if p not in PATHS]
+    if unknown or not requested:
+        raise click.BadParameter(f"--paths must list names among {', '.join(PATHS)}, got {paths!r}")
+    if plot_path and importlib.util.find_spec("matplotlib") is None:
+        raise click.UsageError("--plot needs matplotlib: pip install matplotlib")
+
+    import hpcddp
+
+    from ..bench.allreduce import available_paths, path_label, results_as_dicts, sweep_allreduce
+    from ..bench.machine import describe_machine
+
+    hpcddp.init()
+    chosen = available_paths(requested)
+    labels = [path_label(p) for p in chosen]
+    _echo(
+        f"# allreduce float32 sum, {hpcddp.size()} ranks, backend {hpcddp.backend()}, {iters} iters after {warmup} warm-up"
+    )
+    _echo("# time: median over iterations, slowest rank; algbw = size/time; busbw = algbw * 2(n-1)/n (GB/s = 1e9 B/s)")
+    header = f"{'size':>10} {'count':>10}" + "".join(
+        f" | {label + ' us':>13} {'algbw':>7} {'busbw':>7}" for label in labels
+    )
+    if "hpcddp" in labels and "mpi4py" in labels:
+        header += " | hpcddp/mpi4py"
+    _echo(header)
+    results = []
+    for size in sizes:
+        row = sweep_allreduce([size], iters=iters, warmup=warmup, paths=chosen)
+        results += row
+        line = f"{size:>10} {size // 4:>10}" + "".join(
+            f" | {r.time_us:>13.1f} {r.algbw:>7.3f} {r.busbw:>7.3f}" for r in row
+        )
+        by_path = {r.path: r for r in row}
+        if "hpcddp" in by_path and "mpi4py" in by_path:
+            line += f" | {by_path['hpcddp'].busbw / by_path['mpi4py'].busbw:>13.2f}"
+        _echo(line)
+    if json_path:
+        payload = {
+            "benchmark": "allreduce",
+            "world_size": hpcddp.size(),
+            "backend": hpcddp.backend(),
+            "iters": iters,
+            "warmup": warmup,
+            "machine": describe_machine(),
+            "results": results_as_dicts(results),
+        }
+        _write_json(json_path, payload)
+    if plot_path and hpcddp.rank() == 0:
+        from ..bench.plot import plot_busbw
+
+        plot_busbw(results, plot_path, title=f"allreduce busbw, {hpcddp.size()} ranks")
+        click.echo(f"wrote {plot_path}")
+
+
+@bench.command()
+@click.option(
+    "--model",
+    type=click.Choice(["mlp", "conv"]),
+    default="mlp",
+    show_default=True,
+    help="mlp: 8 x Linear(1024,1024)+ReLU (bandwidth-bound); conv: 5 conv blocks on 32x32 (compute-bound).",
+)
+@click.option(
+    "--batch-size", default=32, show_default=True, type=click.IntRange(min=1), help="Samples per rank per step."
+)
+@click.option(
+    "--steps", default=20, show_default=True, type=click.IntRange(min=1), help="Timed steps per round (median taken)."
+)
+@click.option(
+    "--warmup", default=5, show_default=True, type=click.IntRange(min=0), help="Untimed steps before them, every round."
+)
+@click.option(
+    "--repeats",
+    default=5,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Rounds of all variants; the median round counts.",
+)
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1), help="torch threads per rank.")
+@click.option(
+    "--variants",
+    default="local,ddp,horovod,hpcddp",
+    show_default=True,
+    help="Comma-separated among local, ddp, horovod (skipped when it does not import), hpcddp.",
+)
+@click.option(
+    "--bucket-cap-mb",
+    type=click.FloatRange(min=0, min_open=True),
+    help="hpcddp's bucket size (MiB); its default when unset.",
+)
+@click.option(
+    "--compression",
+    type=click.Choice(["none", "fp16", "bf16"]),
+    default="none",
+    show_default=True,
+    help="hpcddp's wire dtype.",
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, writable=True),
+    help="Write the results as JSON here (rank 0).",
+)
+def train(model, batch_size, steps, warmup, repeats, threads, variants, bucket_cap_mb, compression, json_path) -> None:
+    """Time training steps of a reference model: local compute, torch DDP, Horovod, hpcddp."""
+    from ..bench.train import VARIANTS
+
+    requested = [v.strip() for v in variants.split(",") if v.strip()]
+    unknown = [v for v in requested if v not in VARIANTS]
+    if unknown or not requested:
+        raise click.BadParameter(f"--variants must list names among {', '.join(VARIANTS)}, got {variants!r}")
+
+    import torch
+
+    import hpcddp
+
+    from ..bench.machine import describe_machine
+    from ..bench.models import build_workload
+    from ..bench.train import bench_train, horovod_available
+
+    hpcddp.init(num_threads=threads)
+    torch.set_num_threads(threads)
+    workload = build_workload(model, batch_size, seed=hpcddp.rank())
+    options = {"compression": None if compression == "none" else compression}
+    if bucket_cap_mb is not None:
+        options["bucket_cap_mb"] = bucket_cap_mb
+    _echo(
+        f"# {model}: {workload.num_parameters:,} parameters, batch {batch_size}/rank, {hpcddp.size()} ranks, "
+        f"{threads} thread(s)/rank, backend {hpcddp.backend()}; {repeats} rounds of {warmup} warm-up + {steps} timed steps"
+    )
+    if "horovod" in requested and not horovod_available():
+        _echo("# horovod: not importable, skipped")
+    results = bench_train(workload, requested, steps, warmup, repeats, options, progress=_echo)
+    _echo(f"{'variant':>8} {'step ms':>9} {'samples/s':>10} {'overhead':>9} {'vs ddp':>7}   runs (ms)")
+    for r in results:
+        overhead = "" if r.overhead is None else f"{r.overhead * 100:+.1f}%"
+        vs_ddp = "" if r.vs_ddp is None else f"{r.vs_ddp:.2f}"
+        runs = " ".join(f"{t:.1f}" for t in r.runs_ms)
+        _echo(f"{r.variant:>8} {r.step_ms:>9.2f} {r.samples_per_s:>10.1f} {overhead:>9} {vs_ddp:>7}   {runs}")
+    timeline = next((r.timeline for r in results if r.timeline), None)
+    if timeline:
+        spans = ", ".join(
+            f"#{i} {mb:.1f}MiB {a:.1f}->{b:.1f}"
+            for i, (mb, a, b) in enumerate(
+                zip(timeline["bucket_mb"], timeline["bucket_launch_ms"], timeline["bucket_done_ms"])
+            )
+        )
+        _echo(
+            f"# hpcddp last step, ms after backward start: backward ends {timeline['backward_end_ms']:.1f}; buckets {spans}"
+        )
+    if json_path:
+        from dataclasses import asdict
+
+        payload = {
+            "benchmark": "train",
+            "model": model,
+            "num_parameters": workload.num_parameters,
+            "batch_size": batch_size,
+            "world_size": hpcddp.size(),
+            "backend": hpcddp.backend(),
+            "threads": threads,
+            "steps": steps,
+            "warmup": warmup,
+            "repeats": repeats,
+            "hpcddp_options": options,
+            "machine": describe_machine(),
+            "results": [asdict(r) for r in results],
+        }
+        _write_json(json_path, payload)

@@ -1,0 +1,27 @@
+"""Benchmarks behind ``hpcddp bench``: allreduce sweeps and training-step timings.
+
+from hpcddp.bench import build_workload, bench_train, sweep_allreduce
+"""
+
+from .allreduce import PATHS, AllreduceResult, sweep_allreduce
+from .machine import describe_machine
+from .metrics import algbw, busbw, format_size, parse_size, size_sweep
+from .models import MODELS, build_workload
+from .train import VARIANTS, TrainResult, bench_train
+
+__all__ = [
+    "MODELS",
+    "PATHS",
+    "VARIANTS",
+    "AllreduceResult",
+    "TrainResult",
+    "algbw",
+    "bench_train",
+    "build_workload",
+    "busbw",
+    "describe_machine",
+    "format_size",
+    "parse_size",
+    "size_sweep",
+    "sweep_allreduce",
+]

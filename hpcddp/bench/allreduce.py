@@ -1,0 +1,160 @@
+"""Allreduce message-size sweep: hpcddp beside raw mpi4py and torch.distributed."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+import hpcddp
+
+from .._mpi import import_mpi, mpi_launcher_present
+from .metrics import algbw, busbw, median
+
+__all__ = ["PATHS", "AllreduceResult", "available_paths", "path_label", "results_as_dicts", "sweep_allreduce"]
+
+#: every path the sweep knows, in the order columns are printed
+PATHS = ("hpcddp", "mpi4py", "torch")
+
+
+@dataclass
+class AllreduceResult:
+    """One path at one message size: the median time over iterations, slowest rank."""
+
+    path: str
+    size: int
+    count: int
+    time_us: float
+    algbw: float
+    busbw: float
+
+
+def _mpi_comm():
+    comm = getattr(hpcddp.communicator(), "mpi_comm", None)
+    if comm is not None:
+        return comm
+    if mpi_launcher_present(os.environ):
+        return import_mpi().COMM_WORLD
+    return None
+
+
+def available_paths(requested: Sequence[str] = PATHS) -> list[str]:
+    """Return the requested paths that can run here (mpi4py needs ranks started by MPI).
+
+    Args:
+        requested: names from ``PATHS``.
+    """
+    unknown = [p for p in requested if p not in PATHS]
+    if unknown:
+        raise ValueError(f"paths must be among {', '.join(PATHS)}, got {', '.join(unknown)}")
+    return [p for p in requested if p != "mpi4py" or _mpi_comm() is not None]
+
+
+def _buffer(count: int, device: torch.device) -> torch.Tensor:
+    """Return zeros allocated alike for every path, so only the communication path differs.
+
+    On the CPU they come from numpy, which asks Linux for transparent huge pages
+    (torch's allocator does not): with THP in "madvise" mode raw MPI reduces a
+    torch.zeros buffer up to ~20% slower at 64 MiB than a numpy one.
+    """
+    if device.type == "cpu":
+        return torch.from_numpy(np.zeros(count, dtype=np.float32))
+    return torch.zeros(count, dtype=torch.float32, device=device)
+
+
+def _runner(path: str, count: int) -> tuple[Callable[[], None], Callable[[], torch.Tensor]]:
+    """Return (one in-place allreduce, a view of the buffer as a tensor) for ``path``."""
+    if path == "hpcddp":
+        tensor = _buffer(count, hpcddp.device())
+        return (lambda: hpcddp.allreduce_(tensor, op="sum")), (lambda: tensor)
+    if path == "mpi4py":
+        MPI = import_mpi()
+        comm = _mpi_comm()
+        array = _buffer(count, torch.device("cpu")).numpy()
+        return (lambda: comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)), (lambda: torch.from_numpy(array))
+    from ._torchdist import ensure_process_group
+
+    dist = ensure_process_group()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    tensor = _buffer(count, device)
+
+    def once():
+        dist.all_reduce(tensor)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return once, (lambda: tensor)
+
+
+def path_label(path: str) -> str:
+    """Return the column name of ``path``: torch's names its backend (``gloo``, ``nccl``)."""
+    if path != "torch":
+        return path
+    from ._torchdist import ensure_process_group
+
+    return ensure_process_group().get_backend()
+
+
+def _time_one(path: str, size: int, iters: int, warmup: int) -> float:
+    count = size // 4
+    once, view = _runner(path, count)
+    # One reduction of ones proves the path sums before we time it; zeros keep
+    # the repeated in-place sums finite afterwards.
+    view().fill_(1.0)
+    once()
+    got = view()[: min(count, 8)].cpu()
+    if not torch.all(got == hpcddp.size()):
+        raise RuntimeError(f"{path} allreduce of ones gave {got.tolist()}, expected {hpcddp.size()}")
+    view().zero_()
+    for _ in range(warmup):
+        once()
+    samples = []
+    # Back-to-back collectives keep the ranks in step without a barrier between
+    # them; the median of single iterations shrugs off the shared machine's hiccups.
+    for _ in range(iters):
+        start = time.perf_counter()
+        once()
+        samples.append(time.perf_counter() - start)
+    return median(samples)
+
+
+def sweep_allreduce(
+    sizes: Sequence[int], iters: int = 20, warmup: int = 5, paths: Sequence[str] = PATHS
+) -> list[AllreduceResult]:
+    """Time a float32 sum-allreduce at each size on each path; every rank must call this.
+
+    Args:
+        sizes: message sizes in bytes, multiples of 4.
+        iters: timed iterations per size and path (median taken, then the slowest rank's).
+        warmup: untimed iterations before them.
+        paths: names from ``PATHS``; ones that cannot run here are skipped.
+    """
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    chosen = available_paths(paths)
+    num_ranks = hpcddp.size()
+    results = []
+    for size in sizes:
+        if size <= 0 or size % 4:
+            raise ValueError(f"sizes must be positive multiples of 4 bytes, got {size}")
+        for path in chosen:
+            hpcddp.barrier()
+            seconds = max(hpcddp.allgather_object(_time_one(path, size, iters, warmup)))
+            bandwidth = algbw(size, seconds)
+            results.append(
+                AllreduceResult(
+                    path_label(path), size, size // 4, seconds * 1e6, bandwidth, busbw(bandwidth, num_ranks)
+                )
+            )
+    return results
+
+
+def results_as_dicts(results: Sequence[AllreduceResult]) -> list[dict]:
+    """Return the results as plain dicts for JSON."""
+    return [asdict(r) for r in results]

@@ -1,0 +1,80 @@
+"""`hpcddp bench` through the CLI on every rank: a tiny allreduce sweep and two training steps."""
+
+import json
+
+import torch
+from click.testing import CliRunner
+
+import hpcddp
+from hpcddp.cli import main
+
+
+def _invoke(args):
+    result = CliRunner().invoke(main, ["bench", *args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_allreduce_sweep_prints_and_writes_every_path(tmp_path):
+    # Every rank writes its own path; only rank 0 should produce a file.
+    out = tmp_path / f"allreduce-{hpcddp.rank()}.json"
+    output = _invoke(["allreduce", "--min", "8", "--max", "4K", "--iters", "3", "--warmup", "1", "--json", str(out)])
+    if hpcddp.rank() != 0:
+        assert output == "" and not out.exists()
+        return
+    payload = json.loads(out.read_text())
+    assert payload["world_size"] == hpcddp.size()
+    rows = payload["results"]
+    paths = {r["path"] for r in rows}
+    assert {"hpcddp", "gloo"} <= paths
+    if hpcddp.backend() == "mpi":
+        assert "mpi4py" in paths
+    sizes = sorted({r["size"] for r in rows})
+    assert sizes == [8 << i for i in range(10)]
+    factor = 2 * (hpcddp.size() - 1) / hpcddp.size()
+    for row in rows:
+        assert row["count"] == row["size"] // 4
+        assert row["algbw"] == row["size"] / (row["time_us"] * 1e-6) / 1e9
+        assert abs(row["busbw"] - row["algbw"] * factor) < 1e-12
+    assert "hpcddp/mpi4py" in output or hpcddp.backend() != "mpi"
+    assert "4096" in output
+
+
+def test_train_two_steps_reports_every_variant(tmp_path):
+    threads = torch.get_num_threads()
+    out = tmp_path / f"train-{hpcddp.rank()}.json"
+    output = _invoke(
+        [
+            "train",
+            "--model",
+            "mlp",
+            "--batch-size",
+            "4",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--repeats",
+            "1",
+            "--bucket-cap-mb",
+            "8",
+            "--json",
+            str(out),
+        ]
+    )
+    torch.set_num_threads(threads)
+    if hpcddp.rank() != 0:
+        return
+    payload = json.loads(out.read_text())
+    assert payload["num_parameters"] == 8_396_800
+    results = {r["variant"]: r for r in payload["results"]}
+    assert {"local", "ddp", "hpcddp"} <= set(results)  # horovod only where it imports
+    for r in results.values():
+        assert r["step_ms"] > 0 and len(r["runs_ms"]) == 1
+        assert r["samples_per_s"] == 4 * hpcddp.size() / (r["step_ms"] / 1e3)
+    timeline = results["hpcddp"]["timeline"]
+    assert len(timeline["bucket_launch_ms"]) == len(timeline["bucket_done_ms"]) >= 2
+    # Every bucket finishes after it started, and the first starts inside backward.
+    assert all(a <= b for a, b in zip(timeline["bucket_launch_ms"], timeline["bucket_done_ms"]))
+    assert timeline["bucket_launch_ms"][0] < timeline["backward_end_ms"]
+    assert "samples/s" in output and "hpcddp last step" in output
