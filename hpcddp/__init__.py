@@ -22,6 +22,7 @@ from .bootstrap import (
     size,
 )
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
+from .checkpoint import TrainingProgress, load_checkpoint, restore_training_state, save_checkpoint, training_state
 from .collectives import (
     allgather,
     allgather_async,
@@ -39,7 +40,9 @@ from .collectives import (
 )
 from .comm.base import Handle, ReduceOp
 from .config import InitConfig
+from .join import join
 from .optimizer import DistributedOptimizer
+from .preemption import PreemptionHandler
 
 __version__ = "0.1.0"
 
@@ -47,7 +50,9 @@ __all__ = [
     "DistributedOptimizer",
     "Handle",
     "InitConfig",
+    "PreemptionHandler",
     "ReduceOp",
+    "TrainingProgress",
     "__version__",
     "allgather",
     "allgather_async",
@@ -69,11 +74,16 @@ __all__ = [
     "device",
     "init",
     "is_initialized",
+    "join",
+    "load_checkpoint",
     "local_rank",
     "local_size",
     "node_rank",
     "num_nodes",
     "rank",
+    "restore_training_state",
+    "save_checkpoint",
     "shutdown",
     "size",
+    "training_state",
 ]

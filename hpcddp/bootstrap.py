@@ -9,10 +9,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ._abort import install_exception_hooks
 from .comm.base import Communicator
 from .config import InitConfig
 from .device import select_device, set_cpu_threads, visible_gpu_ids
 from .env import ClusterEnvironment, RankLayout, detect_environment
+from .env.settings import read_settings
 
 __all__ = [
     "backend",
@@ -45,7 +47,14 @@ class _Runtime:
 _runtime: _Runtime | None = None
 
 
-def init(backend: str = "auto", *, num_threads: int | None = None, allow_gpu_sharing: bool = False) -> None:
+def init(
+    backend: str = "auto",
+    *,
+    num_threads: int | None = None,
+    allow_gpu_sharing: bool = False,
+    stall_timeout: float | None = None,
+    stall_action: str | None = None,
+) -> None:
     """Join the job: find this rank, pick its device and backend, set its CPU threads.
 
     Safe to call again (a no-op once initialised). Works under mpirun/mpiexec, srun,
@@ -56,11 +65,21 @@ def init(backend: str = "auto", *, num_threads: int | None = None, allow_gpu_sha
         num_threads: torch intra-op threads for this rank; derived from the CPUs the
             rank may use when None (and left alone when OMP_NUM_THREADS is set).
         allow_gpu_sharing: allow more ranks on a node than it has GPUs.
+        stall_timeout: seconds a collective may wait for the other ranks before
+            the stall inspector reports who is missing and why (mpi backend);
+            0 turns it off. Default HPCDDP_STALL_TIMEOUT, else 60.
+        stall_action: "abort" (default, or HPCDDP_STALL_ACTION) ends the job after
+            a stall report, "warn" only prints it.
+
+    Once more than one rank runs, an uncaught exception on any rank prints its
+    traceback with the rank and ends the whole job.
     """
     global _runtime
     if _runtime is not None:
         return
-    config = InitConfig(backend=backend, num_threads=num_threads, allow_gpu_sharing=allow_gpu_sharing)
+    explicit = {"stall_timeout": stall_timeout, "stall_action": stall_action}
+    settings = {**read_settings(os.environ), **{k: v for k, v in explicit.items() if v is not None}}
+    config = InitConfig(backend=backend, num_threads=num_threads, allow_gpu_sharing=allow_gpu_sharing, **settings)
     environment = detect_environment()
     layout = environment.layout()
     mpi_comm = environment.mpi_comm
@@ -72,7 +91,9 @@ def init(backend: str = "auto", *, num_threads: int | None = None, allow_gpu_sha
     _export_variables(environment, layout)
     if layout.world_size > 1 or chosen in ("gloo", "nccl"):
         _export_rendezvous(environment)
-    comm = _create_communicator(chosen, environment, layout, device)
+    comm = _create_communicator(chosen, environment, layout, device, config)
+    if layout.world_size > 1:
+        install_exception_hooks(layout.rank, use_mpi=mpi_comm is not None or chosen == "mpi")
     threads = set_cpu_threads(layout, config.num_threads)
     _runtime = _Runtime(config, environment, layout, device, comm, threads)
     log.debug("hpcddp rank %d/%d on %s, backend %s, %d threads", layout.rank, layout.world_size, device, chosen, threads)
@@ -108,7 +129,7 @@ def _choose_backend(requested: str, environment: ClusterEnvironment, layout: Ran
     return "local" if layout.world_size == 1 else "gloo"
 
 
-def _create_communicator(name: str, environment, layout: RankLayout, device) -> Communicator:
+def _create_communicator(name: str, environment, layout: RankLayout, device, config: InitConfig) -> Communicator:
     if name == "local":
         from .comm.local import LocalCommunicator
 
@@ -116,11 +137,12 @@ def _create_communicator(name: str, environment, layout: RankLayout, device) -> 
     if name == "mpi":
         from .comm.mpi import MPICommunicator
 
+        stall = {"stall_timeout": config.stall_timeout, "stall_action": config.stall_action}
         if environment.mpi_comm is None:  # a single process that asked for MPI
             from ._mpi import import_mpi
 
-            return MPICommunicator(import_mpi().COMM_WORLD)
-        return MPICommunicator(environment.mpi_comm)
+            return MPICommunicator(import_mpi().COMM_WORLD, **stall)
+        return MPICommunicator(environment.mpi_comm, **stall)
     import torch.distributed as dist
 
     from .comm.torchdist import TorchDistCommunicator

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ._consistency import check_same_parameters
 from .bootstrap import communicator, device
 
 __all__ = ["broadcast_optimizer_state", "broadcast_parameters"]
@@ -21,17 +22,20 @@ def broadcast_parameters(
     Args:
         params: ``model.state_dict()`` or ``model.named_parameters()``.
         root_rank: the rank whose values everyone takes.
+
+    Raises:
+        ValueError: on every rank, when the ranks' names, shapes or dtypes differ.
     """
     items = list(params.items()) if isinstance(params, Mapping) else list(params)
     comm = communicator()
     if comm.size == 1:
         return
     _check_root(root_rank, comm.size)
-    handles = []
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"broadcast_parameters: {name!r} is a {type(tensor).__name__}, not a tensor")
-        handles.append(comm.broadcast_async_(tensor.data, root_rank))
+    check_same_parameters(comm, items, "broadcast_parameters")
+    handles = [comm.broadcast_async_(tensor.data, root_rank) for _, tensor in items]
     for handle in handles:
         handle.wait()
 

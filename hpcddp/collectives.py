@@ -53,7 +53,7 @@ def allreduce_(tensor: torch.Tensor, op: str | ReduceOp = "average") -> torch.Te
         tensor: the tensor to reduce.
         op: "average" (default), "sum", "min" or "max".
     """
-    return allreduce_async_(tensor, op).wait()
+    return communicator().allreduce_(tensor, parse_op(op))
 
 
 def allreduce(tensor: torch.Tensor, op: str | ReduceOp = "average") -> torch.Tensor:

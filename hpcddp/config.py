@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BACKENDS", "InitConfig"]
+__all__ = ["BACKENDS", "STALL_ACTIONS", "InitConfig"]
 
 BACKENDS = ("auto", "mpi", "nccl", "gloo")
+STALL_ACTIONS = ("abort", "warn")
 
 
 @dataclass(kw_only=True)
@@ -22,8 +23,22 @@ class InitConfig:
     allow_gpu_sharing: bool = False
     """Let more ranks than GPUs share a node's GPUs instead of failing."""
 
+    stall_timeout: float = 60.0
+    """Seconds a collective may wait for the other ranks before the stall inspector
+    reports which ranks are missing and why (mpi backend); 0 turns it off.
+    Environment: HPCDDP_STALL_TIMEOUT."""
+
+    stall_action: str = "abort"
+    """What follows a stall report: "abort" ends the job, "warn" keeps waiting.
+    Environment: HPCDDP_STALL_ACTION."""
+
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {self.backend!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        timeout = self.stall_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf"):
+            raise ValueError(f"stall_timeout must be a number of seconds >= 0 (0 turns it off), got {timeout!r}")
+        if self.stall_action not in STALL_ACTIONS:
+            raise ValueError(f"stall_action must be 'abort' or 'warn', got {self.stall_action!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -11,12 +12,16 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
+from ._consistency import check_same_parameters
 from .buckets import MB, Bucket, build_buckets
 from .comm.base import Communicator, Handle, ReduceOp, parse_op
+from .stall import collective_tag
 
 __all__ = ["DistributedOptimizer", "COMPRESSIONS"]
 
 COMPRESSIONS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+log = logging.getLogger("hpcddp")
 
 
 @dataclass
@@ -29,6 +34,8 @@ class _Slot:
     position: int
     ready: bool = False
     used: bool = False
+    #: the view already holds this rank's share of the average (gradient / size)
+    scaled: bool = False
 
 
 @dataclass
@@ -67,6 +74,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         compression: None, "fp16" or "bf16": the dtype gradients travel in.
         op: "average" (default) or "sum" across ranks.
         communicator: the Communicator to use; the one ``hpcddp.init()`` made by default.
+        skip_nonfinite: after each reduction, skip the step on every rank (and zero
+            the gradients) when any reduced gradient is inf or NaN; the reduced
+            values are the same on every rank, so all ranks decide alike.
+            ``skipped_steps`` counts the skipped steps.
+
+    Raises:
+        ValueError: on every rank, when the ranks' parameter names, shapes or
+            dtypes differ (the message names the first differing parameter).
     """
 
     def __init__(
@@ -80,6 +95,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         op: str | ReduceOp = "average",
         *,
         communicator: Communicator | None = None,
+        skip_nonfinite: bool = False,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -111,7 +127,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._hooks: list[Any] = []
         self._buckets: list[Bucket] = []
         self._slots: dict[int, _Slot] = {}
+        self.skip_nonfinite = bool(skip_nonfinite)
+        #: steps skipped because a reduced gradient was inf or NaN (skip_nonfinite)
+        self.skipped_steps = 0
+        self._num_reductions = 0
+        #: set by hpcddp.join(): the per-step count of ranks that still have data
+        self._join_flag: torch.Tensor | None = None
+        self._joined = False
+        self._active_handle: Handle | None = None
+        self.active_ranks = self._comm.size
         if self._comm.size > 1:
+            check_same_parameters(self._comm, self._named, "DistributedOptimizer")
             self._buckets = build_buckets(
                 [p for _, p in self._named],
                 int(bucket_cap_mb * MB),
@@ -192,7 +218,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not self._pass_open:
             self._open_pass()
         slot = self._slots[id(param)]
-        _adopt_grad(param, slot.view)
+        if self._pass_reduces and self._op is ReduceOp.AVERAGE and param.grad is not slot.view:
+            # A fresh gradient (zero_grad set grad to None): divide it on its way
+            # into the bucket, which spares a separate pass over the buffer at launch.
+            torch.div(param.grad, self._comm.size, out=slot.view)
+            param.grad = slot.view
+            slot.scaled = True
+        else:
+            _adopt_grad(param, slot.view)
         slot.used = True
         if not self._pass_reduces or slot.ready:
             return
@@ -250,10 +283,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         payload = bucket.buffer
         if self._op is ReduceOp.AVERAGE:
             # Divide before summing, as DDP does: it keeps fp16 sums in range.
-            payload.div_(self._comm.size)
+            unscaled = [view for param, view in zip(bucket.params, bucket.views) if not self._slots[id(param)].scaled]
+            if len(unscaled) == len(bucket.views):
+                payload.div_(self._comm.size)
+            else:
+                for view in unscaled:
+                    view.div_(self._comm.size)
         if bucket.wire is not None:
             payload = bucket.wire.copy_(payload)
-        self._handles.append(self._comm.allreduce_async_(payload, ReduceOp.SUM))
+        step = self._num_reductions
+        with collective_tag(f"bucket {bucket.index} of step {step}", step):
+            if bucket.index == 0 and self._join_flag is not None:
+                # Inside hpcddp.join(): count the ranks with data, ahead of the buckets.
+                flag = self._join_flag.fill_(0 if self._joined else 1)
+                self._active_handle = self._comm.allreduce_async_(flag, ReduceOp.SUM)
+            self._handles.append(self._comm.allreduce_async_(payload, ReduceOp.SUM))
 
     # -- step --------------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -266,10 +310,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
             handle.wait()
             if bucket.wire is not None:
                 bucket.buffer.copy_(bucket.wire)
-            self.times.bucket_done[bucket.index] = time.perf_counter()
+            # When the backend finished it, not when we looked: that shows the overlap.
+            self.times.bucket_done[bucket.index] = handle.completed_at or time.perf_counter()
             if self._set_to_none:
                 self._drop_unused_grads(bucket)
+        if self._active_handle is not None:
+            self._rescale_to_active(int(self._active_handle.wait().item()))
+        self._num_reductions += bool(self._handles)
         self._reset_reduction()
+
+    def _rescale_to_active(self, active: int) -> None:
+        # hpcddp.join(): joined ranks sent zeros, so the average is over the ranks
+        # that still had data in this step, not over all ranks.
+        self._active_handle = None
+        self.active_ranks = active
+        if 0 < active < self._comm.size and self._op is ReduceOp.AVERAGE:
+            for bucket in self._buckets:
+                bucket.buffer[: bucket.buffer.numel() - bucket.used.numel()].mul_(self._comm.size / active)
 
     def _drop_unused_grads(self, bucket: Bucket) -> None:
         # As DDP: a parameter no rank used keeps grad None (after zero_grad's
@@ -286,6 +343,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for slot in self._slots.values():
             slot.ready = False
             slot.used = False
+            slot.scaled = False
         self._pending = [len(b.params) for b in self._buckets]
         self._next_launch = 0
 
@@ -296,15 +354,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
             closure: passed to the wrapped optimizer's ``step``.
         """
         self.synchronize()
+        if self.skip_nonfinite and not self._grads_finite():
+            self.skipped_steps += 1
+            self.zero_grad(self._set_to_none)
+            log.warning("hpcddp: skipped a step, a reduced gradient is inf or NaN (%d skipped)", self.skipped_steps)
+            return None
         return self._optimizer.step(closure)
 
+    def _grads_finite(self) -> bool:
+        if self._buckets:
+            grads = [b.buffer[: b.buffer.numel() - b.used.numel()] for b in self._buckets]
+        else:
+            grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        return not grads or bool(torch.stack([g.isfinite().all() for g in grads]).all())
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradients: bucket buffers in place (views kept), others as torch does.
+        """Reset the gradients as torch does; the next backward fills the bucket buffers.
 
         Args:
-            set_to_none: as torch's: after the next reduction, parameters that no
-                rank used keep ``grad`` None (with False they get zeros); parameters
-                outside the buckets get None now.
+            set_to_none: as torch's: gradients become None (backward then writes
+                each fresh gradient into its bucket view, already divided for the
+                average, without zeroing the buffer first); with False the bucket
+                buffers are zeroed in place and the views kept. After the next
+                reduction, parameters that no rank used keep ``grad`` None only
+                with True.
         """
         self._set_to_none = set_to_none
         if self._handles:
@@ -317,6 +390,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             slot.used = False
         bucketed = set(self._slots)
         for bucket in self._buckets:
+            if set_to_none:
+                for param in bucket.params:
+                    param.grad = None
+                continue
             bucket.buffer.zero_()
             for param, view in zip(bucket.params, bucket.views):
                 if param.grad is not view:

@@ -28,8 +28,11 @@ def test_two_ranks_reach_95_percent_in_under_a_minute(tmp_path):
 
 
 def test_one_and_four_ranks_end_with_the_same_loss(tmp_path):
-    one = run_example(1, tmp_path, "--epochs", "4")
-    four = run_example(4, tmp_path, "--epochs", "4")
+    # float64: in float32 the rounding differences of a 64-sample mean vs four 16-sample
+    # means grow through SGD's chaotic early phase to ~1e-2 in the loss after 4 epochs
+    # (measured), hiding whether the reduction itself is right.
+    one = run_example(1, tmp_path, "--epochs", "4", "--dtype", "float64")
+    four = run_example(4, tmp_path, "--epochs", "4", "--dtype", "float64")
     assert four["world_size"] == 4
     assert abs(one["test_loss"] - four["test_loss"]) < 1e-4, (one, four)
 

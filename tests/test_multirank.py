@@ -1,6 +1,5 @@
 """Run the tests/mpi suites on 2 and 4 MPI ranks of this host, each launch with a time limit."""
 
-import os
 import sys
 
 import pytest

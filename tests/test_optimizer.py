@@ -142,7 +142,7 @@ def test_second_backward_before_step_is_a_clear_error():
             return Handle()
 
     model, x, y = model_and_data()
-    optimizer = wrap(model, SlowTwin())
+    wrap(model, SlowTwin())
     F.cross_entropy(model(x), y).backward()
     with pytest.raises(RuntimeError, match="backward_passes_per_step"):
         F.cross_entropy(model(x), y).backward()

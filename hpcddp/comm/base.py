@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import enum
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -54,12 +55,16 @@ class Handle:
         self._error: BaseException | None = None
         self._finishers: list[Callable[[Any], Any]] = []
         self._finished = False
+        #: perf_counter() when the backend completed the operation (for timelines)
+        self.completed_at: float | None = None
 
     def set_result(self, result: Any) -> None:
+        self.completed_at = time.perf_counter()
         self._result = result
         self._done.set()
 
     def set_exception(self, error: BaseException) -> None:
+        self.completed_at = time.perf_counter()
         self._error = error
         self._done.set()
 
@@ -119,6 +124,10 @@ class Communicator(abc.ABC):
     def allreduce_async_(self, tensor: torch.Tensor, op: ReduceOp) -> Handle:
         """Start reducing ``tensor`` in place across ranks."""
 
+    def allreduce_(self, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        """Reduce ``tensor`` in place across ranks and return it (blocking)."""
+        return self.allreduce_async_(tensor, op).wait()
+
     @abc.abstractmethod
     def broadcast_async_(self, tensor: torch.Tensor, root: int) -> Handle:
         """Start copying root's ``tensor`` into every rank's ``tensor``."""
@@ -139,5 +148,5 @@ class Communicator(abc.ABC):
     def barrier(self) -> None:
         """Block until every rank has reached the barrier."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - most backends have nothing to release
         """Release threads and communicators; the communicator is unusable afterwards."""

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from .._mpi import import_mpi, mpi_launcher_present
 from .base import ClusterEnvironment, RankLayout, read_int
 
-__all__ = ["MPIEnvironment", "find_free_port", "singleton_under_slurm"]
+__all__ = ["MPIEnvironment", "check_launcher_agrees", "find_free_port", "singleton_under_slurm"]
 
 
 def find_free_port() -> int:
@@ -22,6 +22,31 @@ def singleton_under_slurm(environ: Mapping[str, str], mpi_size: int) -> bool:
     """Return True when srun started several tasks that MPI does not connect."""
     step_tasks = read_int(environ, "SLURM_STEP_NUM_TASKS") or read_int(environ, "SLURM_NTASKS") or 1
     return mpi_size == 1 and step_tasks > 1 and "SLURM_PROCID" in environ
+
+
+def check_launcher_agrees(environ: Mapping[str, str], mpi_size: int) -> None:
+    """Fail when the launcher's variables promise more ranks than MPI connects.
+
+    Only "more" is an error: under mpirun across nodes the ranks inherit the
+    variables of mpirun's per-node daemons (SLURM_STEP_NUM_TASKS = number of
+    nodes), and hpcddp itself exports WORLD_SIZE for the processes it starts.
+
+    Args:
+        environ: the environment to check.
+        mpi_size: the size of MPI_COMM_WORLD.
+    """
+    step_tasks = read_int(environ, "SLURM_STEP_NUM_TASKS")
+    if step_tasks is not None and step_tasks > mpi_size and "SLURM_PROCID" in environ:
+        raise RuntimeError(
+            f"MPI connects {mpi_size} ranks but srun started {step_tasks} tasks (SLURM_STEP_NUM_TASKS={step_tasks}): "
+            "launch with srun --mpi=pmix (see srun --mpi=list) or with mpirun, so that MPI sees every task"
+        )
+    world_size = read_int(environ, "WORLD_SIZE")
+    if world_size is not None and world_size > mpi_size:
+        raise RuntimeError(
+            f"MPI started {mpi_size} ranks but WORLD_SIZE={world_size} is set: unset WORLD_SIZE (hpcddp sets it "
+            f"from MPI) or start {world_size} ranks (mpirun -np {world_size})"
+        )
 
 
 class MPIEnvironment(ClusterEnvironment):
@@ -49,6 +74,7 @@ class MPIEnvironment(ClusterEnvironment):
 
     def layout(self) -> RankLayout:
         if self._layout is None:
+            check_launcher_agrees(self.environ, self._comm.Get_size())
             self._layout = self._compute_layout()
         return self._layout
 

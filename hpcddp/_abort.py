@@ -1,0 +1,82 @@
+"""End the whole job from one rank: print why, then abort every rank.
+
+An uncaught exception on one rank would otherwise leave the others blocked in their
+next collective until the job's time limit; ``MPI_Abort`` ends all of them at once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import traceback
+
+__all__ = ["abort_job", "install_exception_hooks"]
+
+_installed = False
+
+
+def abort_job(message: str, *, use_mpi: bool) -> None:
+    """Write ``message`` to stderr, then end every rank with exit code 1.
+
+    Args:
+        message: what happened, already prefixed with the rank.
+        use_mpi: abort through ``MPI_COMM_WORLD`` (all ranks); otherwise only this
+            process exits and the launcher (torchrun, srun) ends the others.
+    """
+    try:
+        sys.stderr.write(message if message.endswith("\n") else message + "\n")
+        sys.stderr.flush()
+    finally:
+        if use_mpi:
+            from ._mpi import import_mpi
+
+            import_mpi().COMM_WORLD.Abort(1)
+        os._exit(1)
+
+
+def _report(rank: int, exc_type, exc, tb, where: str) -> str:
+    lines = traceback.format_exception(exc_type, exc, tb)
+    return f"[hpcddp rank {rank}] uncaught exception{where}:\n" + "".join(lines)
+
+
+def install_exception_hooks(rank: int, *, use_mpi: bool) -> None:
+    """Make an uncaught exception on this rank print its traceback and end the job.
+
+    Chains the hooks already installed: ``sys.excepthook`` for the main thread and
+    ``threading.excepthook`` for hpcddp's own threads (a user thread's failure is
+    left to the previous hook, as it does not block collectives by itself).
+
+    Args:
+        rank: this process's rank, printed before the traceback.
+        use_mpi: abort through MPI; see ``abort_job``.
+    """
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    previous_hook = sys.excepthook
+    previous_thread_hook = threading.excepthook
+
+    def excepthook(exc_type, exc, tb):
+        if previous_hook is sys.__excepthook__:
+            abort_job(_report(rank, exc_type, exc, tb, ""), use_mpi=use_mpi)
+        # Another hook (torch.distributed's prints the traceback prefixed with the
+        # rank) already shows the traceback: add one line, not a second copy.
+        try:
+            previous_hook(exc_type, exc, tb)
+        except Exception:  # noqa: BLE001 - a broken user hook must not stop the abort
+            sys.stderr.write("".join(traceback.format_exception(exc_type, exc, tb)))
+        summary = "".join(traceback.format_exception_only(exc_type, exc)).strip()
+        abort_job(f"[hpcddp rank {rank}] uncaught exception (traceback above): {summary}", use_mpi=use_mpi)
+
+    def thread_excepthook(args):
+        thread = args.thread
+        if thread is None or not thread.name.startswith("hpcddp-"):
+            previous_thread_hook(args)
+            return
+        where = f" in thread {thread.name}"
+        abort_job(_report(rank, args.exc_type, args.exc_value, args.exc_traceback, where), use_mpi=use_mpi)
+
+    sys.excepthook = excepthook
+    threading.excepthook = thread_excepthook

@@ -1,0 +1,87 @@
+"""Check that every rank holds the same parameters before they are reduced or broadcast.
+
+Different models on different ranks make bucket allreduces of different sizes,
+which hang or silently mix unrelated numbers; one cheap collective at construction
+turns that into an error naming the first differing parameter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+
+from .comm.base import Communicator
+
+__all__ = ["check_same_parameters", "describe_difference"]
+
+Signature = list[tuple[str, tuple[int, ...], str]]
+
+
+def _signature(named: Sequence[tuple[str, torch.Tensor]]) -> Signature:
+    return [(name, tuple(t.shape), str(t.dtype).replace("torch.", "")) for name, t in named]
+
+
+def _entry(item) -> str:
+    name, shape, dtype = item
+    return f"{name!r} {list(shape)} {dtype}"
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def describe_difference(signatures: Sequence[Signature], what: str) -> str | None:
+    """Return the error text for the first parameter that differs across ranks, or None.
+
+    Args:
+        signatures: every rank's list of (name, shape, dtype), in rank order.
+        what: the caller named in the message, e.g. "DistributedOptimizer".
+    """
+    reference = signatures[0]
+    longest = max(len(s) for s in signatures)
+    for index in range(longest):
+        entries = [s[index] if index < len(s) else None for s in signatures]
+        if all(e == entries[0] for e in entries):
+            continue
+        groups: dict = {}
+        for rank, entry in enumerate(entries):
+            groups.setdefault(entry, []).append(rank)
+        parts = [
+            f"{_ranks(ranks)} {'has no such parameter' if e is None else 'have ' + _entry(e)}"
+            for e, ranks in groups.items()
+        ]
+        counts = sorted({len(s) for s in signatures})
+        count_note = ""
+        if len(counts) > 1:
+            count_note = f" (parameter counts: {', '.join(f'rank {r}: {len(s)}' for r, s in enumerate(signatures) if len(s) != len(reference))} vs {len(reference)} on rank 0)"
+        differ = [r for r, e in enumerate(entries) if e != entries[0]]
+        return (
+            f"{what}: the ranks hold different parameters: parameter #{index} differs on "
+            f"{_ranks(differ)} from rank 0: {'; '.join(parts)}{count_note}; every rank must build "
+            "the same model (same layers, order, shapes and dtypes) before wrapping it"
+        )
+    return None
+
+
+def check_same_parameters(comm: Communicator, named: Sequence[tuple[str, torch.Tensor]], what: str) -> None:
+    """Raise the same ValueError on every rank unless all ranks hold the same parameters.
+
+    Costs one allgather of a 16-byte digest; only when digests differ is a second
+    allgather of the full (name, shape, dtype) lists made, on every rank alike.
+
+    Args:
+        comm: the communicator spanning the ranks.
+        named: (name, tensor) pairs in the order they will be reduced or broadcast.
+        what: the caller named in the message.
+    """
+    if comm.size == 1:
+        return
+    signature = _signature(named)
+    digest = hashlib.blake2b(repr(signature).encode(), digest_size=16).digest()
+    if len(set(comm.allgather_object(digest))) == 1:
+        return
+    message = describe_difference(comm.allgather_object(signature), what)
+    if message is not None:
+        raise ValueError(message)

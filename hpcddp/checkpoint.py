@@ -1,0 +1,285 @@
+"""Checkpoints that survive preemption: atomic save on rank 0, load on every rank, exact resume.
+
+    state = hpcddp.training_state(model, optimizer, epoch=epoch, batch_in_epoch=i, step=step)
+    hpcddp.save_checkpoint("ckpt/", state, keep_last=3)       # ckpt/checkpoint-000123.pt
+    ...
+    state = hpcddp.load_checkpoint("ckpt/")                   # newest complete one, or None
+    if state is not None:
+        progress = hpcddp.restore_training_state(state, model, optimizer)
+
+A checkpoint is complete the moment its final name exists: rank 0 writes a hidden
+temporary file in the same directory, fsyncs it and renames it into place, so a job
+killed mid-write leaves at most a temporary file that ``load_checkpoint`` ignores.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "TrainingProgress",
+    "find_checkpoints",
+    "load_checkpoint",
+    "restore_training_state",
+    "save_checkpoint",
+    "training_state",
+]
+
+log = logging.getLogger("hpcddp")
+
+_NAME = re.compile(r"checkpoint-(\d+)\.pt")
+_FORMAT = 1
+
+
+def _checkpoint_name(step: int) -> str:
+    return f"checkpoint-{step:06d}.pt"
+
+
+def _rank_and_size() -> tuple[int, int]:
+    from .bootstrap import is_initialized, rank, size
+
+    return (rank(), size()) if is_initialized() else (0, 1)
+
+
+def find_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """Return the complete checkpoints in ``directory``, oldest step first.
+
+    Only files named ``checkpoint-<step>.pt`` count; temporary files of an
+    interrupted save do not.
+
+    Args:
+        directory: the checkpoint directory (missing is fine: no checkpoints).
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.fullmatch(p.name)) and p.is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def _write_atomically(path: Path, state: Any) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    # The rename is only durable once the directory entry is on disk too.
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def save_checkpoint(
+    path_or_dir: str | os.PathLike,
+    state: dict[str, Any],
+    *,
+    step: int | None = None,
+    keep_last: int | None = None,
+) -> Path:
+    """Write ``state`` atomically from rank 0 while the other ranks wait; return its path.
+
+    Call it on every rank (it is a collective once ``hpcddp.init()`` ran). An error
+    on rank 0 is raised on every rank.
+
+    Args:
+        path_or_dir: a directory (created if missing; the file is named
+            ``checkpoint-<step>.pt``) or a file path ending in ``.pt``.
+        state: what to save, e.g. from ``training_state``; only rank 0's is written.
+        step: the step in the file name; ``state["step"]`` when None.
+        keep_last: in a directory, delete all but the newest ``keep_last``
+            checkpoints after writing; None keeps them all.
+    """
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+    target = Path(path_or_dir)
+    if target.suffix != ".pt":
+        if step is None:
+            step = state.get("step") if isinstance(state, dict) else None
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0 to name a checkpoint in {target}/, got {step!r}: pass step=")
+        target = target / _checkpoint_name(step)
+    rank, size = _rank_and_size()
+    error = None
+    if rank == 0:
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _write_atomically(target, state)
+            if keep_last is not None:
+                for old in find_checkpoints(target.parent)[:-keep_last]:
+                    if old != target:
+                        old.unlink(missing_ok=True)
+        except Exception as err:  # re-raised below, after the other ranks have heard of it
+            error = f"{type(err).__name__}: {err}"
+            if size == 1:
+                raise
+    if size > 1:
+        from .collectives import broadcast_object
+
+        error = broadcast_object(error, root_rank=0)
+        if error is not None:
+            raise RuntimeError(f"rank 0 could not save checkpoint {target}: {error}")
+    return target
+
+
+def load_checkpoint(
+    dir_or_path: str | os.PathLike,
+    *,
+    map_location: Any = None,
+    weights_only: bool = True,
+) -> dict[str, Any] | None:
+    """Load the newest complete checkpoint on this rank; return None when there is none.
+
+    Every rank reads the file itself, so the directory must be visible to all ranks
+    (a shared filesystem on several nodes).
+
+    Args:
+        dir_or_path: a checkpoint directory (newest ``checkpoint-<step>.pt`` wins)
+            or one checkpoint file.
+        map_location: where tensors go; ``hpcddp.device()`` by default (CPU before init).
+        weights_only: torch.load's safe unpickler; ``training_state`` only stores
+            types it accepts. Pass False for checkpoints holding arbitrary objects.
+    """
+    path = Path(dir_or_path)
+    if path.is_dir():
+        found = find_checkpoints(path)
+        if not found:
+            return None
+        path = found[-1]
+    elif not path.exists():
+        if path.suffix == ".pt":
+            raise FileNotFoundError(f"checkpoint {path} does not exist: pass a checkpoint file or directory")
+        return None
+    if map_location is None:
+        from .bootstrap import device, is_initialized
+
+        map_location = device() if is_initialized() else "cpu"
+    state = torch.load(path, map_location=map_location, weights_only=weights_only)
+    log.debug("hpcddp: loaded checkpoint %s", path)
+    return state
+
+
+def _rng_state() -> dict[str, Any]:
+    # Plain ints, lists and tensors only, so that torch.load(weights_only=True) accepts it.
+    version, internal, gauss = random.getstate()
+    rng: dict[str, Any] = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    try:
+        import numpy as np
+    except ImportError:
+        return rng
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    rng["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
+    return rng
+
+
+def _set_rng_state(rng: dict[str, Any]) -> None:
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(rng["torch"].cpu())
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"].cpu())
+    if "numpy" in rng:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = rng["numpy"]
+        np.random.set_state((kind, keys.cpu().numpy().astype("uint32"), pos, has_gauss, cached))
+
+
+def training_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    epoch: int,
+    batch_in_epoch: int,
+    step: int,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Capture everything an exact resume needs; call it on every rank at a step boundary.
+
+    Each rank's RNG states (python, numpy, torch CPU and CUDA) are gathered, so
+    ranks that draw different random numbers resume with their own streams.
+
+    Args:
+        model: the model (its ``state_dict()``).
+        optimizer: the optimizer or DistributedOptimizer (its ``state_dict()``).
+        epoch: the epoch in progress (what ``sampler.set_epoch`` was given).
+        batch_in_epoch: batches of ``epoch`` already done; a resume skips them.
+        step: optimizer steps done so far (names the checkpoint file).
+        extra: anything else to keep (ints, floats, strings, tensors, lists, dicts).
+    """
+    from .bootstrap import is_initialized, size
+
+    rng = _rng_state()
+    rng_per_rank = [rng]
+    if is_initialized() and size() > 1:
+        from .collectives import allgather_object
+
+        rng_per_rank = allgather_object(rng)
+    return {
+        "format": _FORMAT,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "epoch": epoch,
+        "batch_in_epoch": batch_in_epoch,
+        "step": step,
+        "world_size": len(rng_per_rank),
+        "rng": rng_per_rank,
+        "extra": dict(extra or {}),
+    }
+
+
+@dataclass
+class TrainingProgress:
+    """Where a restored run continues: skip ``batch_in_epoch`` batches of ``epoch``."""
+
+    epoch: int
+    batch_in_epoch: int
+    step: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def restore_training_state(
+    state: dict[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> TrainingProgress:
+    """Load model, optimizer and this rank's RNG states from ``state``; return the position.
+
+    Args:
+        state: a dict from ``training_state`` (e.g. via ``load_checkpoint``).
+        model: receives ``state["model"]``.
+        optimizer: receives ``state["optimizer"]``; None leaves it alone.
+    """
+    if not isinstance(state, dict) or state.get("format") != _FORMAT:
+        raise ValueError(f"state must come from hpcddp.training_state (format {_FORMAT}), got {type(state).__name__}")
+    model.load_state_dict(state["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    rank, size = _rank_and_size()
+    rngs = state["rng"]
+    if len(rngs) != size:
+        log.warning(
+            "hpcddp: checkpoint was saved by %d rank(s), this job has %d: every rank restores rank 0's RNG "
+            "state, so random draws will not match the original run",
+            len(rngs),
+            size,
+        )
+    _set_rng_state(rngs[rank] if len(rngs) == size else rngs[0])
+    return TrainingProgress(state["epoch"], state["batch_in_epoch"], state["step"], dict(state.get("extra", {})))

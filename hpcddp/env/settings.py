@@ -1,0 +1,50 @@
+"""hpcddp's own environment variables (HPCDDP_*): the one place they are read."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["read_float", "read_settings"]
+
+
+def read_float(environ: Mapping[str, str], name: str, default: float | None = None) -> float | None:
+    """Read a number of seconds from the environment, failing with a message that names it.
+
+    Args:
+        environ: the environment to read.
+        name: the variable.
+        default: returned when the variable is unset or empty.
+    """
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"environment variable {name} must be a number of seconds >= 0, got {raw!r}")
+    return value
+
+
+def read_settings(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Return the InitConfig fields set through HPCDDP_* variables (only those that are set).
+
+    HPCDDP_STALL_TIMEOUT sets ``stall_timeout`` (seconds), HPCDDP_STALL_ACTION sets
+    ``stall_action``; an explicit ``init()`` argument wins over either.
+
+    Args:
+        environ: the environment to read (``os.environ`` or a test's dict).
+    """
+    settings: dict[str, Any] = {}
+    timeout = read_float(environ, "HPCDDP_STALL_TIMEOUT")
+    if timeout is not None:
+        settings["stall_timeout"] = timeout
+    action = environ.get("HPCDDP_STALL_ACTION", "").strip().lower()
+    if action:
+        if action not in ("abort", "warn"):
+            raise ValueError(f"environment variable HPCDDP_STALL_ACTION must be 'abort' or 'warn', got {action!r}")
+        settings["stall_action"] = action
+    return settings

@@ -1,0 +1,73 @@
+"""Uneven inputs: ranks that run out of batches keep joining the others' reductions."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from .optimizer import DistributedOptimizer
+
+__all__ = ["join"]
+
+
+@contextlib.contextmanager
+def join(optimizer: DistributedOptimizer) -> Iterator[None]:
+    """Let ranks with fewer batches finish the loop without hanging the others.
+
+    Wrap the training loop on every rank::
+
+        with hpcddp.join(optimizer):
+            for x, y in loader:            # ranks may have different numbers of batches
+                optimizer.zero_grad()
+                loss_fn(model(x), y).backward()
+                optimizer.step()
+
+    Inside the block every gradient reduction also counts the ranks that still have
+    data (one extra 1-element allreduce per step). A rank that leaves the loop
+    early "shadows" the others: in each of their remaining steps it contributes
+    zero gradients, receives the same reduced gradients and takes the same optimizer
+    step, so every rank ends with the same parameters. The block ends on all ranks
+    once the last rank has left its loop.
+
+    Averaging rule: a step's gradient is the average over the ranks that still had
+    a batch in that step (with ``op="sum"``, their sum). Training equals training on
+    the union of the data where step t averages the t-th batch of every rank that
+    has one. (DDP's Join divides by the full world size instead, which shrinks the
+    last steps' gradients.)
+
+    Args:
+        optimizer: the DistributedOptimizer the loop steps.
+    """
+    if not isinstance(optimizer, DistributedOptimizer):
+        raise TypeError(f"join needs an hpcddp.DistributedOptimizer, got {type(optimizer).__name__}")
+    if not optimizer.buckets:  # a world of one: nobody to wait for
+        yield
+        return
+    if optimizer._join_flag is not None:
+        raise RuntimeError("hpcddp.join() is already active for this optimizer: do not nest it")
+    optimizer.synchronize()
+    optimizer._join_flag = torch.zeros(1, dtype=torch.float32, device=optimizer.buckets[0].buffer.device)
+    try:
+        yield
+        # Only a rank that left its loop normally shadows; an exception propagates
+        # (and, with hpcddp's exception hook, ends the job).
+        optimizer._joined = True
+        while _shadow_step(optimizer):
+            pass
+    finally:
+        optimizer._join_flag = None
+        optimizer._joined = False
+        optimizer.active_ranks = optimizer._comm.size
+
+
+def _shadow_step(optimizer: DistributedOptimizer) -> bool:
+    """Take part in one reduction with zero gradients; return False once no rank has data."""
+    optimizer.zero_grad(optimizer._set_to_none)
+    optimizer._launch_all()
+    optimizer.synchronize()
+    if optimizer.active_ranks == 0:
+        return False
+    optimizer.step()
+    return True

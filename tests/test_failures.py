@@ -1,0 +1,225 @@
+"""Failures that must end the job: each launches a small script on 2 ranks with a time limit."""
+
+import re
+import sys
+import textwrap
+import time
+
+from hpcddp.testing import run_mpi
+
+from .conftest import ROOT
+
+LIMIT_S = 180  # a busy 2-core machine starts two torch processes in ~10 s
+
+
+def launch(tmp_path, source, env=None, ranks=2):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(source))
+    started = time.time()
+    result = run_mpi(
+        ranks, [sys.executable, str(script)], timeout=LIMIT_S, env={"PYTHONUNBUFFERED": "1", **(env or {})}, cwd=ROOT
+    )
+    assert not result.timed_out, f"the job hung until the time limit:\n{result.stdout[-5000:]}"
+    return result, time.time() - started
+
+
+TRAIN = """
+    import os, time, torch, hpcddp
+    hpcddp.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    optimizer = hpcddp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+
+    def train(steps, skip=lambda step: False):
+        for step in range(steps):
+            optimizer.zero_grad()
+            if not skip(step):
+                model(torch.randn(4, 8)).sum().backward()
+            optimizer.step()
+"""
+
+
+def test_exception_on_one_rank_ends_the_job_with_its_traceback(tmp_path):
+    result, _ = launch(
+        tmp_path,
+        """
+        import time, torch, hpcddp
+        hpcddp.init()
+        for _ in range(3):
+            hpcddp.allreduce(torch.ones(4))
+        if hpcddp.rank() == 1:
+            print(f"RAISED_AT {time.time()}", flush=True)
+            raise ValueError("boom on purpose")
+        hpcddp.allreduce(torch.ones(4))  # rank 0 would wait here forever
+        print("UNREACHABLE", flush=True)
+        """,
+    )
+    ended = time.time()
+    out = result.stdout
+    assert result.returncode != 0, out
+    assert "[hpcddp rank 1] uncaught exception:" in out, out
+    assert 'raise ValueError("boom on purpose")' in out and "ValueError: boom on purpose" in out, out
+    assert "UNREACHABLE" not in out
+    raised = float(re.search(r"RAISED_AT (\S+)", out).group(1))
+    assert ended - raised < 30, f"the job took {ended - raised:.1f} s to end after the exception"
+
+
+def test_exception_in_hpcddp_thread_ends_the_job(tmp_path):
+    result, _ = launch(
+        tmp_path,
+        """
+        import threading, torch, hpcddp
+        hpcddp.init()
+        def broken():
+            raise RuntimeError("comm thread broke")
+        if hpcddp.rank() == 0:
+            threading.Thread(target=broken, name="hpcddp-test").start()
+        hpcddp.allreduce(torch.ones(1))
+        import time; time.sleep(120)
+        """,
+    )
+    assert result.returncode != 0
+    assert "[hpcddp rank 0] uncaught exception in thread hpcddp-test:" in result.stdout, result.stdout
+    assert "RuntimeError: comm thread broke" in result.stdout
+
+
+def test_stall_names_the_rank_that_skipped_a_backward_and_aborts(tmp_path):
+    result, elapsed = launch(
+        tmp_path,
+        TRAIN
+        + """
+    train(4, skip=lambda step: hpcddp.rank() == 1 and step == 2)
+    hpcddp.barrier()  # rank 1 reaches it while rank 0 still waits for step 3's gradients
+    print("UNREACHABLE", flush=True)
+    """,
+        env={"HPCDDP_STALL_TIMEOUT": "3"},
+    )
+    out = result.stdout
+    assert result.returncode != 0, out
+    assert "UNREACHABLE" not in out
+    assert "[hpcddp stall inspector]" in out, out
+    assert re.search(r"rank 0 submitted allreduce #\d+ of shape \[\d+\] float32 \(bucket 0 of step 3\)", out), out
+    assert re.search(r"rank 1 submitted barrier #\d+ instead", out), out
+    assert (
+        "rank 1 reduced gradients for fewer steps (last step 2 vs 3): skipped a backward or called step() early" in out
+    ), out
+    assert "aborting the job (stall_action='abort')" in out
+    assert elapsed < 90, f"{elapsed:.0f} s"
+
+
+def test_stall_warn_mode_names_the_silent_rank_and_keeps_going(tmp_path):
+    result, _ = launch(
+        tmp_path,
+        TRAIN
+        + """
+    train(2)
+    if hpcddp.rank() == 1:
+        time.sleep(8)  # busy outside hpcddp while rank 0 waits for step 2's gradients
+    train(1)
+    hpcddp.barrier()
+    print(f"rank {hpcddp.rank()} FINISHED", flush=True)
+    """,
+        env={"HPCDDP_STALL_TIMEOUT": "2", "HPCDDP_STALL_ACTION": "warn"},
+    )
+    out = result.stdout
+    assert result.returncode == 0, out
+    assert "rank 0 FINISHED" in out and "rank 1 FINISHED" in out
+    assert re.search(r"rank 0 submitted allreduce #\d+ of shape \[\d+\] float32 \(bucket 0 of step 2\)", out), out
+    assert re.search(
+        r"rank 1 did not submit allreduce #\d+ \(bucket 0 of step 2\): its last collective was allreduce #\d+", out
+    ), out
+    assert "and it waits in no collective" in out
+    assert "still waiting (stall_action='warn')" in out
+    assert "aborting" not in out
+
+
+def test_stall_inspector_off_costs_nothing_and_finishes(tmp_path):
+    result, _ = launch(
+        tmp_path,
+        TRAIN
+        + """
+    train(3)
+    comm = hpcddp.communicator()
+    print(f"rank {hpcddp.rank()} inspector={comm._inspector is not None} seq={comm.collectives.seq}", flush=True)
+    """,
+        env={"HPCDDP_STALL_TIMEOUT": "0"},
+    )
+    assert result.returncode == 0, result.stdout
+    assert "rank 0 inspector=False" in result.stdout and "rank 1 inspector=False" in result.stdout, result.stdout
+
+
+def test_exception_under_torchrun_variables_ends_the_rank(tmp_path):
+    """gloo without MPI: the failing rank exits at once; its peer's collective then fails too."""
+    import os
+    import socket
+    import subprocess
+
+    script = tmp_path / "job.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch, hpcddp
+            hpcddp.init()
+            assert hpcddp.backend() == "gloo"
+            hpcddp.allreduce(torch.ones(4))
+            if hpcddp.rank() == 1:
+                raise ValueError("boom on gloo")
+            hpcddp.allreduce(torch.ones(4))
+            print("UNREACHABLE", flush=True)
+            """
+        )
+    )
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX", "PMI_", "SLURM_", "PRTE"))}
+    procs = []
+    for rank in range(2):
+        env = {**base, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script)],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=LIMIT_S)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    assert [p.returncode for p in procs] == [1, 1], outputs
+    assert "[hpcddp rank 1] uncaught exception (traceback above): ValueError: boom on gloo" in outputs[1]
+    assert 'raise ValueError("boom on gloo")' in outputs[1]
+    assert "[hpcddp rank 0] uncaught exception" in outputs[0] and "UNREACHABLE" not in outputs[0]
+
+
+def test_different_tensor_sizes_end_the_job_with_the_cause(tmp_path):
+    result, _ = launch(
+        tmp_path,
+        """
+        import torch, hpcddp
+        hpcddp.init(stall_timeout=3)
+        hpcddp.allreduce(torch.ones(10 if hpcddp.rank() == 0 else 12))
+        hpcddp.barrier()
+        print("UNREACHABLE", flush=True)
+        """,
+    )
+    out = result.stdout
+    assert result.returncode != 0 and "UNREACHABLE" not in out, out
+    # Open MPI either detects the truncation (small messages) or the ranks stall.
+    truncated = re.search(
+        r"RuntimeError: allreduce #\d+ of shape \[(10|12)\] float32 failed with MPI_ERR_TRUNCATE", out
+    )
+    stalled = re.search(r"rank 1 submitted allreduce #\d+ of shape \[12\] float32 instead", out)
+    assert truncated or stalled, out
+    assert "data-dependent shapes" in out, out
