@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -15,6 +16,7 @@ from .config import InitConfig
 from .device import select_device, set_cpu_threads, visible_gpu_ids
 from .env import ClusterEnvironment, RankLayout, detect_environment
 from .env.settings import read_settings
+from .timeline import Timeline
 
 __all__ = [
     "backend",
@@ -42,6 +44,7 @@ class _Runtime:
     device: torch.device
     comm: Communicator
     num_threads: int
+    timeline: Timeline | None = None
 
 
 _runtime: _Runtime | None = None
@@ -54,6 +57,7 @@ def init(
     allow_gpu_sharing: bool = False,
     stall_timeout: float | None = None,
     stall_action: str | None = None,
+    timeline: str | os.PathLike | None = None,
 ) -> None:
     """Join the job: find this rank, pick its device and backend, set its CPU threads.
 
@@ -70,6 +74,8 @@ def init(
             0 turns it off. Default HPCDDP_STALL_TIMEOUT, else 60.
         stall_action: "abort" (default, or HPCDDP_STALL_ACTION) ends the job after
             a stall report, "warn" only prints it.
+        timeline: write a Chrome-trace timeline (forward, backward, step, every
+            bucket's reduction) to this path at shutdown. Default HPCDDP_TIMELINE.
 
     Once more than one rank runs, an uncaught exception on any rank prints its
     traceback with the rank and ends the whole job.
@@ -77,7 +83,7 @@ def init(
     global _runtime
     if _runtime is not None:
         return
-    explicit = {"stall_timeout": stall_timeout, "stall_action": stall_action}
+    explicit = {"stall_timeout": stall_timeout, "stall_action": stall_action, "timeline": timeline}
     settings = {**read_settings(os.environ), **{k: v for k, v in explicit.items() if v is not None}}
     config = InitConfig(backend=backend, num_threads=num_threads, allow_gpu_sharing=allow_gpu_sharing, **settings)
     environment = detect_environment()
@@ -95,8 +101,20 @@ def init(
     if layout.world_size > 1:
         install_exception_hooks(layout.rank, use_mpi=mpi_comm is not None or chosen == "mpi")
     threads = set_cpu_threads(layout, config.num_threads)
-    _runtime = _Runtime(config, environment, layout, device, comm, threads)
+    _runtime = _Runtime(config, environment, layout, device, comm, threads, _start_timeline(config, layout, comm))
     log.debug("hpcddp rank %d/%d on %s, backend %s, %d threads", layout.rank, layout.world_size, device, chosen, threads)
+
+
+def _start_timeline(config: InitConfig, layout: RankLayout, comm: Communicator) -> Timeline | None:
+    if config.timeline is None:
+        return None
+    recorder = Timeline(config.timeline, layout.rank)
+    comm.barrier()
+    recorder.align()
+    recorder.install_module_hooks()
+    # Written at shutdown; at exit too, for scripts that never call it.
+    atexit.register(shutdown)
+    return recorder
 
 
 def _node_gpu_ids(mpi_comm):
@@ -242,12 +260,17 @@ def communicator() -> Communicator:
 
 
 def shutdown() -> None:
-    """Leave the job: stop the communication thread and destroy the process group.
+    """Leave the job: write the timeline (if recording), stop the communication thread
+    and destroy the process group. Collective when a timeline is recorded.
 
     MPI itself stays initialised (it cannot be re-initialised in one process);
     mpi4py finalises it at exit.
     """
     global _runtime
     if _runtime is not None:
-        _runtime.comm.close()
+        runtime = _runtime
+        if runtime.timeline is not None:
+            runtime.timeline.remove_module_hooks()
+            runtime.timeline.write(runtime.comm)
+        runtime.comm.close()
         _runtime = None

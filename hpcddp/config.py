@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 __all__ = ["BACKENDS", "STALL_ACTIONS", "InitConfig"]
@@ -32,6 +33,10 @@ class InitConfig:
     """What follows a stall report: "abort" ends the job, "warn" keeps waiting.
     Environment: HPCDDP_STALL_ACTION."""
 
+    timeline: str | None = None
+    """Write a Chrome-trace timeline of forward, backward, step and every bucket's
+    reduction to this path (rank 0, at shutdown). Environment: HPCDDP_TIMELINE."""
+
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {self.backend!r}")
@@ -40,5 +45,7 @@ class InitConfig:
         timeout = self.stall_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf"):
             raise ValueError(f"stall_timeout must be a number of seconds >= 0 (0 turns it off), got {timeout!r}")
+        if self.timeline is not None and (not isinstance(self.timeline, (str, os.PathLike)) or not str(self.timeline)):
+            raise ValueError(f"timeline must be a file path, got {self.timeline!r}")
         if self.stall_action not in STALL_ACTIONS:
             raise ValueError(f"stall_action must be 'abort' or 'warn', got {self.stall_action!r}")

@@ -9,7 +9,7 @@ import torch
 
 from .optimizer import DistributedOptimizer
 
-__all__ = ["join"]
+__all__ = ["count_active_ranks", "join", "shadow_until_all_joined"]
 
 
 @contextlib.contextmanager
@@ -48,18 +48,40 @@ def join(optimizer: DistributedOptimizer) -> Iterator[None]:
     if optimizer._join_flag is not None:
         raise RuntimeError("hpcddp.join() is already active for this optimizer: do not nest it")
     optimizer.synchronize()
-    optimizer._join_flag = torch.zeros(1, dtype=torch.float32, device=optimizer.buckets[0].buffer.device)
+    count_active_ranks(optimizer)
     try:
         yield
         # Only a rank that left its loop normally shadows; an exception propagates
         # (and, with hpcddp's exception hook, ends the job).
-        optimizer._joined = True
+        shadow_until_all_joined(optimizer)
+    finally:
+        optimizer._join_flag = None
+        optimizer.active_ranks = optimizer._comm.size
+
+
+def count_active_ranks(optimizer: DistributedOptimizer) -> None:
+    """Make every reduction of ``optimizer`` also count the ranks that still have data.
+
+    Collective in effect: every rank must turn it on before the same reduction.
+    """
+    if optimizer.buckets and optimizer._join_flag is None:
+        optimizer._join_flag = torch.zeros(1, dtype=torch.float32, device=optimizer.buckets[0].buffer.device)
+
+
+def shadow_until_all_joined(optimizer: DistributedOptimizer) -> None:
+    """Join the other ranks' reductions with zero gradients until every rank has joined.
+
+    Each shadowed reduction is followed by the same optimizer step the other ranks
+    take, so parameters stay equal everywhere. Needs ``count_active_ranks`` on.
+    """
+    if not optimizer.buckets:
+        return
+    optimizer._joined = True
+    try:
         while _shadow_step(optimizer):
             pass
     finally:
-        optimizer._join_flag = None
         optimizer._joined = False
-        optimizer.active_ranks = optimizer._comm.size
 
 
 def _shadow_step(optimizer: DistributedOptimizer) -> bool:

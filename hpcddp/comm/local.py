@@ -34,5 +34,8 @@ class LocalCommunicator(Communicator):
     def allgather_object(self, obj: Any) -> list[Any]:
         return [obj]
 
+    def gather_object(self, obj: Any, root: int) -> list[Any] | None:
+        return [obj]
+
     def barrier(self) -> None:
         pass

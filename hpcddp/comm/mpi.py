@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -163,6 +164,7 @@ class MPICommunicator(Communicator):
     def _execute(self, item) -> None:
         work, handle, desc = item
         self.collectives.start(desc)
+        handle.started_at = time.perf_counter()
         try:
             handle.set_result(work())
         except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
@@ -298,6 +300,9 @@ class MPICommunicator(Communicator):
 
     def allgather_object(self, obj: Any) -> list[Any]:
         return self._submit(lambda: self._comm.allgather(obj), "allgather_object").wait()
+
+    def gather_object(self, obj: Any, root: int) -> list[Any] | None:
+        return self._submit(lambda: self._comm.gather(obj, root=root), "gather_object").wait()
 
     def barrier(self) -> None:
         self._submit(self._comm.Barrier, "barrier").wait()

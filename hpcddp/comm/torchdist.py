@@ -104,6 +104,11 @@ class TorchDistCommunicator(Communicator):
         dist.all_gather_object(out, obj)
         return out
 
+    def gather_object(self, obj: Any, root: int) -> list[Any] | None:
+        out: list[Any] | None = [None] * self.size if self.rank == root else None
+        dist.gather_object(obj, out, dst=root)
+        return out
+
     def barrier(self) -> None:
         dist.barrier()
 

@@ -33,7 +33,8 @@ def read_settings(environ: Mapping[str, str]) -> dict[str, Any]:
     """Return the InitConfig fields set through HPCDDP_* variables (only those that are set).
 
     HPCDDP_STALL_TIMEOUT sets ``stall_timeout`` (seconds), HPCDDP_STALL_ACTION sets
-    ``stall_action``; an explicit ``init()`` argument wins over either.
+    ``stall_action``, HPCDDP_TIMELINE sets ``timeline`` (a path); an explicit
+    ``init()`` argument wins over any of them.
 
     Args:
         environ: the environment to read (``os.environ`` or a test's dict).
@@ -47,4 +48,7 @@ def read_settings(environ: Mapping[str, str]) -> dict[str, Any]:
         if action not in ("abort", "warn"):
             raise ValueError(f"environment variable HPCDDP_STALL_ACTION must be 'abort' or 'warn', got {action!r}")
         settings["stall_action"] = action
+    timeline = environ.get("HPCDDP_TIMELINE", "").strip()
+    if timeline:
+        settings["timeline"] = timeline
     return settings

@@ -1,0 +1,149 @@
+"""What ``hpcddp info`` reports: versions, MPI and GPU facts, which backends work, the rank map."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["BackendCheck", "check_backends", "describe_rank", "mpi_facts", "software_versions"]
+
+_THREAD_LEVELS = {0: "SINGLE", 1: "FUNNELED", 2: "SERIALIZED", 3: "MULTIPLE"}
+
+
+@dataclass
+class BackendCheck:
+    """Whether one communication backend can be used here, and why (not)."""
+
+    name: str
+    available: bool
+    detail: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def software_versions() -> dict[str, str]:
+    """Return the versions of hpcddp, Python, torch, mpi4py and numpy (or why one is missing)."""
+    import torch
+
+    from . import __version__
+
+    versions = {"hpcddp": __version__, "python": platform.python_version(), "torch": torch.__version__}
+    for module in ("mpi4py", "numpy"):
+        try:
+            versions[module] = __import__(module).__version__
+        except ImportError:
+            versions[module] = "not installed"
+    return versions
+
+
+def _cuda_aware_open_mpi() -> str:
+    ompi_info = shutil.which("ompi_info")
+    if ompi_info is None:
+        return "unknown (no ompi_info)"
+    try:
+        out = subprocess.run(
+            [ompi_info, "--parsable", "--all"], capture_output=True, text=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (ompi_info failed)"
+    match = re.search(r"mpi_built_with_cuda_support:value:(\w+)", out)
+    return {"true": "yes", "false": "no"}.get(match.group(1), match.group(1)) if match else "unknown"
+
+
+def mpi_facts() -> dict[str, str]:
+    """Return the MPI library, its standard version, thread level and CUDA awareness.
+
+    Initialises MPI through mpi4py; returns ``{"library": "not available: ..."}``
+    when mpi4py cannot be imported.
+    """
+    try:
+        from ._mpi import import_mpi
+
+        MPI = import_mpi()
+    except ImportError as err:
+        return {"library": f"not available: {err}"}
+    library = MPI.Get_library_version().strip().splitlines()[0].split(",")[0]
+    major, minor = MPI.Get_version()
+    facts = {
+        "library": library,
+        "standard": f"MPI {major}.{minor}",
+        "thread_level": _THREAD_LEVELS.get(MPI.Query_thread(), str(MPI.Query_thread())),
+    }
+    facts["cuda_aware"] = _cuda_aware_open_mpi() if "Open MPI" in library else "unknown (not Open MPI)"
+    return facts
+
+
+def gpu_facts() -> dict[str, Any]:
+    """Return the GPUs torch sees and the NCCL version it was built with."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"cuda": "not available", "gpus": []}
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    facts: dict[str, Any] = {"cuda": torch.version.cuda or "yes", "gpus": gpus}
+    try:
+        facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    except (AttributeError, RuntimeError):
+        facts["nccl"] = "not built"
+    return facts
+
+
+def check_backends() -> list[BackendCheck]:
+    """Return which of hpcddp's backends can be used in this process, with the reason."""
+    import torch
+    import torch.distributed as dist
+
+    checks = []
+    mpi = mpi_facts()
+    mpi_ok = not mpi["library"].startswith("not available")
+    checks.append(BackendCheck("mpi", mpi_ok, f"{mpi['library']}, thread level {mpi.get('thread_level')}" if mpi_ok else mpi["library"]))
+    gloo_ok = dist.is_available() and dist.is_gloo_available()
+    checks.append(BackendCheck("gloo", gloo_ok, "torch.distributed" if gloo_ok else "torch built without gloo"))
+    if not (dist.is_available() and dist.is_nccl_available()):
+        checks.append(BackendCheck("nccl", False, "torch built without NCCL (a CPU build)"))
+    elif not torch.cuda.is_available():
+        checks.append(BackendCheck("nccl", False, "torch has NCCL but sees no GPU"))
+    else:
+        checks.append(BackendCheck("nccl", True, f"NCCL {gpu_facts().get('nccl')}"))
+    return checks
+
+
+def describe_rank() -> dict[str, Any]:
+    """Return where this initialised rank runs: rank, host, local rank, node, device, threads, CPUs."""
+    import torch
+
+    from . import bootstrap
+
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = []
+    return {
+        "rank": bootstrap.rank(),
+        "host": socket.gethostname(),
+        "local_rank": bootstrap.local_rank(),
+        "node_rank": bootstrap.node_rank(),
+        "device": str(bootstrap.device()),
+        "backend": bootstrap.backend(),
+        "threads": torch.get_num_threads(),
+        "cpus": _ranges(cpus),
+    }
+
+
+def _ranges(values: list[int]) -> str:
+    """Format [0, 1, 2, 5] as "0-2,5"."""
+    parts, start = [], None
+    for i, value in enumerate(values):
+        if start is None:
+            start = value
+        if i + 1 == len(values) or values[i + 1] != value + 1:
+            parts.append(str(start) if start == value else f"{start}-{value}")
+            start = None
+    return ",".join(parts)

@@ -1,0 +1,222 @@
+"""A Chrome-trace timeline of training: forward, backward and step, and every bucket's reduction.
+
+    HPCDDP_TIMELINE=timeline.json mpirun -np 2 python train.py   # or hpcddp.init(timeline=...)
+
+Open the file in https://ui.perfetto.dev or chrome://tracing. Each rank is a process;
+its "training" track shows ``forward`` (the outermost module call), ``backward`` (from
+the gradient of the module's output to the end of the autograd pass) and ``step``
+(with ``synchronize``, the wait for the reductions, and ``optimizer.step``); each
+bucket has a track with one ``bucket N`` span per reduction holding ``copy-in``
+(predivide and compression into the send buffer), ``queue`` (waiting for the
+communication thread), ``allreduce`` and ``copy-out``. Buckets reduced while the
+backward span is still open are the overlap.
+
+Events are kept in memory on every rank and written by rank 0 at
+``hpcddp.shutdown()`` (or at exit): meant for runs of minutes, not days.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["TRAINING_TRACK", "Timeline", "bucket_track", "current"]
+
+log = logging.getLogger("hpcddp")
+
+TRAINING_TRACK = 0
+MAX_EVENTS = 2_000_000
+
+
+def bucket_track(index: int) -> int:
+    """Return the track (Chrome-trace thread id) of bucket ``index``."""
+    return index + 1
+
+
+class Timeline:
+    """One rank's recorder; ``hpcddp.init(timeline=path)`` makes it.
+
+    Args:
+        path: where rank 0 writes the merged trace.
+        rank: this process's rank (the trace's process id).
+    """
+
+    def __init__(self, path: str | os.PathLike, rank: int) -> None:
+        self.path = Path(path)
+        self.rank = rank
+        self.events: list[dict[str, Any]] = []
+        self._track_names = {TRAINING_TRACK: "training"}
+        self._origin = time.perf_counter()
+        self._forward_depth = 0
+        self._forward_start = 0.0
+        self._backward_start: float | None = None
+        self._dropped = 0
+        self._hooks: list[Any] = []
+
+    def align(self) -> None:
+        """Start the clock now; called right after a barrier so all ranks share time zero."""
+        self._origin = time.perf_counter()
+
+    # -- recording ----------------------------------------------------------------------
+    def span(self, name: str, start: float, end: float, track: int = TRAINING_TRACK, **args: Any) -> None:
+        """Record a complete span between two ``time.perf_counter()`` readings.
+
+        Args:
+            name: what happened.
+            start: when it started.
+            end: when it ended.
+            track: ``TRAINING_TRACK`` or ``bucket_track(i)``.
+            args: details shown when the span is selected.
+        """
+        if len(self.events) >= MAX_EVENTS:
+            self._dropped += 1
+            return
+        event = {
+            "name": name,
+            "ph": "X",
+            "pid": self.rank,
+            "tid": track,
+            "ts": round((start - self._origin) * 1e6, 3),
+            "dur": round(max(0.0, end - start) * 1e6, 3),
+        }
+        if args:
+            event["args"] = args
+        self.events.append(event)
+
+    @contextlib.contextmanager
+    def measure(self, name: str, track: int = TRAINING_TRACK, **args: Any) -> Iterator[None]:
+        """Record the time spent in the block as one span."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.span(name, start, time.perf_counter(), track, **args)
+
+    def name_track(self, track: int, name: str) -> None:
+        """Give a track the label Perfetto shows."""
+        self._track_names[track] = name
+
+    def bucket_reduction(
+        self, index: int, launched: float, submitted: float, handle, copy_out: tuple[float, float], **args: Any
+    ) -> None:
+        """Record one bucket's reduction: copy-in, queue, allreduce and copy-out inside ``bucket N``.
+
+        Args:
+            index: the bucket.
+            launched: when the optimizer started preparing the send buffer.
+            submitted: when it handed the buffer to the backend.
+            handle: the backend's Handle (``started_at``/``completed_at`` when known).
+            copy_out: (start, end) of copying the result back into the gradients.
+            args: details for the parent span (size, step).
+        """
+        track = bucket_track(index)
+        started = handle.started_at or submitted
+        completed = handle.completed_at or copy_out[0]
+        self.span(f"bucket {index}", launched, copy_out[1], track, **args)
+        self.span("copy-in", launched, submitted, track)
+        if handle.started_at is not None:
+            self.span("queue", submitted, started, track)
+        self.span("allreduce", started, completed, track)
+        self.span("copy-out", copy_out[0], copy_out[1], track)
+
+    # -- forward and backward, from global module hooks ----------------------------------
+    def install_module_hooks(self) -> None:
+        """Watch every module call; the outermost ones become forward spans."""
+        from torch.nn.modules import module
+
+        self._hooks = [
+            module.register_module_forward_pre_hook(self._before_forward),
+            # always_call: a forward that raises must still close its span, or the
+            # depth count would never return to zero.
+            module.register_module_forward_hook(self._after_forward, always_call=True),
+        ]
+
+    def remove_module_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def _before_forward(self, mod, inputs) -> None:
+        if self._forward_depth == 0:
+            self._forward_start = time.perf_counter()
+        self._forward_depth += 1
+
+    def _after_forward(self, mod, inputs, output) -> None:
+        self._forward_depth -= 1
+        if self._forward_depth:
+            return
+        self.span("forward", self._forward_start, time.perf_counter(), module=type(mod).__name__)
+        tensor = _first_tensor(output)
+        if tensor is not None and tensor.requires_grad and torch.is_grad_enabled():
+            # The gradient of the output is the first thing backward computes for
+            # this module: the start of its backward pass.
+            tensor.register_hook(self._on_backward_start)
+
+    def _on_backward_start(self, grad):
+        if self._backward_start is None:
+            self._backward_start = time.perf_counter()
+            from torch.autograd import Variable
+
+            Variable._execution_engine.queue_callback(self._on_backward_end)
+        return None
+
+    def _on_backward_end(self) -> None:
+        if self._backward_start is not None:
+            self.span("backward", self._backward_start, time.perf_counter())
+            self._backward_start = None
+
+    # -- writing ------------------------------------------------------------------------
+    def _metadata(self) -> list[dict[str, Any]]:
+        meta = [{"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}}]
+        meta.append({"name": "process_sort_index", "ph": "M", "pid": self.rank, "args": {"sort_index": self.rank}})
+        for track, label in sorted(self._track_names.items()):
+            meta.append({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": track, "args": {"name": label}})
+            meta.append(
+                {"name": "thread_sort_index", "ph": "M", "pid": self.rank, "tid": track, "args": {"sort_index": track}}
+            )
+        return meta
+
+    def write(self, comm) -> Path | None:
+        """Gather every rank's events on rank 0 and write the trace there; collective.
+
+        Args:
+            comm: the job's Communicator.
+        """
+        if self._dropped:
+            log.warning("hpcddp timeline: rank %d dropped %d events past %d", self.rank, self._dropped, MAX_EVENTS)
+        gathered = comm.gather_object(self._metadata() + self.events, 0)
+        self.events = []
+        if comm.rank != 0:
+            return None
+        trace = {"traceEvents": [event for events in gathered for event in events], "displayTimeUnit": "ms"}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(json.dumps(trace))
+        os.replace(tmp, self.path)
+        log.info("hpcddp timeline written to %s", self.path)
+        return self.path
+
+
+def _first_tensor(output) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (list, tuple)):
+        return next((t for t in output if isinstance(t, torch.Tensor)), None)
+    if isinstance(output, dict):
+        return next((t for t in output.values() if isinstance(t, torch.Tensor)), None)
+    return None
+
+
+def current() -> Timeline | None:
+    """Return this process's Timeline, or None when no timeline is being recorded."""
+    from .bootstrap import _runtime
+
+    return None if _runtime is None else _runtime.timeline

@@ -1,0 +1,145 @@
+"""hpcddp.horovod under mpirun: Horovod's API gives the results Horovod defines, computed by hpcddp."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hpcddp
+import hpcddp.horovod as hvd
+
+from .test_failures_join import make_model, make_sgd, num_batches, rank_data
+
+
+def test_layout_matches_hpcddp():
+    hvd.init()  # already initialised: a no-op, as in Horovod
+    assert hvd.is_initialized()
+    assert (hvd.rank(), hvd.size()) == (hpcddp.rank(), hpcddp.size())
+    assert (hvd.local_rank(), hvd.local_size()) == (hpcddp.local_rank(), hpcddp.local_size())
+    assert (hvd.cross_rank(), hvd.cross_size()) == (0, 1)  # one host
+    assert hvd.mpi_enabled() and hvd.mpi_threads_supported()
+
+
+def test_allreduce_ops_scaling_and_compression():
+    n, r = hvd.size(), hvd.rank()
+    t = torch.full((5,), float(r + 1))
+    mean = (n + 1) / 2
+    torch.testing.assert_close(hvd.allreduce(t), torch.full((5,), mean))
+    torch.testing.assert_close(hvd.allreduce(t, average=False), torch.full((5,), n * mean))
+    torch.testing.assert_close(hvd.allreduce(t, op=hvd.Sum), torch.full((5,), n * mean))
+    torch.testing.assert_close(hvd.allreduce(t, op=hvd.Max), torch.full((5,), float(n)))
+    torch.testing.assert_close(hvd.allreduce(t, op=hvd.Min), torch.full((5,), 1.0))
+    scaled = hvd.allreduce(t, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5)
+    torch.testing.assert_close(scaled, torch.full((5,), n * mean))
+    assert torch.equal(t, torch.full((5,), float(r + 1))), "allreduce must leave its input alone"
+    half = hvd.allreduce(t, compression=hvd.Compression.fp16)
+    assert half.dtype == torch.float32
+    torch.testing.assert_close(half, torch.full((5,), mean))
+    with pytest.raises(ValueError, match="not both"):
+        hvd.allreduce(t, average=True, op=hvd.Sum)
+
+
+def test_in_place_and_async_forms():
+    n, r = hvd.size(), hvd.rank()
+    t = torch.full((3,), float(r))
+    out = hvd.allreduce_(t, op=hvd.Sum)
+    assert out is t and torch.equal(t, torch.full((3,), float(sum(range(n)))))
+    src = torch.full((2,), float(r))
+    handle = hvd.allreduce_async(src, name="metric")
+    result = hvd.synchronize(handle)
+    assert hvd.poll(handle)
+    torch.testing.assert_close(result, torch.full((2,), (n - 1) / 2))
+    inplace = torch.full((2,), float(r))
+    assert hvd.synchronize(hvd.allreduce_async_(inplace, op=hvd.Max)) is inplace
+    assert torch.equal(inplace, torch.full((2,), float(n - 1)))
+
+
+def test_broadcast_allgather_and_objects():
+    n, r = hvd.size(), hvd.rank()
+    t = torch.full((4,), float(r))
+    assert torch.equal(hvd.broadcast(t, root_rank=n - 1), torch.full((4,), float(n - 1)))
+    assert torch.equal(t, torch.full((4,), float(r)))
+    hvd.broadcast_(t, root_rank=0)
+    assert torch.equal(t, torch.zeros(4))
+    assert torch.equal(hvd.synchronize(hvd.broadcast_async(torch.tensor([r]), 1)), torch.tensor([1]))
+    rows = hvd.allgather(torch.full((r + 1, 2), r))
+    assert rows.shape == (n * (n + 1) // 2, 2)
+    assert rows[:, 0].tolist() == [k for k in range(n) for _ in range(k + 1)]
+    assert hvd.broadcast_object({"rank": r}, root_rank=1) == {"rank": 1}
+    assert hvd.allgather_object(r * 10) == [k * 10 for k in range(n)]
+
+
+def _train(model, optimizer, data):
+    for x, y in data:
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize(
+    "options, hpcddp_options",
+    [
+        ({}, {}),
+        ({"gradient_predivide_factor": 2.0}, {}),
+        ({"op": hvd.Sum}, {"op": "sum"}),
+        ({"compression": hvd.Compression.fp16}, {"compression": "fp16"}),
+        ({"backward_passes_per_step": 2}, {"backward_passes_per_step": 2}),
+    ],
+    ids=["average", "predivide", "sum", "fp16", "accumulate"],
+)
+def test_distributed_optimizer_matches_plain_hpcddp(options, hpcddp_options):
+    data = rank_data(1)  # three batches on every rank
+    generator = torch.Generator().manual_seed(hvd.rank())
+    data = [(x + torch.randn(x.shape, generator=generator), y) for x, y in data]
+    model, plain = make_model(), make_model()
+    optimizer = hvd.DistributedOptimizer(make_sgd(model.parameters()), named_parameters=model.named_parameters(), **options)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    reference = hpcddp.DistributedOptimizer(make_sgd(plain.parameters()), plain.named_parameters(), **hpcddp_options)
+    if options.get("backward_passes_per_step") == 2:
+        for opt, net in ((optimizer, model), (reference, plain)):
+            for x, y in data:
+                opt.zero_grad()
+                for half in (slice(0, 3), slice(3, 6)):
+                    F.cross_entropy(net(x[half]), y[half]).backward()
+                opt.step()
+    else:
+        _train(model, optimizer, data)
+        _train(plain, reference, data)
+    tolerance = 1e-3 if "compression" in options else 1e-6
+    for a, b in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(a, b, atol=tolerance, rtol=tolerance)
+    optimizer.close()
+    reference.close()
+    del optimizer
+
+
+def test_bad_arguments_name_the_knob():
+    model = make_model()
+    with pytest.raises(ValueError, match="compression must be hvd.Compression"):
+        hvd.DistributedOptimizer(make_sgd(model.parameters()), compression="zip")
+    with pytest.raises(ValueError, match="gradient_predivide_factor=2.0 needs op=hvd.Average"):
+        hvd.DistributedOptimizer(make_sgd(model.parameters()), op=hvd.Sum, gradient_predivide_factor=2.0)
+    with pytest.raises(NotImplementedError, match="global process set"):
+        hvd.allreduce(torch.ones(1), process_set="other")
+
+
+def test_join_averages_over_all_ranks_and_returns_the_last_rank():
+    model = make_model()
+    optimizer = hvd.DistributedOptimizer(make_sgd(model.parameters()), named_parameters=model.named_parameters())
+    _train(model, optimizer, rank_data(hvd.rank()))
+    last = hvd.join()
+    counts = [num_batches(r) for r in range(hvd.size())]
+    assert counts[last] == max(counts)
+    # Horovod's rule: joined ranks add zeros and the average still divides by size().
+    expected = make_model()
+    reference = make_sgd(expected.parameters())
+    data = [rank_data(r) for r in range(hvd.size())]
+    for step in range(max(counts)):
+        reference.zero_grad()
+        loss = sum(F.cross_entropy(expected(x), y) for d in data if step < len(d) for x, y in [d[step]])
+        (loss / hvd.size()).backward()
+        reference.step()
+    for a, b in zip(model.parameters(), expected.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    optimizer.close()
+    del optimizer

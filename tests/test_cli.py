@@ -1,0 +1,117 @@
+"""The hpcddp command: run (mpirun/srun command lines, exit codes), info, --help everywhere."""
+
+import os
+import shlex
+import stat
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from hpcddp.cli import main
+from hpcddp.launch import LaunchConfig, build_launch_command
+
+from .conftest import ROOT
+
+HPCDDP = [sys.executable, "-m", "hpcddp.cli"]
+
+
+@pytest.mark.parametrize("command", [[], ["run"], ["info"], ["bench"], ["bench", "allreduce"], ["bench", "train"]])
+def test_every_command_has_help(command):
+    result = CliRunner().invoke(main, [*command, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Usage: " in result.output and "--help" in result.output
+
+
+def dry_run(*args, env=None):
+    result = CliRunner().invoke(main, ["run", "--dry-run", *args], env=env)
+    assert result.exit_code == 0, result.output
+    return shlex.split(result.output.strip())
+
+
+def test_dry_run_starts_python_scripts_with_this_python_and_binds_ranks_to_cores():
+    argv = dry_run("-np", "1", "train.py", "--epochs", "3")
+    assert argv[argv.index("-np") + 1] == "1"
+    assert argv[-3:] == [sys.executable, "train.py", "--epochs", "3"][-3:] and sys.executable in argv
+    assert ("--allow-run-as-root" in argv) == (os.geteuid() == 0)
+    cores = os.cpu_count()
+    assert argv[argv.index("--map-by") + 1] == f"slot:PE={cores}" and "core" in argv
+
+
+def test_dry_run_oversubscribes_and_yields_past_the_cores():
+    argv = dry_run("-np", str(os.cpu_count() + 2), "-x", "FOO=bar", "hpcddp", "info")
+    assert "--oversubscribe" in argv and argv[argv.index("--bind-to") + 1] == "none"
+    assert "mpi_yield_when_idle" in argv
+    assert "FOO=bar" in argv and argv[-2:] == ["hpcddp", "info"]
+
+
+def test_dry_run_with_hosts_leaves_placement_to_mpirun_and_forwards_variables():
+    argv = dry_run("-np", "8", "-H", "node1:4,node2:4", "train.py", env={"HPCDDP_STALL_TIMEOUT": "30"})
+    assert argv[argv.index("-H") + 1] == "node1:4,node2:4"
+    assert "--map-by" not in argv and "--oversubscribe" not in argv
+    assert "HPCDDP_STALL_TIMEOUT" in argv  # forwarded with -x to remote ranks
+
+
+def test_inside_a_slurm_allocation_it_uses_srun(tmp_path, monkeypatch):
+    srun = tmp_path / "srun"
+    srun.write_text("#!/bin/sh\nexit 0\n")
+    srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    environ = {"SLURM_JOB_ID": "42", "SLURM_CPUS_PER_TASK": "4", "PATH": os.environ["PATH"]}
+    argv, env = build_launch_command(LaunchConfig(num_proc=2), ["python", "t.py"], environ)
+    assert argv == [str(srun), "--mpi=pmix", "--kill-on-bad-exit=1", "--ntasks=2", "--cpus-per-task=4", "python", "t.py"]
+    assert env["PMIX_MCA_psec"] == "native"
+    argv, _ = build_launch_command(LaunchConfig(num_proc=2, launcher="mpirun"), ["t"], environ)
+    assert os.path.basename(argv[0]) == "mpirun"
+    argv, _ = build_launch_command(LaunchConfig(launcher="mpirun"), ["t"], {**environ, "SLURM_NTASKS": "6"})
+    assert argv[argv.index("-np") + 1] == "6"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["-np", "0", "t.py"], "-np must be >= 1, got 0"),
+        (["t.py"], "-np is required outside a Slurm allocation"),
+        (["-np", "2", "-H", "a:1", "--hostfile", __file__, "t.py"], "either -H/--hosts or --hostfile"),
+        (["-np", "2", "-x", "1BAD", "t.py"], "-x takes NAME or NAME=VALUE, got '1BAD'"),
+        (["-np", "2", "--launcher", "pbs", "t.py"], "'pbs' is not one of"),
+    ],
+)
+def test_bad_arguments_are_one_line_usage_errors(args, message):
+    result = CliRunner().invoke(main, ["run", *args], env={"SLURM_JOB_ID": ""})
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+def test_run_returns_the_job_exit_code():
+    ok = subprocess.run([*HPCDDP, "run", "-np", "2", "python", "-c", "pass"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    failed = subprocess.run(
+        [*HPCDDP, "run", "-np", "2", "python", "-c", "import sys; sys.exit(3)"], capture_output=True, timeout=120
+    )
+    assert failed.returncode == 3
+
+
+def test_info_under_two_ranks_prints_the_rank_map_and_a_working_allreduce():
+    result = subprocess.run(
+        [*HPCDDP, "run", "-np", "2", "hpcddp", "info"], capture_output=True, text=True, timeout=180, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "Job: 2 rank(s), backend mpi; allreduce across the job: ok" in out, out
+    assert "[X] mpi" in out and "[X] gloo" in out and "nccl" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and "cpu" in line]
+    assert sorted(row[0] for row in rows) == ["0", "1"], out
+    assert "thread level  MULTIPLE" in out
+
+
+def test_info_json_in_one_process():
+    result = subprocess.run([*HPCDDP, "info", "--json"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    import json
+
+    report = json.loads(result.stdout)
+    assert report["job"]["size"] == 1 and report["job"]["test"]["ok"]
+    assert {b["name"] for b in report["backends"]} == {"mpi", "gloo", "nccl"}
+    assert report["versions"]["hpcddp"]

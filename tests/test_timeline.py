@@ -1,0 +1,117 @@
+"""HPCDDP_TIMELINE / init(timeline=...): the Chrome trace loads and its spans nest and follow each other."""
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+
+import pytest
+
+from hpcddp.testing import run_mpi
+
+from .conftest import ROOT
+
+STEPS = 4
+EPS_US = 0.01  # timestamps are rounded to nanoseconds
+
+TRAIN = f"""
+import sys, time
+import torch, torch.nn.functional as F
+import hpcddp
+
+hpcddp.init({{timeline_arg}})
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)])
+optimizer = hpcddp.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(), bucket_cap_mb=0.5, first_bucket_mb=0.25
+)
+for step in range({STEPS}):
+    optimizer.zero_grad()
+    F.mse_loss(model(torch.randn(32, 256)), torch.zeros(32, 256)).backward()
+    optimizer.step()
+print("buckets", len(optimizer.buckets))
+hpcddp.shutdown()
+"""
+
+
+def load(path):
+    trace = json.loads(path.read_text())
+    events = trace["traceEvents"]
+    spans = defaultdict(list)
+    for event in events:
+        if event["ph"] == "X":
+            spans[(event["pid"], event["tid"])].append(event)
+    for track in spans.values():
+        track.sort(key=lambda e: (e["ts"], -e["dur"]))
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events if e["ph"] == "M" and e["name"].endswith("_name")}
+    return spans, names
+
+
+def end(event):
+    return event["ts"] + event["dur"]
+
+
+def inside(child, parent):
+    return parent["ts"] - EPS_US <= child["ts"] and end(child) <= end(parent) + EPS_US
+
+
+def check_training_track(track):
+    """forward, backward, step per iteration; synchronize then optimizer.step inside each step."""
+    top = [e for e in track if e["name"] in ("forward", "backward", "step")]
+    assert [e["name"] for e in top] == ["forward", "backward", "step"] * STEPS, [e["name"] for e in top]
+    for before, after in zip(top, top[1:]):
+        assert end(before) <= after["ts"] + EPS_US, (before, after)
+    for step in (e for e in top if e["name"] == "step"):
+        nested = [e for e in track if e["name"] in ("synchronize", "optimizer.step") and inside(e, step)]
+        assert [e["name"] for e in nested] == ["synchronize", "optimizer.step"], nested
+        assert end(nested[0]) <= nested[1]["ts"] + EPS_US
+    return [e for e in top if e["name"] == "backward"]
+
+
+def test_timeline_of_two_ranks_shows_nested_bucket_phases_and_overlap(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN.replace("{timeline_arg}", ""))
+    trace_path = tmp_path / "trace.json"
+    result = run_mpi(2, [sys.executable, str(script)], timeout=300, env={"HPCDDP_TIMELINE": str(trace_path)}, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-5000:]
+    num_buckets = int(result.stdout.split("buckets ")[1].split()[0])
+    assert num_buckets >= 3
+    spans, names = load(trace_path)
+    for rank in range(2):
+        assert names[(rank, None)] == f"rank {rank}"
+        assert names[(rank, 0)] == "training"
+        backwards = check_training_track(spans[(rank, 0)])
+        launches = []
+        for bucket in range(num_buckets):
+            assert names[(rank, bucket + 1)].startswith(f"bucket {bucket} (")
+            track = spans[(rank, bucket + 1)]
+            parents = [e for e in track if e["name"] == f"bucket {bucket}"]
+            assert len(parents) == STEPS
+            for parent in parents:
+                phases = [e for e in track if e is not parent and inside(e, parent)]
+                assert [e["name"] for e in phases] == ["copy-in", "queue", "allreduce", "copy-out"], phases
+                for before, after in zip(phases, phases[1:]):
+                    assert end(before) <= after["ts"] + EPS_US
+            launches.append([p["ts"] for p in parents])
+        for step in range(STEPS):
+            # Buckets start in index order, and the first one while backward still runs.
+            assert [launch[step] for launch in launches] == sorted(launch[step] for launch in launches)
+            assert backwards[step]["ts"] <= launches[0][step] < end(backwards[step])
+
+
+def test_single_process_timeline_from_init_argument(tmp_path):
+    trace_path = tmp_path / "one.json"
+    script = tmp_path / "one.py"
+    script.write_text(TRAIN.replace("{timeline_arg}", f"timeline={str(trace_path)!r}"))
+    subprocess.run([sys.executable, str(script)], check=True, timeout=120, cwd=ROOT, capture_output=True)
+    spans, names = load(trace_path)
+    assert names[(0, None)] == "rank 0"
+    check_training_track(spans[(0, 0)])
+    assert set(spans) == {(0, 0)}  # a world of one reduces nothing
+
+
+def test_timeline_must_be_a_path():
+    from hpcddp.config import InitConfig
+
+    with pytest.raises(ValueError, match="timeline must be a file path, got ''"):
+        InitConfig(timeline="")
