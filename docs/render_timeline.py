@@ -55,11 +55,14 @@ def main() -> None:
         for event in sorted(spans[key], key=lambda e: -e["dur"]):
             if event["ts"] + event["dur"] < start - margin or event["ts"] > end + margin:
                 continue
-            parent = event["name"].startswith("bucket ")
+            parent = event["name"].startswith("bucket ") or event["name"] == "step"
+            nested = event["name"] in ("synchronize", "optimizer.step")
             left, width = (event["ts"] - start) / 1000, event["dur"] / 1000
-            height, colour = (0.8, "#f3f3f3") if parent else (0.5, COLOURS.get(event["name"], "#999999"))
+            height = 0.8 if parent else 0.4 if nested else 0.6
+            colour = "#f3f3f3" if event["name"].startswith("bucket ") else COLOURS.get(event["name"], "#999999")
             axes.barh(y, width, left=left, height=height, color=colour, edgecolor="#555555", linewidth=0.4)
-            if not parent and width > (end - start) / 1000 * 0.06:
+            inside = start <= event["ts"] and event["ts"] + event["dur"] <= end
+            if not parent and inside and width > (end - start) / 1000 * 0.08:
                 axes.text(left + width / 2, y, event["name"], ha="center", va="center", fontsize=7)
     labels = [f"{names.get((pid, None), pid)} / {names.get((pid, tid), tid)}" for pid, tid in reversed(rows)]
     axes.set_yticks(range(len(rows)), labels, fontsize=8)

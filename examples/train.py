@@ -235,7 +235,9 @@ def main(argv=None) -> dict:
     if args.batch_size % size:
         raise SystemExit(f"--batch-size must be divisible by the number of ranks ({size}), got {args.batch_size}")
     restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
-    print(f"rank {rank}/{size} on {socket.gethostname()}, backend {hpcddp.backend()}, restart {restarts}", flush=True)
+    # Every rank reports where it runs; rank 0 prints the lot (logging on rank 0 only).
+    for other, host in hpcddp.allgather_object((rank, socket.gethostname())):
+        log.info("rank %d/%d on %s, backend %s, restart %s", other, size, host, hpcddp.backend(), restarts)
     device = hpcddp.device()
     dtype = getattr(torch, args.dtype)
     data, test = load_digits(device, dtype)

@@ -1,10 +1,10 @@
 """hpcddp: data-parallel PyTorch training on HPC machines over MPI.
 
-    import hpcddp
-    hpcddp.init()
-    model.to(hpcddp.device())
-    optimizer = hpcddp.DistributedOptimizer(optimizer, model.named_parameters())
-    hpcddp.broadcast_parameters(model.state_dict(), root_rank=0)
+import hpcddp
+hpcddp.init()
+model.to(hpcddp.device())
+optimizer = hpcddp.DistributedOptimizer(optimizer, model.named_parameters())
+hpcddp.broadcast_parameters(model.state_dict(), root_rank=0)
 """
 
 from .bootstrap import (

@@ -13,7 +13,7 @@ import torch
 from ._abort import install_exception_hooks
 from .comm.base import Communicator
 from .config import InitConfig
-from .device import select_device, set_cpu_threads, visible_gpu_ids
+from .device import NodePeer, describe_self, select_device, set_cpu_threads
 from .env import ClusterEnvironment, RankLayout, detect_environment
 from .env.settings import read_settings
 from .timeline import Timeline
@@ -89,20 +89,22 @@ def init(
     environment = detect_environment()
     layout = environment.layout()
     mpi_comm = environment.mpi_comm
-    gpu_ids = None if mpi_comm is None else _node_gpu_ids(mpi_comm)
-    device = select_device(layout, config.allow_gpu_sharing, gpu_ids)
+    # Every rank gathers (a collective), so that ranks seeing different GPU counts cannot hang.
+    node_peers = None if mpi_comm is None else _gather_node_peers(mpi_comm)
+    device = select_device(layout, config.allow_gpu_sharing, node_peers)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     chosen = _choose_backend(config.backend, environment, layout, device)
     _export_variables(environment, layout)
-    if layout.world_size > 1 or chosen in ("gloo", "nccl"):
-        _export_rendezvous(environment)
+    _export_rendezvous(environment)
     comm = _create_communicator(chosen, environment, layout, device, config)
     if layout.world_size > 1:
         install_exception_hooks(layout.rank, use_mpi=mpi_comm is not None or chosen == "mpi")
-    threads = set_cpu_threads(layout, config.num_threads)
+    threads = set_cpu_threads(layout, config.num_threads, node_peers)
     _runtime = _Runtime(config, environment, layout, device, comm, threads, _start_timeline(config, layout, comm))
-    log.debug("hpcddp rank %d/%d on %s, backend %s, %d threads", layout.rank, layout.world_size, device, chosen, threads)
+    log.debug(
+        "hpcddp rank %d/%d on %s, backend %s, %d threads", layout.rank, layout.world_size, device, chosen, threads
+    )
 
 
 def _start_timeline(config: InitConfig, layout: RankLayout, comm: Communicator) -> Timeline | None:
@@ -117,17 +119,14 @@ def _start_timeline(config: InitConfig, layout: RankLayout, comm: Communicator) 
     return recorder
 
 
-def _node_gpu_ids(mpi_comm):
-    def gather():
-        from ._mpi import import_mpi
+def _gather_node_peers(mpi_comm) -> list[NodePeer]:
+    from ._mpi import import_mpi
 
-        node = mpi_comm.Split_type(import_mpi().COMM_TYPE_SHARED)
-        try:
-            return node.allgather(visible_gpu_ids())
-        finally:
-            node.Free()
-
-    return gather
+    node = mpi_comm.Split_type(import_mpi().COMM_TYPE_SHARED)
+    try:
+        return node.allgather(describe_self())
+    finally:
+        node.Free()
 
 
 def _choose_backend(requested: str, environment: ClusterEnvironment, layout: RankLayout, device) -> str:
@@ -194,7 +193,11 @@ def _export_variables(environment: ClusterEnvironment, layout: RankLayout) -> No
 
 
 def _export_rendezvous(environment: ClusterEnvironment) -> None:
-    """Agree on torch.distributed's MASTER_ADDR/MASTER_PORT (a user's pair is kept)."""
+    """Agree on torch.distributed's MASTER_ADDR/MASTER_PORT and export them.
+
+    The environment decides (under MPI: rank 0's pair, the user's when set, else a
+    free port, broadcast to all); a rank whose own differing value is replaced is warned.
+    """
     address, port = environment.rendezvous()
     for name, value in (("MASTER_ADDR", address), ("MASTER_PORT", str(port))):
         current = os.environ.get(name)

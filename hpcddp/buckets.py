@@ -12,9 +12,7 @@ __all__ = ["Bucket", "assign_buckets", "build_buckets"]
 MB = 1024 * 1024
 
 
-def assign_buckets(
-    tensors: Sequence[torch.Tensor], bucket_cap_bytes: int, first_bucket_bytes: int
-) -> list[list[int]]:
+def assign_buckets(tensors: Sequence[torch.Tensor], bucket_cap_bytes: int, first_bucket_bytes: int) -> list[list[int]]:
     """Group tensors into buckets the way DDP does; return lists of tensor indices.
 
     Tensors are taken in reverse order (gradients become ready roughly from the

@@ -33,7 +33,10 @@ def allreduce_async_(tensor: torch.Tensor, op: str | ReduceOp = "average") -> Ha
         tensor: the tensor to reduce; every rank passes one of the same shape and dtype.
         op: "average" (default), "sum", "min" or "max".
     """
-    return communicator().allreduce_async_(tensor, parse_op(op))
+    reduce_op = _check_op(tensor, op)
+    # detach(): the same storage, so a parameter (a leaf that requires grad) can be
+    # reduced in place too; the caller gets its own tensor back.
+    return communicator().allreduce_async_(tensor.detach(), reduce_op).then(lambda _: tensor)
 
 
 def allreduce_async(tensor: torch.Tensor, op: str | ReduceOp = "average") -> Handle:
@@ -53,7 +56,8 @@ def allreduce_(tensor: torch.Tensor, op: str | ReduceOp = "average") -> torch.Te
         tensor: the tensor to reduce.
         op: "average" (default), "sum", "min" or "max".
     """
-    return communicator().allreduce_(tensor, parse_op(op))
+    communicator().allreduce_(tensor.detach(), _check_op(tensor, op))
+    return tensor
 
 
 def allreduce(tensor: torch.Tensor, op: str | ReduceOp = "average") -> torch.Tensor:
@@ -74,7 +78,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int = 0) -> Handle:
         root_rank: the rank whose tensor is sent.
     """
     _check_root(root_rank)
-    return communicator().broadcast_async_(tensor, root_rank)
+    return communicator().broadcast_async_(tensor.detach(), root_rank).then(lambda _: tensor)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int = 0) -> Handle:
@@ -116,6 +120,13 @@ def allgather_object(obj: Any) -> list[Any]:
 def barrier() -> None:
     """Block until every rank has reached this barrier."""
     communicator().barrier()
+
+
+def _check_op(tensor: torch.Tensor, op: str | ReduceOp) -> ReduceOp:
+    reduce_op = parse_op(op)
+    if reduce_op is ReduceOp.AVERAGE and not (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
+        raise TypeError(f"op='average' needs a floating-point tensor, got {tensor.dtype}: use op='sum'")
+    return reduce_op
 
 
 def _check_root(root_rank: int) -> None:

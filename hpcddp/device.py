@@ -4,48 +4,32 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from .env.base import RankLayout
 
-__all__ = ["select_device", "set_cpu_threads", "usable_cpus", "visible_gpu_ids"]
+__all__ = ["NodePeer", "describe_self", "select_device", "set_cpu_threads", "usable_cpus", "visible_gpu_ids"]
 
 log = logging.getLogger(__name__)
 
 
-def usable_cpus() -> int:
-    """Return how many CPUs this process may run on (its affinity mask)."""
+@dataclass(frozen=True)
+class NodePeer:
+    """What one rank on a node sees: its GPUs (stable ids) and the CPUs it may run on."""
+
+    gpu_ids: tuple[str, ...]
+    cpus: frozenset[int]
+
+
+def usable_cpus() -> frozenset[int]:
+    """Return the CPUs this process may run on (its affinity mask)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return frozenset(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def select_device(layout: RankLayout, allow_gpu_sharing: bool, gpu_ids_on_node=None) -> torch.device:
-    """Return ``cuda:(local_rank % visible GPUs)`` when CUDA is available, else CPU.
-
-    Args:
-        layout: this rank's place in the job.
-        allow_gpu_sharing: permit more ranks on the node than GPUs.
-        gpu_ids_on_node: callable returning every local rank's tuple of visible GPU
-            ids; used to tell one-GPU-per-task binding (each rank sees a different
-            GPU as cuda:0) from ranks that really share GPUs.
-    """
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    visible = torch.cuda.device_count()
-    if layout.local_size > visible and not allow_gpu_sharing:
-        distinct = visible
-        if gpu_ids_on_node is not None:
-            seen = gpu_ids_on_node()
-            distinct = len({gpu for ids in seen for gpu in ids})
-        if layout.local_size > distinct:
-            raise RuntimeError(
-                f"{layout.local_size} ranks on this node but only {distinct} GPUs: start at most "
-                f"{distinct} ranks per node, or pass init(allow_gpu_sharing=True)"
-            )
-    return torch.device("cuda", layout.local_rank % visible)
+        return frozenset(range(os.cpu_count() or 1))
 
 
 def visible_gpu_ids() -> tuple[str, ...]:
@@ -59,22 +43,67 @@ def visible_gpu_ids() -> tuple[str, ...]:
     return tuple(ids)
 
 
-def set_cpu_threads(layout: RankLayout, num_threads: int | None) -> int:
+def describe_self() -> NodePeer:
+    """Return this process's NodePeer, to be gathered over the ranks of its node."""
+    return NodePeer(visible_gpu_ids(), usable_cpus())
+
+
+def select_device(
+    layout: RankLayout, allow_gpu_sharing: bool, node_peers: Sequence[NodePeer] | None = None
+) -> torch.device:
+    """Return ``cuda:(local_rank % visible GPUs)`` when CUDA is available, else CPU.
+
+    Args:
+        layout: this rank's place in the job.
+        allow_gpu_sharing: permit more ranks on the node than GPUs.
+        node_peers: every local rank's NodePeer (from MPI), which tells one GPU per
+            task (each rank sees a different GPU as cuda:0) from ranks that really
+            share GPUs; None when the ranks cannot be asked.
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    if layout.local_size > visible and not allow_gpu_sharing:
+        if node_peers is not None:
+            distinct = len({gpu for peer in node_peers for gpu in peer.gpu_ids})
+        elif os.environ.get("CUDA_VISIBLE_DEVICES"):
+            # Without MPI the other ranks cannot be asked; a per-process
+            # CUDA_VISIBLE_DEVICES is how launchers (srun --gpus-per-task) bind one GPU each.
+            distinct = layout.local_size
+        else:
+            distinct = visible
+        if layout.local_size > distinct:
+            raise RuntimeError(
+                f"{layout.local_size} ranks on this node but only {distinct} GPUs: start at most "
+                f"{distinct} ranks per node, or pass init(allow_gpu_sharing=True)"
+            )
+    return torch.device("cuda", layout.local_rank % visible)
+
+
+def set_cpu_threads(layout: RankLayout, num_threads: int | None, node_peers: Sequence[NodePeer] | None = None) -> int:
     """Set torch's intra-op threads for this rank and return the number used.
 
-    OMP_NUM_THREADS, when set, wins. Otherwise a rank bound to a CPU set uses that
-    set; an unbound rank shares the node's CPUs with the other local ranks.
+    OMP_NUM_THREADS, when set, wins. Otherwise the rank's CPUs (its affinity mask)
+    are split evenly between the local ranks that share that very mask: a rank bound
+    to its own cores uses them all, ranks bound to one socket (Open MPI's default
+    past two ranks) or not bound at all divide it.
 
     Args:
         layout: this rank's place in the job.
         num_threads: an explicit count, or None to derive it.
+        node_peers: every local rank's NodePeer, or None when unknown (then an
+            unbound rank assumes all local ranks share the node).
     """
     if num_threads is None:
         if os.environ.get("OMP_NUM_THREADS"):
             return torch.get_num_threads()
         cpus = usable_cpus()
-        node_cpus = os.cpu_count() or cpus
-        num_threads = cpus if cpus < node_cpus else node_cpus // layout.local_size
+        node_cpus = os.cpu_count() or len(cpus)
+        if node_peers is not None:
+            sharing = sum(1 for peer in node_peers if peer.cpus == cpus)
+        else:
+            sharing = layout.local_size if len(cpus) >= node_cpus else 1
+        num_threads = len(cpus) // max(1, sharing)
     num_threads = max(1, num_threads)
     torch.set_num_threads(num_threads)
     return num_threads

@@ -48,9 +48,7 @@ def _cuda_aware_open_mpi() -> str:
     if ompi_info is None:
         return "unknown (no ompi_info)"
     try:
-        out = subprocess.run(
-            [ompi_info, "--parsable", "--all"], capture_output=True, text=True, timeout=30
-        ).stdout
+        out = subprocess.run([ompi_info, "--parsable", "--all"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return "unknown (ompi_info failed)"
     match = re.search(r"mpi_built_with_cuda_support:value:(\w+)", out)
@@ -103,7 +101,11 @@ def check_backends() -> list[BackendCheck]:
     checks = []
     mpi = mpi_facts()
     mpi_ok = not mpi["library"].startswith("not available")
-    checks.append(BackendCheck("mpi", mpi_ok, f"{mpi['library']}, thread level {mpi.get('thread_level')}" if mpi_ok else mpi["library"]))
+    checks.append(
+        BackendCheck(
+            "mpi", mpi_ok, f"{mpi['library']}, thread level {mpi.get('thread_level')}" if mpi_ok else mpi["library"]
+        )
+    )
     gloo_ok = dist.is_available() and dist.is_gloo_available()
     checks.append(BackendCheck("gloo", gloo_ok, "torch.distributed" if gloo_ok else "torch built without gloo"))
     if not (dist.is_available() and dist.is_nccl_available()):

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
+from . import timeline
 from ._consistency import check_same_parameters
 from .buckets import MB, Bucket, build_buckets
 from .comm.base import Communicator, Handle, ReduceOp, parse_op
-from . import timeline
 from .stall import collective_tag
 
 __all__ = ["DistributedOptimizer", "COMPRESSIONS"]
@@ -109,7 +109,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         _check_positive("bucket_cap_mb", bucket_cap_mb)
         _check_positive("first_bucket_mb", first_bucket_mb)
-        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        if (
+            isinstance(backward_passes_per_step, bool)
+            or not isinstance(backward_passes_per_step, int)
+            or backward_passes_per_step < 1
+        ):
             raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
         key = compression.lower() if isinstance(compression, str) else compression
         if key not in COMPRESSIONS:
@@ -495,12 +499,17 @@ def _adopt_grad(param: torch.nn.Parameter, view: torch.Tensor) -> None:
 
 
 def _check_positive(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 def _collect_parameters(optimizer, named_parameters) -> list[tuple[str, torch.nn.Parameter]]:
     in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
+    if len({id(p) for p in in_optimizer}) != len(in_optimizer):
+        position = next(i for i, p in enumerate(in_optimizer) if any(p is q for q in in_optimizer[:i]))
+        raise ValueError(
+            f"the optimizer lists parameter #{position} twice (torch only warns): pass each parameter once"
+        )
     if named_parameters is None:
         named = [(f"param.{i}", p) for i, p in enumerate(in_optimizer)]
     else:

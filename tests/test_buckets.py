@@ -27,7 +27,12 @@ def test_one_large_tensor_gets_its_own_bucket():
 
 
 def test_dtypes_never_share_a_bucket():
-    params = [torch.zeros(10), torch.zeros(10, dtype=torch.float64), torch.zeros(10), torch.zeros(10, dtype=torch.float64)]
+    params = [
+        torch.zeros(10),
+        torch.zeros(10, dtype=torch.float64),
+        torch.zeros(10),
+        torch.zeros(10, dtype=torch.float64),
+    ]
     buckets = assign_buckets(params, 25 * MB, MB)
     for bucket in buckets:
         assert len({params[i].dtype for i in bucket}) == 1

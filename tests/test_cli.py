@@ -60,7 +60,15 @@ def test_inside_a_slurm_allocation_it_uses_srun(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     environ = {"SLURM_JOB_ID": "42", "SLURM_CPUS_PER_TASK": "4", "PATH": os.environ["PATH"]}
     argv, env = build_launch_command(LaunchConfig(num_proc=2), ["python", "t.py"], environ)
-    assert argv == [str(srun), "--mpi=pmix", "--kill-on-bad-exit=1", "--ntasks=2", "--cpus-per-task=4", "python", "t.py"]
+    assert argv == [
+        str(srun),
+        "--mpi=pmix",
+        "--kill-on-bad-exit=1",
+        "--ntasks=2",
+        "--cpus-per-task=4",
+        "python",
+        "t.py",
+    ]
     assert env["PMIX_MCA_psec"] == "native"
     argv, _ = build_launch_command(LaunchConfig(num_proc=2, launcher="mpirun"), ["t"], environ)
     assert os.path.basename(argv[0]) == "mpirun"
@@ -85,7 +93,9 @@ def test_bad_arguments_are_one_line_usage_errors(args, message):
 
 
 def test_run_returns_the_job_exit_code():
-    ok = subprocess.run([*HPCDDP, "run", "-np", "2", "python", "-c", "pass"], capture_output=True, text=True, timeout=120)
+    ok = subprocess.run(
+        [*HPCDDP, "run", "-np", "2", "python", "-c", "pass"], capture_output=True, text=True, timeout=120
+    )
     assert ok.returncode == 0, ok.stdout + ok.stderr
     failed = subprocess.run(
         [*HPCDDP, "run", "-np", "2", "python", "-c", "import sys; sys.exit(3)"], capture_output=True, timeout=120

@@ -7,7 +7,7 @@ import torch
 
 import hpcddp
 from hpcddp import bootstrap
-from hpcddp.device import select_device
+from hpcddp.device import NodePeer, select_device, set_cpu_threads
 from hpcddp.env import RankLayout, detect_environment
 from hpcddp.env.mpi import check_launcher_agrees
 from hpcddp.env.settings import read_settings
@@ -64,13 +64,47 @@ def test_more_ranks_on_a_node_than_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     layout = RankLayout(rank=1, world_size=2, local_rank=1, local_size=2, node_rank=0, num_nodes=1)
     with pytest.raises(RuntimeError) as error:
-        select_device(layout, allow_gpu_sharing=False, gpu_ids_on_node=lambda: [("GPU-a",), ("GPU-a",)])
+        select_device(layout, allow_gpu_sharing=False, node_peers=[peer("GPU-a"), peer("GPU-a")])
     assert one_line(error) == (
         "2 ranks on this node but only 1 GPUs: start at most 1 ranks per node, or pass init(allow_gpu_sharing=True)"
     )
     # One GPU per task (each rank sees a different GPU as cuda:0) is fine, as is sharing on request.
-    assert select_device(layout, False, lambda: [("GPU-a",), ("GPU-b",)]) == torch.device("cuda", 0)
+    assert select_device(layout, False, [peer("GPU-a"), peer("GPU-b")]) == torch.device("cuda", 0)
     assert select_device(layout, True) == torch.device("cuda", 0)
+    # Without MPI the peers are unknown: a per-process CUDA_VISIBLE_DEVICES means one GPU per task.
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(RuntimeError, match="2 ranks on this node but only 1 GPUs"):
+        select_device(layout, False, None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert select_device(layout, False, None) == torch.device("cuda", 0)
+
+
+def peer(*gpus, cpus=(0,)):
+    return NodePeer(tuple(gpus), frozenset(cpus))
+
+
+@pytest.mark.parametrize(
+    "mask, peers, local_size, expected",
+    [
+        ({0, 1, 2, 3}, None, 2, 2),  # unbound, peers unknown: the node split over local ranks
+        ({0, 1, 2, 3}, [{0, 1, 2, 3}] * 4, 4, 1),  # unbound: four ranks share all four CPUs
+        ({0, 1}, [{0, 1}, {2, 3}], 2, 2),  # bound to two cores of its own
+        ({0, 1}, [{0, 1}, {0, 1}, {2, 3}, {2, 3}], 4, 1),  # two ranks per socket mask
+        ({0}, None, 4, 1),  # bound to one core, peers unknown
+    ],
+)
+def test_threads_split_a_shared_cpu_mask(monkeypatch, mask, peers, local_size, expected):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(sys.modules["hpcddp.device"], "usable_cpus", lambda: frozenset(mask))
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    before = torch.get_num_threads()
+    layout = RankLayout(rank=0, world_size=local_size, local_rank=0, local_size=local_size, node_rank=0, num_nodes=1)
+    node_peers = None if peers is None else [NodePeer((), frozenset(p)) for p in peers]
+    try:
+        assert set_cpu_threads(layout, None, node_peers) == expected
+        assert torch.get_num_threads() == expected
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize(

@@ -19,12 +19,37 @@ def test_plain_process_is_single():
 
 
 def test_torchrun_variables():
-    environ = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1", "MASTER_ADDR": "n1", "MASTER_PORT": "1234"}
+    environ = {
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "4",
+        "GROUP_RANK": "1",
+        "MASTER_ADDR": "n1",
+        "MASTER_PORT": "1234",
+    }
     env = detect_environment(environ)
     assert isinstance(env, TorchrunEnvironment)
     layout = env.layout()
-    assert (layout.rank, layout.world_size, layout.local_rank, layout.local_size, layout.node_rank, layout.num_nodes) == (5, 8, 1, 4, 1, 2)
+    assert (
+        layout.rank,
+        layout.world_size,
+        layout.local_rank,
+        layout.local_size,
+        layout.node_rank,
+        layout.num_nodes,
+    ) == (5, 8, 1, 4, 1, 2)
     assert env.rendezvous() == ("n1", 1234)
+
+
+def test_torchrun_inside_srun_is_torchrun():
+    environ = {
+        "RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0",
+        "TORCHELASTIC_RUN_ID": "job", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2",
+    }  # fmt: skip
+    env = detect_environment(environ)
+    assert isinstance(env, TorchrunEnvironment)
+    assert (env.layout().rank, env.layout().world_size) == (3, 8)
 
 
 def slurm_step(**extra):
@@ -46,7 +71,14 @@ def test_srun_singletons_use_slurm_variables():
     env = detect_environment(slurm_step())
     assert isinstance(env, SlurmEnvironment)
     layout = env.layout()
-    assert (layout.rank, layout.world_size, layout.local_rank, layout.local_size, layout.node_rank, layout.num_nodes) == (3, 4, 1, 2, 1, 2)
+    assert (
+        layout.rank,
+        layout.world_size,
+        layout.local_rank,
+        layout.local_size,
+        layout.node_rank,
+        layout.num_nodes,
+    ) == (3, 4, 1, 2, 1, 2)
     address, port = env.rendezvous()
     assert address == "gpu07" and 15000 <= port < 30000
     assert SlurmEnvironment(slurm_step(SLURM_PROCID="0")).rendezvous() == (address, port)

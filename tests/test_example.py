@@ -39,7 +39,9 @@ def test_one_and_four_ranks_end_with_the_same_loss(tmp_path):
 
 def test_runs_unchanged_as_plain_python(tmp_path):
     out = tmp_path / "plain.json"
-    subprocess.run([sys.executable, SCRIPT, "--quiet", "--epochs", "1", "--json", str(out)], check=True, timeout=300, cwd=ROOT)
+    subprocess.run(
+        [sys.executable, SCRIPT, "--quiet", "--epochs", "1", "--json", str(out)], check=True, timeout=300, cwd=ROOT
+    )
     assert json.loads(out.read_text())["world_size"] == 1
 
 

@@ -13,7 +13,17 @@ def train(tmp_path, script, *args):
     final = tmp_path / f"{script}.pt"
     result = run_mpi(
         2,
-        [sys.executable, f"{ROOT}/examples/{script}", "--epochs", "3", "--dtype", "float64", "--save-final", str(final), *args],
+        [
+            sys.executable,
+            f"{ROOT}/examples/{script}",
+            "--epochs",
+            "3",
+            "--dtype",
+            "float64",
+            "--save-final",
+            str(final),
+            *args,
+        ],
         timeout=300,
         cwd=ROOT,
     )

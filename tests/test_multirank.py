@@ -21,7 +21,9 @@ def test_mpi_suite(num_ranks):
         env={"HPCDDP_MPI_TESTS": "1", "PYTHONUNBUFFERED": "1"},
         cwd=ROOT,
     )
-    assert result.returncode == 0, f"mpirun -np {num_ranks} failed (exit {result.returncode}):\n{result.stdout[-20000:]}"
+    assert result.returncode == 0, (
+        f"mpirun -np {num_ranks} failed (exit {result.returncode}):\n{result.stdout[-20000:]}"
+    )
     assert "passed" in result.stdout, result.stdout[-5000:]
 
 

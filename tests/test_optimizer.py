@@ -44,12 +44,19 @@ class TwinRanks(Communicator):
 
 def model_and_data():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3)
+    )
     return model, torch.randn(16, 10), torch.randint(0, 3, (16,))
 
 
 def wrap(model, comm=None, **kwargs):
-    return DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), communicator=comm or TwinRanks(), **kwargs)
+    return DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model.named_parameters(),
+        communicator=comm or TwinRanks(),
+        **kwargs,
+    )
 
 
 def plain_step(model, x, y):
@@ -178,9 +185,12 @@ def test_state_dict_round_trip_and_param_groups():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"bucket_cap_mb": 0}, "bucket_cap_mb must be > 0, got 0"),
-        ({"bucket_cap_mb": -1}, "bucket_cap_mb must be > 0, got -1"),
-        ({"first_bucket_mb": 0}, "first_bucket_mb must be > 0, got 0"),
+        ({"bucket_cap_mb": 0}, "bucket_cap_mb must be a finite number > 0, got 0"),
+        ({"bucket_cap_mb": -1}, "bucket_cap_mb must be a finite number > 0, got -1"),
+        ({"bucket_cap_mb": float("inf")}, "bucket_cap_mb must be a finite number > 0, got inf"),
+        ({"first_bucket_mb": 0}, "first_bucket_mb must be a finite number > 0, got 0"),
+        ({"gradient_predivide_factor": 0.0}, "gradient_predivide_factor must be a finite number > 0, got 0.0"),
+        ({"op": "sum", "gradient_predivide_factor": 2.0}, "gradient_predivide_factor=2.0 only applies to op='average'"),
         ({"backward_passes_per_step": 0}, "backward_passes_per_step must be an integer >= 1, got 0"),
         ({"backward_passes_per_step": 1.5}, "backward_passes_per_step must be an integer >= 1, got 1.5"),
         ({"compression": "int8"}, "compression must be one of None, 'fp16', 'bf16', got 'int8'"),
@@ -198,15 +208,32 @@ def test_parameter_listed_twice_is_refused():
     model, _, _ = model_and_data()
     named = list(model.named_parameters())
     with pytest.raises(ValueError, match="lists one parameter twice"):
-        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named + [("again", named[0][1])], communicator=TwinRanks())
+        DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named + [("again", named[0][1])], communicator=TwinRanks()
+        )
     with pytest.raises(ValueError, match="lists the name '0.weight' twice"):
-        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named + [("0.weight", torch.nn.Parameter(torch.ones(1)))], communicator=TwinRanks())
+        DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named + [("0.weight", torch.nn.Parameter(torch.ones(1)))],
+            communicator=TwinRanks(),
+        )
+
+
+def test_optimizer_listing_a_parameter_twice_is_refused():
+    model, _, _ = model_and_data()
+    params = list(model.parameters())
+    with pytest.warns(UserWarning):  # torch itself only warns
+        sgd = torch.optim.SGD(params + [params[1]], lr=0.1)
+    with pytest.raises(ValueError, match=r"the optimizer lists parameter #\d+ twice"):
+        DistributedOptimizer(sgd, communicator=TwinRanks())
 
 
 def test_named_parameters_must_cover_the_optimizer():
     model, _, _ = model_and_data()
     with pytest.raises(ValueError, match="named_parameters is missing 2 of the optimizer's parameters"):
-        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), list(model.named_parameters())[2:], communicator=TwinRanks())
+        DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), list(model.named_parameters())[2:], communicator=TwinRanks()
+        )
 
 
 def test_not_an_optimizer_is_a_type_error():

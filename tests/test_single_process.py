@@ -8,7 +8,16 @@ import hpcddp
 
 @pytest.fixture
 def single(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE"):
+    for name in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "SLURM_PROCID",
+        "OMPI_COMM_WORLD_SIZE",
+        "PMIX_RANK",
+        "PMI_RANK",
+        "PMI_SIZE",
+    ):
         monkeypatch.delenv(name, raising=False)
     hpcddp.init()
     yield
@@ -16,13 +25,37 @@ def single(monkeypatch):
 
 
 def test_world_of_one(single):
-    assert (hpcddp.rank(), hpcddp.size(), hpcddp.local_rank(), hpcddp.local_size(), hpcddp.node_rank()) == (0, 1, 0, 1, 0)
+    assert (hpcddp.rank(), hpcddp.size(), hpcddp.local_rank(), hpcddp.local_size(), hpcddp.node_rank()) == (
+        0,
+        1,
+        0,
+        1,
+        0,
+    )
     assert hpcddp.backend() == "local"
     assert hpcddp.device() == torch.device("cpu")
     t = torch.arange(4.0)
     assert torch.equal(hpcddp.allreduce(t), t)
     assert torch.equal(hpcddp.allgather(t), t)
     assert hpcddp.allgather_object("x") == ["x"]
+
+
+def test_world_of_one_refuses_what_every_backend_refuses(single):
+    with pytest.raises(TypeError, match="op='average' needs a floating-point tensor, got torch.int64: use op='sum'"):
+        hpcddp.allreduce(torch.ones(2, dtype=torch.int64))
+
+
+def test_world_of_one_exports_a_rendezvous_for_torch_distributed(single):
+    import os
+
+    import torch.distributed as dist
+
+    assert os.environ["MASTER_ADDR"] and int(os.environ["MASTER_PORT"]) > 0
+    dist.init_process_group("gloo", rank=0, world_size=1)  # reads MASTER_ADDR/MASTER_PORT
+    try:
+        assert dist.get_world_size() == 1
+    finally:
+        dist.destroy_process_group()
 
 
 def test_threads_follow_the_cpus_of_the_rank(single):

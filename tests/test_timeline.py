@@ -43,7 +43,9 @@ def load(path):
             spans[(event["pid"], event["tid"])].append(event)
     for track in spans.values():
         track.sort(key=lambda e: (e["ts"], -e["dur"]))
-    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events if e["ph"] == "M" and e["name"].endswith("_name")}
+    names = {
+        (e["pid"], e.get("tid")): e["args"]["name"] for e in events if e["ph"] == "M" and e["name"].endswith("_name")
+    }
     return spans, names
 
 

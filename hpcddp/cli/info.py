@@ -62,8 +62,10 @@ def info(as_json: bool) -> None:
 
 def _print_report(report: dict) -> None:
     versions, mpi, gpu = report["versions"], report["mpi"], report["gpu"]
-    click.echo(f"hpcddp {versions['hpcddp']}  (python {versions['python']}, torch {versions['torch']}, "
-               f"mpi4py {versions['mpi4py']}, numpy {versions['numpy']})")
+    click.echo(
+        f"hpcddp {versions['hpcddp']}  (python {versions['python']}, torch {versions['torch']}, "
+        f"mpi4py {versions['mpi4py']}, numpy {versions['numpy']})"
+    )
     click.echo("")
     click.echo("MPI:")
     for key in ("library", "standard", "thread_level", "cuda_aware"):

@@ -181,7 +181,9 @@ class MPICommunicator(Communicator):
                 return
             self._execute(item)
 
-    def _submit(self, work: Callable[[], Any], name: str, tensor: torch.Tensor | None = None, wake: bool = True) -> Handle:
+    def _submit(
+        self, work: Callable[[], Any], name: str, tensor: torch.Tensor | None = None, wake: bool = True
+    ) -> Handle:
         handle = _QueuedHandle(name, self._help_until)
         with self._submit_lock:
             shape, dtype = (None, None) if tensor is None else (tensor.shape, str(tensor.dtype).replace("torch.", ""))

@@ -43,6 +43,8 @@ class SlurmEnvironment(ClusterEnvironment):
     def detect(environ: Mapping[str, str]) -> bool:
         # Only a job step (srun) sets SLURM_STEP_NUM_TASKS; a batch script that runs
         # python directly is one process even when the job has many tasks.
+        if "TORCHELASTIC_RUN_ID" in environ:  # torchrun inside srun: its variables describe the workers
+            return False
         return "SLURM_PROCID" in environ and (read_int(environ, "SLURM_STEP_NUM_TASKS") or 1) > 1
 
     def layout(self) -> RankLayout:

@@ -58,5 +58,7 @@ def gloo():
 
     if not dist.is_initialized():
         address, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
-        dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=hpcddp.rank(), world_size=hpcddp.size())
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://{address}:{port}", rank=hpcddp.rank(), world_size=hpcddp.size()
+        )
     return dist

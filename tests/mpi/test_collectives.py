@@ -4,6 +4,18 @@ import pytest
 import torch
 
 import hpcddp
+from hpcddp.comm.torchdist import TorchDistCommunicator
+
+
+@pytest.fixture(params=["mpi", "gloo"], autouse=True, scope="module")
+def backend(request, gloo):
+    """Run every test here on hpcddp's mpi backend and on torch.distributed's gloo."""
+    runtime = hpcddp.bootstrap._runtime
+    saved = runtime.comm
+    if request.param == "gloo":
+        runtime.comm = TorchDistCommunicator("gloo", torch.device("cpu"))
+    yield request.param
+    runtime.comm = saved
 
 
 def rank_tensor(dtype=torch.float32):
@@ -89,3 +101,18 @@ def test_average_of_integers_is_refused():
 def test_unknown_op_is_refused():
     with pytest.raises(ValueError, match="op must be one of"):
         hpcddp.allreduce(torch.ones(2), op="product")
+
+
+def test_parameters_reduce_and_broadcast_in_place():
+    weight = torch.nn.Parameter(torch.full((3,), float(hpcddp.rank())))
+    assert hpcddp.allreduce_(weight, op="max") is weight
+    assert torch.equal(weight.detach(), torch.full((3,), float(hpcddp.size() - 1)))
+    assert hpcddp.broadcast_(weight, root_rank=0) is weight
+    assert torch.equal(weight.detach(), torch.full((3,), float(hpcddp.size() - 1)))
+    assert weight.requires_grad
+
+
+def test_gather_object_collects_on_the_root_only():
+    comm = hpcddp.communicator()
+    got = comm.gather_object(hpcddp.rank() * 3, 0)
+    assert got == ([3 * k for k in range(hpcddp.size())] if hpcddp.rank() == 0 else None)

@@ -91,7 +91,9 @@ def test_distributed_optimizer_matches_plain_hpcddp(options, hpcddp_options):
     generator = torch.Generator().manual_seed(hvd.rank())
     data = [(x + torch.randn(x.shape, generator=generator), y) for x, y in data]
     model, plain = make_model(), make_model()
-    optimizer = hvd.DistributedOptimizer(make_sgd(model.parameters()), named_parameters=model.named_parameters(), **options)
+    optimizer = hvd.DistributedOptimizer(
+        make_sgd(model.parameters()), named_parameters=model.named_parameters(), **options
+    )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     reference = hpcddp.DistributedOptimizer(make_sgd(plain.parameters()), plain.named_parameters(), **hpcddp_options)
