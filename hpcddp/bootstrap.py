@@ -170,7 +170,9 @@ def _create_communicator(name: str, environment, layout: RankLayout, device, con
             init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
             rank=layout.rank,
             world_size=layout.world_size,
-            timeout=datetime.timedelta(minutes=10),
+            # torch.distributed has no stall inspector: a collective that waits longer
+            # than stall_timeout fails (gloo) or aborts (NCCL's watchdog) instead.
+            timeout=datetime.timedelta(seconds=config.stall_timeout or 1800),
             **({"device_id": device} if name == "nccl" else {}),
         )
     return TorchDistCommunicator(name, device)

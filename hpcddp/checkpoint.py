@@ -66,9 +66,23 @@ def find_checkpoints(directory: str | os.PathLike) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def _umask() -> int:
+    # Read, not set-and-restore: os.umask would briefly change it for every thread.
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
 def _write_atomically(path: Path, state: Any) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        # mkstemp makes the file 0600; a checkpoint should be as readable as any file the user writes.
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as fh:
             torch.save(state, fh)
             fh.flush()
@@ -124,14 +138,20 @@ def save_checkpoint(
                 for old in find_checkpoints(target.parent)[:-keep_last]:
                     if old != target:
                         old.unlink(missing_ok=True)
+                # Temporary files of saves that were killed: only rank 0 of one job writes here.
+                for torn in target.parent.glob(".checkpoint-*.pt.*.tmp"):
+                    torn.unlink(missing_ok=True)
         except Exception as err:  # re-raised below, after the other ranks have heard of it
             error = f"{type(err).__name__}: {err}"
             if size == 1:
                 raise
     if size > 1:
         from .collectives import broadcast_object
+        from .stall import patient_collectives
 
-        error = broadcast_object(error, root_rank=0)
+        # The other ranks wait here for as long as the write takes: not a stall.
+        with patient_collectives():
+            error = broadcast_object(error, root_rank=0)
         if error is not None:
             raise RuntimeError(f"rank 0 could not save checkpoint {target}: {error}")
     return target

@@ -26,8 +26,9 @@ class InitConfig:
 
     stall_timeout: float = 60.0
     """Seconds a collective may wait for the other ranks before the stall inspector
-    reports which ranks are missing and why (mpi backend); 0 turns it off.
-    Environment: HPCDDP_STALL_TIMEOUT."""
+    reports which ranks are missing and why (mpi backend); 0 turns it off. On gloo
+    and nccl it is torch.distributed's timeout (30 min when 0): the waiting
+    collective fails without the report. Environment: HPCDDP_STALL_TIMEOUT."""
 
     stall_action: str = "abort"
     """What follows a stall report: "abort" ends the job, "warn" keeps waiting.

@@ -28,7 +28,7 @@ from . import bootstrap, collectives
 from .broadcast import broadcast_optimizer_state as _broadcast_optimizer_state
 from .broadcast import broadcast_parameters
 from .comm.base import Handle, ReduceOp, parse_op
-from .join import count_active_ranks, shadow_until_all_joined
+from .join import count_active_ranks, shadow_until_all_joined, sync_from_last_joiner
 from .optimizer import DistributedOptimizer as _HpcddpOptimizer
 from .stall import collective_tag
 
@@ -344,14 +344,16 @@ def join(device=-1) -> int:
     Call it on every rank when its data runs out. ``device`` is accepted for
     Horovod's signature.
     """
-    called_at = time.time()
     optimizers = [opt for opt in list(_optimizers) if opt.buckets and opt._hooks]  # closed ones do not reduce
     if len(optimizers) > 1:
         raise RuntimeError(
             f"hvd.join() found {len(optimizers)} live hvd.DistributedOptimizers; it can shadow one: "
             "delete the ones no longer used"
         )
-    for optimizer in optimizers:
+    if optimizers:
+        optimizer = optimizers[0]
+        joined_at = optimizer._num_reductions
         shadow_until_all_joined(optimizer)
-    arrivals = collectives.allgather_object(called_at)
+        return sync_from_last_joiner(optimizer, joined_at)
+    arrivals = collectives.allgather_object(time.time())
     return max(range(len(arrivals)), key=lambda r: (arrivals[r], r))

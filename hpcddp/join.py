@@ -9,7 +9,7 @@ import torch
 
 from .optimizer import DistributedOptimizer
 
-__all__ = ["count_active_ranks", "join", "shadow_until_all_joined"]
+__all__ = ["count_active_ranks", "join", "shadow_until_all_joined", "sync_from_last_joiner"]
 
 
 @contextlib.contextmanager
@@ -28,8 +28,14 @@ def join(optimizer: DistributedOptimizer) -> Iterator[None]:
     data (one extra 1-element allreduce per step). A rank that leaves the loop
     early "shadows" the others: in each of their remaining steps it contributes
     zero gradients, receives the same reduced gradients and takes the same optimizer
-    step, so every rank ends with the same parameters. The block ends on all ranks
-    once the last rank has left its loop.
+    step, so every rank ends with the same parameters; at the end the parameters of
+    a rank that trained longest are copied to all (as DDP's join does), which also
+    covers what the loop does outside the optimizer (an LR scheduler, clipping).
+    The block ends on all ranks once the last rank has left its loop.
+
+    Only the optimizer's reductions are shadowed: other collectives inside the loop
+    (an allreduce of the loss for logging) would wait forever on the ranks that
+    left; do them after the block.
 
     Averaging rule: a step's gradient is the average over the ranks that still had
     a batch in that step (with ``op="sum"``, their sum). Training equals training on
@@ -53,7 +59,9 @@ def join(optimizer: DistributedOptimizer) -> Iterator[None]:
         yield
         # Only a rank that left its loop normally shadows; an exception propagates
         # (and, with hpcddp's exception hook, ends the job).
+        joined_at = optimizer._num_reductions
         shadow_until_all_joined(optimizer)
+        sync_from_last_joiner(optimizer, joined_at)
     finally:
         optimizer._join_flag = None
         optimizer.active_ranks = optimizer._comm.size
@@ -82,6 +90,26 @@ def shadow_until_all_joined(optimizer: DistributedOptimizer) -> None:
             pass
     finally:
         optimizer._joined = False
+
+
+def sync_from_last_joiner(optimizer: DistributedOptimizer, joined_at: int) -> int:
+    """Copy the parameters of a rank that trained longest to every rank; return that rank.
+
+    Shadowing ranks take the same optimizer steps, but not what the training loop
+    does around them (an LR scheduler, clipping, a GradScaler); as DDP's join, end
+    with the last joiner's parameters everywhere. Collective.
+
+    Args:
+        optimizer: the optimizer whose parameters to copy.
+        joined_at: this rank's reduction count when its data ran out.
+    """
+    comm = optimizer._comm
+    counts = comm.allgather_object(joined_at)
+    source = max(range(len(counts)), key=lambda r: (counts[r], r))
+    handles = [comm.broadcast_async_(param.detach(), source) for _, param in optimizer._named]
+    for handle in handles:
+        handle.wait()
+    return source
 
 
 def _shadow_step(optimizer: DistributedOptimizer) -> bool:

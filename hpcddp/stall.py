@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["CollectiveLog", "Descriptor", "StallInspector", "collective_tag", "explain_stall"]
+__all__ = ["CollectiveLog", "Descriptor", "StallInspector", "collective_tag", "explain_stall", "patient_collectives"]
 
 log = logging.getLogger("hpcddp")
 
@@ -46,6 +46,21 @@ def collective_tag(tag: str, step: int | None = None) -> Iterator[None]:
         _tag.value = previous
 
 
+@contextlib.contextmanager
+def patient_collectives() -> Iterator[None]:
+    """Exempt the collectives submitted in this block from the stall timeout.
+
+    For waits that are long by design, such as ranks waiting for rank 0 to write a
+    large checkpoint.
+    """
+    previous = getattr(_tag, "patient", False)
+    _tag.patient = True
+    try:
+        yield
+    finally:
+        _tag.patient = previous
+
+
 @dataclass(frozen=True)
 class Descriptor:
     """One submitted collective, as the stall report names it."""
@@ -56,6 +71,8 @@ class Descriptor:
     dtype: str | None = None
     tag: str = ""
     step: int | None = None
+    #: exempt from the stall timeout (see ``patient_collectives``)
+    patient: bool = False
 
     def signature(self) -> tuple:
         """What must agree across ranks for the collective to match."""
@@ -71,7 +88,7 @@ class Descriptor:
 class CollectiveLog:
     """Record of the collectives one rank submitted and the one it is blocked in."""
 
-    def __init__(self, history: int = 16) -> None:
+    def __init__(self, history: int = 256) -> None:
         self._lock = threading.Lock()
         self.seq = 0
         self.recent: deque[Descriptor] = deque(maxlen=history)
@@ -84,7 +101,8 @@ class CollectiveLog:
         """Number the next collective; call under the lock that orders submissions."""
         tag, step = getattr(_tag, "value", None) or ("", None)
         self.seq += 1
-        desc = Descriptor(self.seq, op, None if shape is None else tuple(shape), dtype, tag, step)
+        patient = getattr(_tag, "patient", False)
+        desc = Descriptor(self.seq, op, None if shape is None else tuple(shape), dtype, tag, step, patient)
         self.recent.append(desc)
         if step is not None:
             self.last_step = step
@@ -124,6 +142,9 @@ def _ranks(ranks) -> str:
 
 
 def _at(status: dict, seq: int) -> Descriptor | None:
+    running = status["running"]
+    if running is not None and running.seq == seq:  # may have left a short history already
+        return running
     return next((d for d in status["recent"] if d.seq == seq), None)
 
 
@@ -251,7 +272,7 @@ class StallInspector:
 
     def _tick(self) -> None:
         running, waited = self._log.waited()
-        stalled = running is not None and waited >= self.timeout
+        stalled = running is not None and not running.patient and waited >= self.timeout
         if self.rank != 0:
             while self._comm.Iprobe(source=0, tag=_QUERY):
                 episode = self._comm.recv(source=0, tag=_QUERY)

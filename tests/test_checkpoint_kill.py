@@ -1,15 +1,22 @@
-"""A writer SIGKILLed in the middle of a checkpoint leaves the previous one readable and loadable."""
+"""A job SIGKILLed in the middle of a checkpoint leaves the previous one readable and loadable.
+
+Run as one process and as a 2-rank mpirun job (rank 0 writes while rank 1 waits in
+the collective); the whole job is killed, as a node failure or scancel --signal=KILL would.
+"""
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
 import time
 
+import pytest
 import torch
 
 import hpcddp.checkpoint as ckpt
+from hpcddp.launch import mpirun_command
 
 from .conftest import ROOT
 
@@ -17,12 +24,15 @@ NUM_ELEMENTS = 8 * 1024 * 1024  # 32 MiB of float32: a write takes long enough t
 WRITER = textwrap.dedent(
     f"""
     import sys, torch
+    import hpcddp
     from hpcddp.checkpoint import save_checkpoint
+    hpcddp.init()
     weights = torch.empty({NUM_ELEMENTS})
     for step in range(1, 10_000):
         weights.fill_(step)
         save_checkpoint(sys.argv[1], {{"step": step, "weights": weights}}, keep_last=2)
-        print(f"SAVED {{step}}", flush=True)
+        if hpcddp.rank() == 0:
+            print(f"SAVED {{step}}", flush=True)
     """
 )
 
@@ -31,10 +41,13 @@ def temporary_files(directory):
     return [name for name in os.listdir(directory) if name.endswith(".tmp")]
 
 
-def kill_mid_write(directory, deadline_s=120):
+def kill_mid_write(directory, num_ranks, deadline_s=120):
     """Start the writer, SIGKILL it while a temporary file is being written; return its output."""
+    command = [sys.executable, "-c", WRITER, str(directory)]
+    if num_ranks > 1:
+        command = mpirun_command(num_ranks, command)
     proc = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(directory)],
+        command,
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -57,12 +70,13 @@ def kill_mid_write(directory, deadline_s=120):
     return out
 
 
-def test_killed_writer_leaves_previous_checkpoint_loadable(tmp_path):
+@pytest.mark.parametrize("num_ranks", [1, 2])
+def test_killed_writer_leaves_previous_checkpoint_loadable(tmp_path, num_ranks):
     # The kill can race with the rename; retry until it lands inside a write.
     for _attempt in range(5):
         directory = tmp_path / f"attempt{_attempt}"
         directory.mkdir()
-        out = kill_mid_write(directory)
+        out = kill_mid_write(directory, num_ranks)
         if temporary_files(directory):
             break
     else:
@@ -80,6 +94,11 @@ def test_killed_writer_leaves_previous_checkpoint_loadable(tmp_path):
     for path in complete:  # every complete file loads, not only the newest
         older = torch.load(path, map_location="cpu", weights_only=True)
         assert bool((older["weights"] == older["step"]).all())
-    # A restarted job saves again next to the torn temporary file.
+    # A restarted job saves again; keep_last also clears the torn temporary file.
     ckpt.save_checkpoint(directory, {"step": 99_999, "weights": torch.ones(3)}, keep_last=2)
     assert ckpt.load_checkpoint(directory, map_location="cpu")["step"] == 99_999
+    assert temporary_files(directory) == []
+    # Checkpoints are readable by the group, as any file the user writes (not mkstemp's 0600).
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(ckpt.find_checkpoints(directory)[-1].stat().st_mode) == 0o666 & ~umask

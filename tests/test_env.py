@@ -116,3 +116,9 @@ def test_invalid_integer_names_the_variable():
 def test_rank_outside_world_is_refused():
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
         TorchrunEnvironment({"RANK": "2", "WORLD_SIZE": "2"}).layout()
+
+
+def test_bad_master_port_names_the_variable():
+    env = SlurmEnvironment(slurm_step(MASTER_ADDR="gpu07", MASTER_PORT="29500x"))
+    with pytest.raises(ValueError, match="environment variable MASTER_PORT must be an integer, got '29500x'"):
+        env.rendezvous()

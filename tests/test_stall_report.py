@@ -68,3 +68,24 @@ def test_log_numbers_and_tags_submissions():
     log.start(desc)
     running, waited = log.waited()
     assert running is desc and waited >= 0
+
+
+def test_running_collective_older_than_the_history_is_still_reported():
+    # A model with more buckets in flight than the history holds: the running
+    # collective has already left `recent` (this raised KeyError and silenced the inspector).
+    running = bucket(5, 10, 2, index=0)
+    later = [bucket(seq, 10, 2, index=seq) for seq in range(6, 10)]
+    other = bucket(5, 10, 2, index=0)
+    report = explain_stall({0: status(0, later, running, 2), 1: status(1, [other], other, 2)}, 2, 60)
+    assert "collective #5 has waited 70 s" in report
+    assert "ranks 0, 1 submitted allreduce #5" in report
+
+
+def test_patient_collectives_are_marked():
+    log = CollectiveLog()
+    from hpcddp.stall import patient_collectives
+
+    with patient_collectives():
+        slow = log.submit("broadcast_object")
+    quick = log.submit("allreduce", (3,), "float32")
+    assert slow.patient and not quick.patient

@@ -109,7 +109,7 @@ class MPIEnvironment(ClusterEnvironment):
         choice = None
         if self._comm.Get_rank() == 0:
             if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
-                choice = (env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+                choice = (env["MASTER_ADDR"], read_int(env, "MASTER_PORT"))
             else:
                 single_node = self.layout().num_nodes == 1
                 address = "127.0.0.1" if single_node else socket.getfqdn()

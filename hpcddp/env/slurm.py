@@ -64,7 +64,7 @@ class SlurmEnvironment(ClusterEnvironment):
     def rendezvous(self) -> tuple[str, int]:
         env = self.environ
         if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
-            return env["MASTER_ADDR"], int(env["MASTER_PORT"])
+            return env["MASTER_ADDR"], read_int(env, "MASTER_PORT")
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
         address = expand_nodelist(nodelist)[0]
         # Every task must derive the same port without talking to the others; the

@@ -92,3 +92,22 @@ def test_join_with_even_batches_changes_nothing():
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
     opt.close()
     opt_plain.close()
+
+
+def test_join_ends_with_the_last_joiners_parameters_everywhere():
+    # A scheduler steps only on ranks with data: without the final copy the ranks
+    # that left early would keep a different learning rate and different weights.
+    model = make_model()
+    optimizer = hpcddp.DistributedOptimizer(make_sgd(model.parameters()), model.named_parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    with hpcddp.join(optimizer):
+        for x, y in rank_data(hpcddp.rank()):
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            scheduler.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = hpcddp.allgather_object(flat)
+    for other in gathered:
+        torch.testing.assert_close(other, gathered[0], atol=0, rtol=0)
+    optimizer.close()
