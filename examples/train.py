@@ -52,6 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="float32",
         help="parameter and data precision; float64 makes runs on different rank counts agree to rounding",
     )
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout before the last layer (draws per rank)")
     parser.add_argument("--json", metavar="PATH", help="write final metrics here (rank 0)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -84,6 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.keep_last < 1:
         parser.error(f"--keep-last must be >= 1, got {args.keep_last}")
+    if not 0 <= args.dropout < 1:
+        parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
     if args.slow < 0:
         parser.error(f"--slow must be >= 0, got {args.slow}")
     return args
@@ -106,20 +109,21 @@ def load_digits(device: torch.device, dtype: torch.dtype = torch.float32) -> tup
 
 
 class DigitsNet(torch.nn.Module):
-    """Two 3x3 convolutions, a max-pool and two linear layers (no dropout, no batch norm,
-    so the result does not depend on how the global batch is split)."""
+    """Two 3x3 convolutions, a max-pool and two linear layers. No batch norm and, by
+    default, no dropout, so the result does not depend on how the global batch is split."""
 
-    def __init__(self) -> None:
+    def __init__(self, dropout: float = 0.0) -> None:
         super().__init__()
         self.conv1 = torch.nn.Conv2d(1, 16, 3, padding=1)
         self.conv2 = torch.nn.Conv2d(16, 32, 3, padding=1)
         self.fc1 = torch.nn.Linear(32 * 4 * 4, 64)
+        self.dropout = torch.nn.Dropout(dropout)
         self.fc2 = torch.nn.Linear(64, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.conv1(x))
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+        return self.fc2(self.dropout(F.relu(self.fc1(x.flatten(1)))))
 
 
 @torch.no_grad()
@@ -151,11 +155,24 @@ class Position:
     loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(2))
 
 
+# Arguments that decide which samples a step sees or how it computes: a resume with
+# other values would silently train on other batches.
+RESUME_MUST_MATCH = ("batch_size", "seed", "dtype", "dropout")
+
+
 def resume(args, model, optimizer, num_batches: int) -> Position | None:
     """Restore the newest checkpoint in --checkpoint-dir; None when there is none."""
     state = hpcddp.load_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
     if state is None:
         return None
+    for name in RESUME_MUST_MATCH:
+        saved = state["extra"].get(name)
+        if saved is not None and saved != getattr(args, name):
+            flag = "--" + name.replace("_", "-")
+            raise SystemExit(
+                f"{flag} {getattr(args, name)} differs from the {saved} the checkpoint in {args.checkpoint_dir} was "
+                f"trained with: resume with {flag} {saved}, or start afresh with another --checkpoint-dir"
+            )
     resumed = hpcddp.restore_training_state(state, model, optimizer)
     sums, rank, size = resumed.extra["loss_sums"].cpu(), hpcddp.rank(), hpcddp.size()
     # Saved with another number of ranks: rank 0 carries the whole sum.
@@ -174,6 +191,7 @@ def save(args, model, optimizer, position: Position) -> None:
     """Checkpoint ``position`` into --checkpoint-dir (on every rank: it is a collective)."""
     # Every rank's loss sum, so that a resumed epoch reports the same train loss.
     extra = {"loss_sums": hpcddp.allgather(position.loss_sum.unsqueeze(0))}
+    extra.update({name: getattr(args, name) for name in RESUME_MUST_MATCH})
     state = hpcddp.training_state(
         model, optimizer, epoch=position.epoch, batch_in_epoch=position.batch, step=position.step, extra=extra
     )
@@ -192,7 +210,9 @@ def train(args, model, optimizer, sampler, data, test, position: Position, preem
         # The sampler's order depends only on (seed, epoch): a resumed epoch drops the
         # batches it already did and goes on with the same batches as the first run.
         indices = list(sampler)[position.batch * rank_batch :]
-        loader = DataLoader(data, batch_size=rank_batch, sampler=indices, drop_last=True)
+        # A generator of its own: each new DataLoader iterator draws a seed from it, which,
+        # from the global RNG, would shift a resumed run's dropout masks by one draw.
+        loader = DataLoader(data, batch_size=rank_batch, sampler=indices, drop_last=True, generator=torch.Generator())
         model.train()
         for images, labels in progress(loader, hpcddp.rank() == 0 and not args.quiet, desc=f"epoch {epoch}"):
             optimizer.zero_grad()
@@ -244,7 +264,9 @@ def main(argv=None) -> dict:
     sampler = DistributedSampler(data, num_replicas=size, rank=rank, shuffle=True, seed=args.seed)
 
     torch.manual_seed(args.seed)
-    model = DigitsNet().to(device, dtype)
+    model = DigitsNet(args.dropout).to(device, dtype)
+    # Each rank's own random stream for training (dropout masks); checkpoints keep it.
+    torch.manual_seed(args.seed + 1 + rank)
     hpcddp.broadcast_parameters(model.state_dict(), root_rank=0)
     optimizer = hpcddp.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), model.named_parameters()

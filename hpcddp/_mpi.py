@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 
 __all__ = ["import_mpi", "mpi_launcher_present", "MPI_LAUNCHER_VARIABLES"]
@@ -29,7 +30,10 @@ def _local_ranks_hint(environ: Mapping[str, str]) -> int:
         raw = environ.get(name, "")
         if raw.isdigit():
             return int(raw)
-    return 1
+    # srun -n N without --ntasks-per-node: "4(x2),3" gives the first node's count,
+    # enough to tell an oversubscribed single-node step.
+    match = re.match(r"\d+", environ.get("SLURM_STEP_TASKS_PER_NODE", ""))
+    return int(match.group()) if match else 1
 
 
 def import_mpi():

@@ -139,6 +139,15 @@ class PreemptionHandler:
         return requeued
 
 
+def _requeue_disabled(scontrol: str, job_id: str) -> bool:
+    """Return True only when Slurm says the job may not be requeued; unknown counts as allowed."""
+    try:
+        shown = subprocess.run([scontrol, "show", "job", "-o", job_id], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return " Requeue=0 " in f" {shown.stdout} "
+
+
 def _scontrol_requeue(job_id: str) -> bool:
     if not job_id:
         log.info("hpcddp: not under Slurm (no SLURM_JOB_ID), not requeueing")
@@ -146,6 +155,9 @@ def _scontrol_requeue(job_id: str) -> bool:
     scontrol = shutil.which("scontrol")
     if scontrol is None:
         log.warning("hpcddp: scontrol is not on PATH, cannot requeue Slurm job %s", job_id)
+        return False
+    if _requeue_disabled(scontrol, job_id):
+        log.warning("hpcddp: Slurm job %s was submitted without --requeue (Requeue=0): not requeueing", job_id)
         return False
     try:
         result = subprocess.run([scontrol, "requeue", job_id], capture_output=True, text=True, timeout=60)

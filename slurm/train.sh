@@ -24,7 +24,7 @@
 # A requeued run appends to the same log instead of truncating it.
 #SBATCH --open-mode=append
 #SBATCH --output=hpcddp-%j.out
-# On GPU clusters, one GPU per rank:
+# On GPU clusters, one GPU per rank (or pass --gpus-per-task=1 to sbatch, or set GPUS_PER_TASK):
 ##SBATCH --gpus-per-task=1
 set -euo pipefail
 
@@ -33,6 +33,9 @@ LAUNCHER=${LAUNCHER:-srun}
 PYTHON=${PYTHON:-python3}
 # Space-separated environment modules to `module load`, e.g. MODULES="python/3.11 openmpi/5".
 MODULES=${MODULES:-}
+# GPUs bound to each rank by srun (each rank then sees its own GPU as cuda:0); empty: none, or
+# what sbatch --gpus-per-task gave the job.
+GPUS_PER_TASK=${GPUS_PER_TASK:-${SLURM_GPUS_PER_TASK:-}}
 
 if [[ -z ${HPCDDP_ROOT:-} ]]; then
     if [[ -n ${SLURM_JOB_ID:-} ]]; then
@@ -60,6 +63,16 @@ fi
 if [[ -n $MODULES ]]; then
     # Module systems (Lmod, environment-modules) read unset variables in their init scripts.
     set +u
+    # A batch script is not a login shell: `module` exists only if the submitting shell exported it.
+    if ! type module &>/dev/null; then
+        for init in /etc/profile.d/lmod.sh /etc/profile.d/modules.sh /usr/share/lmod/lmod/init/bash; do
+            if [[ -r $init ]]; then
+                # shellcheck disable=SC1090  # the site's module system
+                source "$init"
+                break
+            fi
+        done
+    fi
     # shellcheck disable=SC2086  # one word per module
     module load $MODULES
     set -u
@@ -89,7 +102,11 @@ case $LAUNCHER in
         # --mpi=pmix: ranks connect into one MPI world (pmi2 would give singletons with Open MPI 5).
         # --cpus-per-task: since Slurm 22.05 srun no longer inherits it from sbatch.
         # --kill-on-bad-exit: one failed rank ends the step instead of leaving the rest hanging.
-        exec srun --mpi=pmix --cpus-per-task="$cpus_per_task" --kill-on-bad-exit=1 "$PYTHON" "$@"
+        gpu_args=()
+        if [[ -n $GPUS_PER_TASK ]]; then
+            gpu_args=(--gpus-per-task="$GPUS_PER_TASK")
+        fi
+        exec srun --mpi=pmix --cpus-per-task="$cpus_per_task" "${gpu_args[@]}" --kill-on-bad-exit=1 "$PYTHON" "$@"
         ;;
     mpirun)
         args=(-np "$ntasks")

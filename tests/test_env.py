@@ -102,6 +102,8 @@ def test_singleton_detection():
         ("node[01-03]", ["node01", "node02", "node03"]),
         ("gpu[1,3-4],cpu7", ["gpu1", "gpu3", "gpu4", "cpu7"]),
         ("a[08-10]b", ["a08b", "a09b", "a10b"]),
+        ("r[1-2]n[3-4]", ["r1n3", "r1n4", "r2n3", "r2n4"]),
+        ("r1n[1-2],r[3,5]n[07-08]x", ["r1n1", "r1n2", "r3n07x", "r3n08x", "r5n07x", "r5n08x"]),
     ],
 )
 def test_expand_nodelist(nodelist, hosts):
@@ -118,7 +120,22 @@ def test_rank_outside_world_is_refused():
         TorchrunEnvironment({"RANK": "2", "WORLD_SIZE": "2"}).layout()
 
 
+def test_yield_hint_reads_srun_tasks_per_node(monkeypatch):
+    from hpcddp._mpi import _local_ranks_hint
+
+    assert _local_ranks_hint({"SLURM_STEP_TASKS_PER_NODE": "8(x2),3"}) == 8
+    assert _local_ranks_hint({"OMPI_COMM_WORLD_LOCAL_SIZE": "4", "SLURM_STEP_TASKS_PER_NODE": "8"}) == 4
+    assert _local_ranks_hint({}) == 1
+
+
 def test_bad_master_port_names_the_variable():
     env = SlurmEnvironment(slurm_step(MASTER_ADDR="gpu07", MASTER_PORT="29500x"))
     with pytest.raises(ValueError, match="environment variable MASTER_PORT must be an integer, got '29500x'"):
         env.rendezvous()
+
+
+def test_python_run_directly_in_a_multi_task_batch_script_warns(caplog):
+    env = detect_environment({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"})
+    assert isinstance(env, SingleProcessEnvironment)
+    assert env.layout().world_size == 1
+    assert "SLURM_NTASKS=4 but this process runs alone" in caplog.text and "srun --mpi=pmix" in caplog.text

@@ -20,6 +20,9 @@ from .conftest import ROOT
 SCRIPT = f"{ROOT}/examples/train.py"
 EPOCHS = 2  # 44 steps of 64 samples
 NUM_STEPS = 44
+# Dropout draws from each rank's own RNG: the resume is exact only if every rank's
+# RNG state comes back with the checkpoint.
+TRAIN_ARGS = ["--quiet", "--epochs", str(EPOCHS), "--dropout", "0.2"]
 
 
 # ---- PreemptionHandler in one process -------------------------------------------------------
@@ -59,6 +62,20 @@ def test_requeue_reports_a_failing_scontrol(monkeypatch, tmp_path, caplog):
     assert "presently disabled" in caplog.text and "sbatch --requeue" in caplog.text
 
 
+def test_requeue_is_not_tried_for_a_job_submitted_without_requeue(monkeypatch, tmp_path, caplog):
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(
+        '#!/bin/sh\necho "$@" >> "$(dirname "$0")/calls"\n'
+        'if [ "$1" = show ]; then echo "JobId=42 JobName=x Requeue=0 Restarts=0"; fi\n'
+    )
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    assert hpcddp.PreemptionHandler().requeue() is False
+    assert (tmp_path / "calls").read_text().splitlines() == ["show job -o 42"]
+    assert "without --requeue (Requeue=0)" in caplog.text
+
+
 def test_check_every_must_be_positive():
     with pytest.raises(ValueError, match="check_every must be an int >= 1, got 0"):
         hpcddp.PreemptionHandler(check_every=0)
@@ -82,7 +99,7 @@ def children(pid):
 def run_and_signal(tmp_path, checkpoints, signal_target, signum, timeout=300):
     """Start 2 ranks, wait for checkpoint-000004.pt, send ``signum``, return (rc, output, metrics)."""
     out = tmp_path / "stopped.json"
-    args = [sys.executable, SCRIPT, "--quiet", "--epochs", str(EPOCHS), "--json", str(out)]
+    args = [sys.executable, SCRIPT, *TRAIN_ARGS, "--json", str(out)]
     args += ["--checkpoint-dir", str(checkpoints), "--checkpoint-every", "4", "--slow", "0.1"]
     proc = subprocess.Popen(
         mpirun_command(2, args),
@@ -112,7 +129,7 @@ def uninterrupted_parameters(tmp_path):
     final = tmp_path / "uninterrupted.pt"
     result = run_mpi(
         2,
-        [sys.executable, SCRIPT, "--quiet", "--epochs", str(EPOCHS), "--save-final", str(final)],
+        [sys.executable, SCRIPT, *TRAIN_ARGS, "--save-final", str(final)],
         timeout=300,
         cwd=ROOT,
     )
@@ -131,17 +148,7 @@ def test_sigusr1_to_mpirun_checkpoints_and_the_resumed_run_ends_bitwise_equal(tm
     assert (checkpoints / f"checkpoint-{stopped:06d}.pt").exists()
 
     final = tmp_path / "resumed.pt"
-    args = [
-        sys.executable,
-        SCRIPT,
-        "--quiet",
-        "--epochs",
-        str(EPOCHS),
-        "--checkpoint-dir",
-        str(checkpoints),
-        "--save-final",
-        str(final),
-    ]
+    args = [sys.executable, SCRIPT, *TRAIN_ARGS, "--checkpoint-dir", str(checkpoints), "--save-final", str(final)]
     resumed = run_mpi(2, args, timeout=300, cwd=ROOT)
     assert resumed.returncode == 0, resumed.stdout[-5000:]
     assert f"resumed from step {stopped} " in resumed.stdout
@@ -150,6 +157,10 @@ def test_sigusr1_to_mpirun_checkpoints_and_the_resumed_run_ends_bitwise_equal(tm
     assert expected.keys() == got.keys()
     for name in expected:
         assert torch.equal(expected[name], got[name]), f"{name} differs after resuming from step {stopped}"
+    # Resuming with a different batch size would train on other samples: refused in one line.
+    other = run_mpi(2, [*args[:-2], "--batch-size", "32"], timeout=300, cwd=ROOT)
+    assert other.returncode != 0
+    assert "--batch-size 32 differs from the 64 the checkpoint" in other.stdout, other.stdout[-3000:]
 
 
 def test_sigterm_to_one_rank_stops_both_at_the_same_step(tmp_path):

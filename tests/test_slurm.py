@@ -160,5 +160,6 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_same_parameters(slurm_env,
     assert re.search(rf"^resumed from step {step} \(", log, flags=re.M), log[-5000:]
     assert "done: test accuracy" in log
     expected, got = uninterrupted[launcher], torch.load(final)
+    assert expected.keys() == got.keys()
     for name in expected:
         assert torch.equal(expected[name], got[name]), f"{name} differs after the requeue at step {step}"

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
-from .base import ClusterEnvironment, RankLayout
+from .base import ClusterEnvironment, RankLayout, read_int
 from .mpi import find_free_port
 
 __all__ = ["SingleProcessEnvironment"]
+
+log = logging.getLogger("hpcddp")
 
 
 class SingleProcessEnvironment(ClusterEnvironment):
@@ -20,6 +23,14 @@ class SingleProcessEnvironment(ClusterEnvironment):
         return True
 
     def layout(self) -> RankLayout:
+        tasks = read_int(self.environ, "SLURM_NTASKS", 1) or 1
+        if tasks > 1 and "SLURM_STEP_NUM_TASKS" not in self.environ:
+            # The batch script ran python itself: one process of a job that asked for more.
+            log.warning(
+                "hpcddp: this Slurm job has SLURM_NTASKS=%d but this process runs alone (no srun or mpirun "
+                "started it): launch with srun --mpi=pmix python ... or hpcddp run",
+                tasks,
+            )
         return RankLayout(rank=0, world_size=1, local_rank=0, local_size=1, node_rank=0, num_nodes=1)
 
     def rendezvous(self) -> tuple[str, int]:

@@ -11,26 +11,31 @@ __all__ = ["SlurmEnvironment", "expand_nodelist"]
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """Expand a Slurm hostlist such as ``node[01-03,07],gpu5`` into host names.
+    """Expand a Slurm hostlist such as ``node[01-03,07],gpu5`` or ``r[1-2]n[3-4]`` into host names.
 
     Args:
         nodelist: the value of ``SLURM_JOB_NODELIST``.
     """
     hosts: list[str] = []
     # Split on commas that are not inside brackets.
-    for item in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", nodelist):
-        match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", item)
-        if not match:
-            hosts.append(item)
-            continue
-        prefix, ranges, suffix = match.groups()
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            if not hi:
-                hosts.append(f"{prefix}{lo}{suffix}")
-                continue
-            width = len(lo)
-            hosts.extend(f"{prefix}{i:0{width}d}{suffix}" for i in range(int(lo), int(hi) + 1))
+    for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", nodelist):
+        hosts.extend(_expand_item(item))
+    return hosts
+
+
+def _expand_item(item: str) -> list[str]:
+    match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", item)
+    if not match:
+        return [item]
+    prefix, ranges, rest = match.groups()
+    # The rest may hold more brackets (r[1-2]n[3-4]): expand it the same way.
+    suffixes = _expand_item(rest)
+    hosts = []
+    for part in ranges.split(","):
+        lo, _, hi = part.partition("-")
+        width = len(lo)
+        for number in range(int(lo), int(hi or lo) + 1):
+            hosts.extend(f"{prefix}{number:0{width}d}{suffix}" for suffix in suffixes)
     return hosts
 
 
