@@ -11,9 +11,38 @@ import sys
 import threading
 import traceback
 
-__all__ = ["abort_job", "install_exception_hooks"]
+__all__ = ["abort_job", "install_exception_hooks", "mark_configuration_error"]
 
 _installed = False
+_config_hook_installed = False
+# Set by the launchers before Python starts: the rank, for messages printed before
+# hpcddp knows it.
+_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID", "RANK")
+
+
+def mark_configuration_error(error: BaseException) -> None:
+    """Let ``error`` print as one line (``[hpcddp rank R] error: ...``) if nobody catches it.
+
+    Only the way an uncaught error of hpcddp's configuration is shown changes; code
+    that catches it sees the ordinary exception.
+    """
+    global _config_hook_installed
+    error.__hpcddp_configuration__ = True  # type: ignore[attr-defined]
+    if _config_hook_installed:
+        return
+    _config_hook_installed = True
+    previous_hook = sys.excepthook
+
+    def excepthook(exc_type, exc, tb):
+        if not getattr(exc, "__hpcddp_configuration__", False):
+            previous_hook(exc_type, exc, tb)
+            return
+        rank = next((os.environ[name] for name in _RANK_VARIABLES if os.environ.get(name)), None)
+        where = f"[hpcddp rank {rank}]" if rank is not None else "[hpcddp]"
+        sys.stderr.write(f"{where} error: {exc}\n")
+        sys.stderr.flush()
+
+    sys.excepthook = excepthook
 
 
 def abort_job(message: str, *, use_mpi: bool) -> None:

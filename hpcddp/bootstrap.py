@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._abort import install_exception_hooks
+from ._abort import install_exception_hooks, mark_configuration_error
 from .comm.base import Communicator
 from .config import InitConfig
 from .device import NodePeer, describe_self, select_device, set_cpu_threads
@@ -78,11 +78,21 @@ def init(
             bucket's reduction) to this path at shutdown. Default HPCDDP_TIMELINE.
 
     Once more than one rank runs, an uncaught exception on any rank prints its
-    traceback with the rank and ends the whole job.
+    traceback with the rank and ends the whole job. A configuration error (bad
+    argument or variable, missing mpi4py, too few GPUs, mismatched world sizes) is
+    raised as usual; left uncaught it prints as one line, not a traceback.
     """
-    global _runtime
     if _runtime is not None:
         return
+    try:
+        _init(backend, num_threads, allow_gpu_sharing, stall_timeout, stall_action, timeline)
+    except (ValueError, RuntimeError, ImportError) as err:
+        mark_configuration_error(err)
+        raise
+
+
+def _init(backend, num_threads, allow_gpu_sharing, stall_timeout, stall_action, timeline) -> None:
+    global _runtime
     explicit = {"stall_timeout": stall_timeout, "stall_action": stall_action, "timeline": timeline}
     settings = {**read_settings(os.environ), **{k: v for k, v in explicit.items() if v is not None}}
     config = InitConfig(backend=backend, num_threads=num_threads, allow_gpu_sharing=allow_gpu_sharing, **settings)

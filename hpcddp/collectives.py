@@ -56,7 +56,8 @@ def allreduce_(tensor: torch.Tensor, op: str | ReduceOp = "average") -> torch.Te
         tensor: the tensor to reduce.
         op: "average" (default), "sum", "min" or "max".
     """
-    communicator().allreduce_(tensor.detach(), _check_op(tensor, op))
+    # detach() only where needed: this is the latency path of small allreduces.
+    communicator().allreduce_(tensor.detach() if tensor.requires_grad else tensor, _check_op(tensor, op))
     return tensor
 
 
@@ -122,8 +123,11 @@ def barrier() -> None:
     communicator().barrier()
 
 
+_OPS_BY_NAME = {op.value: op for op in ReduceOp}
+
+
 def _check_op(tensor: torch.Tensor, op: str | ReduceOp) -> ReduceOp:
-    reduce_op = parse_op(op)
+    reduce_op = op if op.__class__ is ReduceOp else _OPS_BY_NAME.get(op) or parse_op(op)
     if reduce_op is ReduceOp.AVERAGE and not (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
         raise TypeError(f"op='average' needs a floating-point tensor, got {tensor.dtype}: use op='sum'")
     return reduce_op

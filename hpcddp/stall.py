@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = ["CollectiveLog", "Descriptor", "StallInspector", "collective_tag", "explain_stall", "patient_collectives"]
 
@@ -61,9 +61,12 @@ def patient_collectives() -> Iterator[None]:
         _tag.patient = previous
 
 
-@dataclass(frozen=True)
-class Descriptor:
-    """One submitted collective, as the stall report names it."""
+class Descriptor(NamedTuple):
+    """One submitted collective, as the stall report names it.
+
+    A NamedTuple, not a dataclass: one is made per collective on the hot path, and
+    a frozen dataclass costs several times more to build.
+    """
 
     seq: int
     op: str
@@ -97,16 +100,26 @@ class CollectiveLog:
         self.running: Descriptor | None = None
         self.running_since = 0.0
 
-    def submit(self, op: str, shape=None, dtype=None) -> Descriptor:
-        """Number the next collective; call under the lock that orders submissions."""
+    def submit(self, op: str, shape=None, dtype=None, start: bool = False) -> Descriptor:
+        """Number the next collective; call under the lock that orders submissions.
+
+        Args:
+            op: the collective's name.
+            shape: the tensor's shape, if any.
+            dtype: the tensor's dtype name, if any.
+            start: the caller runs it right away (as ``start`` would record).
+        """
         tag, step = getattr(_tag, "value", None) or ("", None)
         self.seq += 1
-        patient = getattr(_tag, "patient", False)
-        desc = Descriptor(self.seq, op, None if shape is None else tuple(shape), dtype, tag, step, patient)
+        desc = Descriptor(self.seq, op, shape and tuple(shape), dtype, tag, step, getattr(_tag, "patient", False))
         self.recent.append(desc)
         if step is not None:
             self.last_step = step
-        self.last_submit_time = time.monotonic()
+        now = time.monotonic()
+        self.last_submit_time = now
+        if start:
+            with self._lock:
+                self.running, self.running_since = desc, now
         return desc
 
     def start(self, desc: Descriptor) -> None:

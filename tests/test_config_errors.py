@@ -1,6 +1,7 @@
 """Bad configuration fails with one clear line that names the knob, the value and the fix."""
 
 import sys
+import time
 
 import pytest
 import torch
@@ -134,13 +135,25 @@ def test_world_size_agreeing_or_from_mpirun_daemons_is_fine():
     check_launcher_agrees({"WORLD_SIZE": "1"}, 2)  # exported by a parent hpcddp process
 
 
-def test_world_size_disagreement_under_mpirun_ends_every_rank(tmp_path):
+@pytest.mark.parametrize(
+    "init_args, env, message",
+    [
+        ("", {"WORLD_SIZE": "4"}, "MPI started 2 ranks but WORLD_SIZE=4 is set: unset WORLD_SIZE"),
+        ("", {"HPCDDP_STALL_TIMEOUT": "1m"}, "environment variable HPCDDP_STALL_TIMEOUT must be a number of seconds"),
+        ("backend='nccl'", {}, "backend='nccl' needs CUDA, but torch sees no GPU: use backend='mpi' or 'gloo'"),
+    ],
+    ids=["world-size", "env-var", "nccl-without-cuda"],
+)
+def test_bad_configuration_under_mpirun_is_one_line_per_rank(tmp_path, init_args, env, message):
     script = tmp_path / "job.py"
-    script.write_text("import hpcddp\nhpcddp.init()\nprint('UNREACHABLE')\n")
-    result = run_mpi(2, [sys.executable, str(script)], timeout=180, env={"WORLD_SIZE": "4"}, cwd=ROOT)
+    script.write_text(f"import hpcddp\nhpcddp.init({init_args})\nprint('UNREACHABLE')\n")
+    start = time.monotonic()
+    result = run_mpi(2, [sys.executable, str(script)], timeout=180, env=env, cwd=ROOT)
     assert not result.timed_out and result.returncode != 0, result.stdout
-    assert "RuntimeError: MPI started 2 ranks but WORLD_SIZE=4 is set: unset WORLD_SIZE" in result.stdout
-    assert "UNREACHABLE" not in result.stdout
+    assert time.monotonic() - start < 60
+    for rank in (0, 1):
+        assert f"[hpcddp rank {rank}] error: {message}" in result.stdout, result.stdout
+    assert "Traceback" not in result.stdout and "UNREACHABLE" not in result.stdout
 
 
 def test_invalid_integer_variable(fresh):

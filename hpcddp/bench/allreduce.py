@@ -99,7 +99,8 @@ def path_label(path: str) -> str:
     return ensure_process_group().get_backend()
 
 
-def _time_one(path: str, size: int, iters: int, warmup: int) -> float:
+def _prepare(path: str, size: int, warmup: int) -> Callable[[], None]:
+    """Return one in-place allreduce of ``size`` bytes on ``path``, checked and warmed up."""
     count = size // 4
     once, view = _runner(path, count)
     # One reduction of ones proves the path sums before we time it; zeros keep
@@ -112,20 +113,31 @@ def _time_one(path: str, size: int, iters: int, warmup: int) -> float:
     view().zero_()
     for _ in range(warmup):
         once()
-    samples = []
-    # Back-to-back collectives keep the ranks in step without a barrier between
-    # them; the median of single iterations shrugs off the shared machine's hiccups.
+    return once
+
+
+def _time_interleaved(runners: dict[str, Callable[[], None]], iters: int) -> dict[str, float]:
+    """Return each path's median iteration time, the paths taking turns iteration by iteration.
+
+    Taking turns puts the shared machine's load, and the cache state one path leaves
+    behind, on every path alike; back-to-back collectives keep the ranks in step
+    without a barrier, and the median shrugs off single hiccups.
+    """
+    samples: dict[str, list[float]] = {path: [] for path in runners}
     for _ in range(iters):
-        start = time.perf_counter()
-        once()
-        samples.append(time.perf_counter() - start)
-    return median(samples)
+        for path, once in runners.items():
+            start = time.perf_counter()
+            once()
+            samples[path].append(time.perf_counter() - start)
+    return {path: median(times) for path, times in samples.items()}
 
 
 def sweep_allreduce(
     sizes: Sequence[int], iters: int = 20, warmup: int = 5, paths: Sequence[str] = PATHS
 ) -> list[AllreduceResult]:
     """Time a float32 sum-allreduce at each size on each path; every rank must call this.
+
+    At each size the paths take turns, one iteration each (see ``_time_interleaved``).
 
     Args:
         sizes: message sizes in bytes, multiples of 4.
@@ -143,9 +155,11 @@ def sweep_allreduce(
     for size in sizes:
         if size <= 0 or size % 4:
             raise ValueError(f"sizes must be positive multiples of 4 bytes, got {size}")
+        runners = {path: _prepare(path, size, warmup) for path in chosen}
+        hpcddp.barrier()
+        medians = _time_interleaved(runners, iters)
         for path in chosen:
-            hpcddp.barrier()
-            seconds = max(hpcddp.allgather_object(_time_one(path, size, iters, warmup)))
+            seconds = max(hpcddp.allgather_object(medians[path]))
             bandwidth = algbw(size, seconds)
             results.append(
                 AllreduceResult(

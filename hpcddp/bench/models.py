@@ -59,13 +59,14 @@ class Workload:
 MODELS = {"mlp": (mlp, (1024,), 1024), "conv": (conv_net, (3, 32, 32), 10)}
 
 
-def build_workload(name: str, batch_size: int = 32, seed: int = 0) -> Workload:
+def build_workload(name: str, batch_size: int = 32, seed: int = 0, device: torch.device | str = "cpu") -> Workload:
     """Build model ``name`` ("mlp" or "conv") with one random batch; the same weights for every seed.
 
     Args:
         name: a key of ``MODELS``.
         batch_size: samples per rank per step.
         seed: seeds the batch (pass the rank so ranks see different data).
+        device: where the model and batch live (``hpcddp.device()``).
     """
     if name not in MODELS:
         raise ValueError(f"model must be one of {', '.join(MODELS)}, got {name!r}")
@@ -77,4 +78,4 @@ def build_workload(name: str, batch_size: int = 32, seed: int = 0) -> Workload:
     generator = torch.Generator().manual_seed(seed)
     inputs = torch.randn((batch_size, *shape), generator=generator)
     targets = torch.randint(0, classes, (batch_size,), generator=generator)
-    return Workload(name, model, inputs, targets)
+    return Workload(name, model.to(device), inputs.to(device), targets.to(device))

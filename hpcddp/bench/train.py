@@ -60,7 +60,8 @@ def _make_step(variant: str, workload: Workload, hpcddp_options: dict) -> tuple[
         from ._torchdist import ensure_process_group
 
         ensure_process_group()
-        runner = DistributedDataParallel(model)
+        device = next(model.parameters()).device
+        runner = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
         optimizer = _optimizer(runner)
     elif variant == "horovod":
         import horovod.torch as hvd
@@ -75,10 +76,14 @@ def _make_step(variant: str, workload: Workload, hpcddp_options: dict) -> tuple[
     else:
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
 
+    on_gpu = workload.inputs.is_cuda
+
     def step():
         optimizer.zero_grad()
         workload.loss(runner).backward()
         optimizer.step()
+        if on_gpu:  # the step is over when the GPU is done, not when Python returns
+            torch.cuda.synchronize()
 
     return step, optimizer
 
