@@ -14,13 +14,12 @@ from torch.autograd import Variable
 
 from . import timeline
 from ._consistency import check_same_parameters
+from ._optimizer_args import check_arguments, collect_parameters
 from .buckets import MB, Bucket, build_buckets
-from .comm.base import Communicator, Handle, ReduceOp, parse_op
+from .comm.base import Communicator, Handle, ReduceOp
 from .stall import collective_tag
 
-__all__ = ["DistributedOptimizer", "COMPRESSIONS"]
-
-COMPRESSIONS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+__all__ = ["DistributedOptimizer"]
 
 log = logging.getLogger("hpcddp")
 
@@ -105,28 +104,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         skip_nonfinite: bool = False,
         gradient_predivide_factor: float | None = None,
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        _check_positive("bucket_cap_mb", bucket_cap_mb)
-        _check_positive("first_bucket_mb", first_bucket_mb)
-        if (
-            isinstance(backward_passes_per_step, bool)
-            or not isinstance(backward_passes_per_step, int)
-            or backward_passes_per_step < 1
-        ):
-            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
-        key = compression.lower() if isinstance(compression, str) else compression
-        if key not in COMPRESSIONS:
-            raise ValueError(f"compression must be one of None, 'fp16', 'bf16', got {compression!r}")
-        self._op = parse_op(op)
-        if self._op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-            raise ValueError(f"op must be 'average' or 'sum' for gradients, got {op!r}")
-        if gradient_predivide_factor is not None:
-            _check_positive("gradient_predivide_factor", gradient_predivide_factor)
-            if self._op is not ReduceOp.AVERAGE:
-                raise ValueError(
-                    f"gradient_predivide_factor={gradient_predivide_factor!r} only applies to op='average', got op={op!r}"
-                )
+        arguments = check_arguments(
+            optimizer,
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_mb=first_bucket_mb,
+            backward_passes_per_step=backward_passes_per_step,
+            compression=compression,
+            op=op,
+            gradient_predivide_factor=gradient_predivide_factor,
+        )
+        self._op = arguments.op
         self._optimizer = optimizer
         default_comm = communicator is None
         if default_comm:
@@ -135,7 +122,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             communicator = current()
         self._comm = communicator
         self.backward_passes_per_step = backward_passes_per_step
-        self._named = _collect_parameters(optimizer, named_parameters)
+        self._named = collect_parameters(optimizer, named_parameters)
         self.times = ReductionTimes()
         self._no_sync = False
         self._set_to_none = True
@@ -168,7 +155,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 [p for _, p in self._named],
                 int(bucket_cap_mb * MB),
                 int(first_bucket_mb * MB),
-                COMPRESSIONS[key],
+                arguments.wire_dtype,
             )
             self._attach()
 
@@ -496,45 +483,3 @@ def _adopt_grad(param: torch.nn.Parameter, view: torch.Tensor) -> None:
     else:
         view.copy_(grad)
     param.grad = view
-
-
-def _check_positive(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-
-
-def _collect_parameters(optimizer, named_parameters) -> list[tuple[str, torch.nn.Parameter]]:
-    in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
-    if len({id(p) for p in in_optimizer}) != len(in_optimizer):
-        position = next(i for i, p in enumerate(in_optimizer) if any(p is q for q in in_optimizer[:i]))
-        raise ValueError(
-            f"the optimizer lists parameter #{position} twice (torch only warns): pass each parameter once"
-        )
-    if named_parameters is None:
-        named = [(f"param.{i}", p) for i, p in enumerate(in_optimizer)]
-    else:
-        named = list(named_parameters)
-        seen_names: set[str] = set()
-        seen_params: dict[int, str] = {}
-        for entry in named:
-            if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], torch.Tensor)):
-                raise TypeError(
-                    f"named_parameters must yield (name, parameter) pairs such as model.named_parameters(), got {entry!r:.80}"
-                )
-            name, param = entry
-            if name in seen_names:
-                raise ValueError(f"named_parameters lists the name {name!r} twice: names must be unique")
-            if id(param) in seen_params:
-                raise ValueError(
-                    f"named_parameters lists one parameter twice, as {seen_params[id(param)]!r} and {name!r}: "
-                    "pass each parameter once"
-                )
-            seen_names.add(name)
-            seen_params[id(param)] = name
-        missing = [p for p in in_optimizer if id(p) not in seen_params]
-        if missing:
-            raise ValueError(
-                f"named_parameters is missing {len(missing)} of the optimizer's parameters: "
-                "pass model.named_parameters() for the model the optimizer trains"
-            )
-    return [(name, p) for name, p in named if p.requires_grad]

@@ -17,3 +17,32 @@ def _restore_environ():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+# Variables by which hpcddp would think an MPI launcher, srun or torchrun started this process.
+LAUNCHER_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "SLURM_PROCID",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMIX_RANK",
+    "PMI_RANK",
+    "PMI_SIZE",
+)
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """hpcddp.init() as a plain process (a world of one), shut down and torch threads restored after."""
+    import torch
+
+    import hpcddp
+
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    threads = torch.get_num_threads()
+    hpcddp.init()
+    yield
+    hpcddp.shutdown()
+    torch.set_num_threads(threads)

@@ -7,7 +7,6 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import hpcddp
 from hpcddp.bench import algbw, build_workload, busbw, format_size, parse_size, size_sweep
 from hpcddp.bench.train import bench_train
 from hpcddp.cli import main
@@ -117,26 +116,6 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch):
     result = CliRunner().invoke(main, ["bench", "allreduce", "--plot", "out.png"])
     assert result.exit_code == 2
     assert "pip install matplotlib" in result.output
-
-
-@pytest.fixture
-def world_of_one(monkeypatch):
-    for name in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "SLURM_PROCID",
-        "OMPI_COMM_WORLD_SIZE",
-        "PMIX_RANK",
-        "PMI_RANK",
-        "PMI_SIZE",
-    ):
-        monkeypatch.delenv(name, raising=False)
-    threads = torch.get_num_threads()
-    hpcddp.init()
-    yield
-    hpcddp.shutdown()
-    torch.set_num_threads(threads)
 
 
 def test_allreduce_sweep_in_a_world_of_one_writes_json(world_of_one, tmp_path):

@@ -1,5 +1,7 @@
 """Launch-environment detection with patched environments (no MPI started)."""
 
+from dataclasses import astuple
+
 import pytest
 
 from hpcddp.env import (
@@ -30,15 +32,7 @@ def test_torchrun_variables():
     }
     env = detect_environment(environ)
     assert isinstance(env, TorchrunEnvironment)
-    layout = env.layout()
-    assert (
-        layout.rank,
-        layout.world_size,
-        layout.local_rank,
-        layout.local_size,
-        layout.node_rank,
-        layout.num_nodes,
-    ) == (5, 8, 1, 4, 1, 2)
+    assert astuple(env.layout()) == (5, 8, 1, 4, 1, 2)
     assert env.rendezvous() == ("n1", 1234)
 
 
@@ -70,15 +64,7 @@ def slurm_step(**extra):
 def test_srun_singletons_use_slurm_variables():
     env = detect_environment(slurm_step())
     assert isinstance(env, SlurmEnvironment)
-    layout = env.layout()
-    assert (
-        layout.rank,
-        layout.world_size,
-        layout.local_rank,
-        layout.local_size,
-        layout.node_rank,
-        layout.num_nodes,
-    ) == (3, 4, 1, 2, 1, 2)
+    assert astuple(env.layout()) == (3, 4, 1, 2, 1, 2)
     address, port = env.rendezvous()
     assert address == "gpu07" and 15000 <= port < 30000
     assert SlurmEnvironment(slurm_step(SLURM_PROCID="0")).rendezvous() == (address, port)

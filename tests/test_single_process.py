@@ -7,21 +7,8 @@ import hpcddp
 
 
 @pytest.fixture
-def single(monkeypatch):
-    for name in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "SLURM_PROCID",
-        "OMPI_COMM_WORLD_SIZE",
-        "PMIX_RANK",
-        "PMI_RANK",
-        "PMI_SIZE",
-    ):
-        monkeypatch.delenv(name, raising=False)
-    hpcddp.init()
-    yield
-    hpcddp.shutdown()
+def single(world_of_one):
+    """Shorter name for the shared fixture in this file."""
 
 
 def test_world_of_one(single):

@@ -10,6 +10,14 @@ import click
 __all__ = ["bench"]
 
 
+json_option = click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, writable=True),
+    help="Write the results as JSON here (rank 0).",
+)
+
+
 @click.group()
 def bench() -> None:
     """Measure allreduce bandwidth and training-step cost against the raw libraries and torch DDP."""
@@ -68,14 +76,9 @@ def _write_json(path: str, payload: dict) -> None:
     "--paths",
     default="hpcddp,mpi4py,torch",
     show_default=True,
-    help="Comma-separated: hpcddp (hpcddp.allreduce_), mpi4py (raw Allreduce on numpy), torch (torch.distributed, gloo on CPU).",
+    help="Comma-separated: hpcddp (hpcddp.allreduce_), mpi4py (raw Allreduce on numpy), torch (torch.distributed: gloo on CPU, nccl on GPU).",
 )
-@click.option(
-    "--json",
-    "json_path",
-    type=click.Path(dir_okay=False, writable=True),
-    help="Write the results as JSON here (rank 0).",
-)
+@json_option
 @click.option(
     "--plot",
     "plot_path",
@@ -190,12 +193,7 @@ def allreduce(min_size, max_size, iters, warmup, paths, json_path, plot_path) ->
     show_default=True,
     help="hpcddp's wire dtype.",
 )
-@click.option(
-    "--json",
-    "json_path",
-    type=click.Path(dir_okay=False, writable=True),
-    help="Write the results as JSON here (rank 0).",
-)
+@json_option
 def train(model, batch_size, steps, warmup, repeats, threads, variants, bucket_cap_mb, compression, json_path) -> None:
     """Time training steps of a reference model: local compute, torch DDP, Horovod, hpcddp."""
     from ..bench.train import VARIANTS

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import abc
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
-__all__ = ["ClusterEnvironment", "RankLayout", "read_int"]
+__all__ = ["ClusterEnvironment", "RankLayout", "read_int", "read_value"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -30,21 +33,28 @@ class RankLayout:
             raise ValueError(f"node_rank must be in [0, {self.num_nodes}), got {self.node_rank}")
 
 
-def read_int(environ: Mapping[str, str], name: str, default: int | None = None) -> int | None:
-    """Read an integer environment variable, failing with a message that names it.
+def read_value(environ: Mapping[str, str], name: str, convert: Callable[[str], T], expected: str, default=None):
+    """Read and convert an environment variable, failing with a message that names it.
 
     Args:
         environ: the environment to read (``os.environ`` or a test's dict).
         name: the variable.
+        convert: turns the text into the value; raises ValueError when it cannot.
+        expected: what a valid value is, for the message ("an integer").
         default: returned when the variable is unset or empty.
     """
     raw = environ.get(name, "").strip()
     if not raw:
         return default
     try:
-        return int(raw)
+        return convert(raw)
     except ValueError:
-        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
+        raise ValueError(f"environment variable {name} must be {expected}, got {raw!r}") from None
+
+
+def read_int(environ: Mapping[str, str], name: str, default: int | None = None) -> int | None:
+    """Read an integer environment variable; ``default`` when unset (see ``read_value``)."""
+    return read_value(environ, name, int, "an integer", default)
 
 
 class ClusterEnvironment(abc.ABC):

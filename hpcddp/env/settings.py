@@ -6,27 +6,21 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from .base import read_value
+
 __all__ = ["read_float", "read_settings"]
 
 
-def read_float(environ: Mapping[str, str], name: str, default: float | None = None) -> float | None:
-    """Read a number of seconds from the environment, failing with a message that names it.
-
-    Args:
-        environ: the environment to read.
-        name: the variable.
-        default: returned when the variable is unset or empty.
-    """
-    raw = environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
+def _seconds(raw: str) -> float:
+    value = float(raw)
     if not math.isfinite(value) or value < 0:
-        raise ValueError(f"environment variable {name} must be a number of seconds >= 0, got {raw!r}")
+        raise ValueError(raw)
     return value
+
+
+def read_float(environ: Mapping[str, str], name: str, default: float | None = None) -> float | None:
+    """Read a number of seconds >= 0 from the environment; ``default`` when unset (see ``read_value``)."""
+    return read_value(environ, name, _seconds, "a number of seconds >= 0", default)
 
 
 def read_settings(environ: Mapping[str, str]) -> dict[str, Any]:
