@@ -7,6 +7,7 @@ import datetime
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,7 +17,9 @@ from .config import InitConfig
 from .device import NodePeer, describe_self, select_device, set_cpu_threads
 from .env import ClusterEnvironment, RankLayout, detect_environment
 from .env.settings import read_settings
-from .timeline import Timeline
+
+if TYPE_CHECKING:
+    from .timeline import Timeline
 
 __all__ = [
     "backend",
@@ -111,22 +114,17 @@ def _init(backend, num_threads, allow_gpu_sharing, stall_timeout, stall_action, 
     if layout.world_size > 1:
         install_exception_hooks(layout.rank, use_mpi=mpi_comm is not None or chosen == "mpi")
     threads = set_cpu_threads(layout, config.num_threads, node_peers)
-    _runtime = _Runtime(config, environment, layout, device, comm, threads, _start_timeline(config, layout, comm))
+    _runtime = _Runtime(config, environment, layout, device, comm, threads)
+    if chosen in ("gloo", "nccl") and layout.world_size > 1:
+        # Leave torch.distributed together even when the script never calls shutdown().
+        atexit.register(shutdown)
+    if config.timeline is not None:
+        from .timeline import start
+
+        start(config.timeline)
     log.debug(
         "hpcddp rank %d/%d on %s, backend %s, %d threads", layout.rank, layout.world_size, device, chosen, threads
     )
-
-
-def _start_timeline(config: InitConfig, layout: RankLayout, comm: Communicator) -> Timeline | None:
-    if config.timeline is None:
-        return None
-    recorder = Timeline(config.timeline, layout.rank)
-    comm.barrier()
-    recorder.align()
-    recorder.install_module_hooks()
-    # Written at shutdown; at exit too, for scripts that never call it.
-    atexit.register(shutdown)
-    return recorder
 
 
 def _gather_node_peers(mpi_comm) -> list[NodePeer]:
@@ -269,6 +267,16 @@ def backend() -> str:
     return _require().comm.name
 
 
+def current_timeline() -> Timeline | None:
+    """Return the timeline being recorded, or None (for ``hpcddp.timeline``)."""
+    return None if _runtime is None else _runtime.timeline
+
+
+def set_timeline(recorder: Timeline | None) -> None:
+    """Install or remove the timeline being recorded (for ``hpcddp.timeline``)."""
+    _require().timeline = recorder
+
+
 def communicator() -> Communicator:
     """Return the active Communicator (for wrappers and tests)."""
     return _require().comm
@@ -283,9 +291,8 @@ def shutdown() -> None:
     """
     global _runtime
     if _runtime is not None:
-        runtime = _runtime
-        if runtime.timeline is not None:
-            runtime.timeline.remove_module_hooks()
-            runtime.timeline.write(runtime.comm)
-        runtime.comm.close()
+        from .timeline import stop
+
+        stop()
+        _runtime.comm.close()
         _runtime = None

@@ -8,23 +8,40 @@ import re
 import shutil
 import socket
 import subprocess
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["BackendCheck", "check_backends", "describe_rank", "mpi_facts", "software_versions"]
+__all__ = [
+    "BackendCheck",
+    "check_backends",
+    "describe_rank",
+    "gpu_facts",
+    "mpi_facts",
+    "software_versions",
+    "try_backends",
+]
 
 _THREAD_LEVELS = {0: "SINGLE", 1: "FUNNELED", 2: "SERIALIZED", 3: "MULTIPLE"}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class BackendCheck:
-    """Whether one communication backend can be used here, and why (not)."""
+    """Whether one communication backend can be used here, and whether it worked."""
 
     name: str
+    """"mpi", "gloo" or "nccl"."""
     available: bool
+    """The library is there (mpi4py imports; torch has gloo; torch has NCCL and sees a GPU)."""
     detail: str
+    """The library, or why it is missing."""
+    works: bool | None = None
+    """An allreduce of ones across the job gave the world size; None when not tried."""
+    test: str = ""
+    """What the allreduce gave and how long it took, or the error."""
 
     def as_dict(self) -> dict[str, Any]:
+        """Return the check as a plain dict (for JSON)."""
         return asdict(self)
 
 
@@ -93,28 +110,88 @@ def gpu_facts() -> dict[str, Any]:
     return facts
 
 
-def check_backends() -> list[BackendCheck]:
-    """Return which of hpcddp's backends can be used in this process, with the reason."""
+def check_backends(mpi: dict[str, str] | None = None) -> list[BackendCheck]:
+    """Return which of hpcddp's backends this process has, with the reason where one is missing.
+
+    Args:
+        mpi: ``mpi_facts()``, if already collected.
+    """
     import torch
     import torch.distributed as dist
 
-    checks = []
-    mpi = mpi_facts()
+    mpi = mpi_facts() if mpi is None else mpi
     mpi_ok = not mpi["library"].startswith("not available")
+    mpi_detail = f"{mpi['library']}, thread level {mpi.get('thread_level')}" if mpi_ok else mpi["library"]
+    checks = [BackendCheck(name="mpi", available=mpi_ok, detail=mpi_detail)]
+    gloo_ok = dist.is_available() and dist.is_gloo_available()
     checks.append(
         BackendCheck(
-            "mpi", mpi_ok, f"{mpi['library']}, thread level {mpi.get('thread_level')}" if mpi_ok else mpi["library"]
+            name="gloo", available=gloo_ok, detail="torch.distributed" if gloo_ok else "torch built without gloo"
         )
     )
-    gloo_ok = dist.is_available() and dist.is_gloo_available()
-    checks.append(BackendCheck("gloo", gloo_ok, "torch.distributed" if gloo_ok else "torch built without gloo"))
     if not (dist.is_available() and dist.is_nccl_available()):
-        checks.append(BackendCheck("nccl", False, "torch built without NCCL (a CPU build)"))
+        checks.append(BackendCheck(name="nccl", available=False, detail="torch built without NCCL (a CPU build)"))
     elif not torch.cuda.is_available():
-        checks.append(BackendCheck("nccl", False, "torch has NCCL but sees no GPU"))
+        checks.append(BackendCheck(name="nccl", available=False, detail="torch has NCCL but sees no GPU"))
     else:
-        checks.append(BackendCheck("nccl", True, f"NCCL {gpu_facts().get('nccl')}"))
+        checks.append(BackendCheck(name="nccl", available=True, detail=f"NCCL {gpu_facts().get('nccl')}"))
     return checks
+
+
+def try_backends(checks: list[BackendCheck]) -> None:
+    """Allreduce ones across the job on every available backend, filling ``works`` and ``test``; collective.
+
+    The active backend is tried through hpcddp; mpi otherwise through mpi4py on
+    COMM_WORLD, gloo and nccl through a torch.distributed group made for the test
+    (at the MASTER_ADDR/MASTER_PORT that ``hpcddp.init()`` exported).
+    """
+    from . import bootstrap
+
+    for check in checks:
+        if not check.available:
+            continue
+        start = time.perf_counter()
+        try:
+            value = _allreduce_ones(check.name, bootstrap.backend() == check.name)
+        except Exception as err:  # noqa: BLE001 - reported, not raised: this is a diagnosis
+            check.works, check.test = False, f"failed: {type(err).__name__}: {err}"
+            continue
+        elapsed = (time.perf_counter() - start) * 1e6
+        check.works = value == bootstrap.size()
+        verdict = "ok" if check.works else f"WRONG: got {value:g}, expected {bootstrap.size()}"
+        check.test = f"allreduce over {bootstrap.size()} rank(s) {verdict} ({elapsed:.0f} us)"
+
+
+def _allreduce_ones(backend: str, active: bool) -> float:
+    import torch
+
+    from . import bootstrap, collectives
+
+    if active:
+        return collectives.allreduce(torch.ones(4, device=bootstrap.device()), op="sum")[0].item()
+    if backend == "mpi":
+        from ._mpi import import_mpi
+
+        return float(import_mpi().COMM_WORLD.allreduce(1.0))
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    group = dist.new_group(backend=backend) if dist.is_initialized() else None
+    created = group is None
+    if created:
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+            rank=bootstrap.rank(),
+            world_size=bootstrap.size(),
+        )
+    try:
+        ones = torch.ones(4, device=device)
+        dist.all_reduce(ones, group=group)
+        return ones[0].item()
+    finally:
+        if created:
+            dist.destroy_process_group()
 
 
 def describe_rank() -> dict[str, Any]:

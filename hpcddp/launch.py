@@ -94,6 +94,13 @@ def is_open_mpi(mpirun: str) -> bool:
     return "Open MPI" in out or "OpenRTE" in out
 
 
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def _in_slurm_allocation(environ: Mapping[str, str]) -> bool:
     return bool(environ.get("SLURM_JOB_ID")) and shutil.which("srun") is not None
 
@@ -128,13 +135,27 @@ def build_launch_command(
     environ.update(extra_env)
     num_proc = config.num_proc
     if launcher == "srun":
+        ignored = [
+            flag
+            for flag, used in (("-H", config.hosts), ("--hostfile", config.hostfile), ("--no-bind", not config.bind))
+            if used
+        ]
+        if ignored:
+            verb = "applies" if len(ignored) == 1 else "apply"
+            raise ValueError(f"{', '.join(ignored)} {verb} only to mpirun: drop it, or pass --launcher mpirun")
         return _srun_command(num_proc, program, environ), environ
     if num_proc is None:
         num_proc = _int_or_none(environ.get("SLURM_NTASKS"))
         if num_proc is None:
             raise ValueError("-np is required outside a Slurm allocation: hpcddp run -np 2 train.py")
     command = mpirun_command(
-        num_proc, program, env=extra_env, hosts=config.hosts, hostfile=config.hostfile, bind=config.bind
+        num_proc,
+        program,
+        env=extra_env,
+        hosts=config.hosts,
+        hostfile=config.hostfile,
+        bind=config.bind,
+        environ=environ,
     )
     return command, environ
 
@@ -171,15 +192,18 @@ def mpirun_command(
     mpirun: str | None = None,
     extra: Sequence[str] = (),
     bind: bool = True,
+    environ: Mapping[str, str] | None = None,
 ) -> list[str]:
     """Return the mpirun command that starts ``args`` on ``num_ranks`` ranks.
 
     Open MPI gets ``--allow-run-as-root`` when running as root. On one host with
     more ranks than cores it gets ``--oversubscribe``, no binding and
     yield-when-idle (busy-polling ranks otherwise take the cores the working ranks
-    need); with enough cores each rank is bound to ``cores // ranks`` of them, which
-    ``hpcddp.init()`` then uses as its torch threads. Variables in ``env`` and those
-    matching ``FORWARDED_PREFIXES`` are forwarded to every rank (``-x``).
+    need); with enough CPUs each rank is bound to ``cpus // ranks`` of them, which
+    ``hpcddp.init()`` then uses as its torch threads. CPUs are this process's
+    (its affinity mask, hardware threads counted as Open MPI's HWTCPUS counts them).
+    Variables in ``env`` and those matching ``FORWARDED_PREFIXES`` are forwarded to
+    every rank (``-x``).
 
     Args:
         num_ranks: total ranks.
@@ -190,6 +214,7 @@ def mpirun_command(
         mpirun: the mpirun executable; found on PATH by default.
         extra: more mpirun flags, placed before the program.
         bind: bind ranks to cores on a single host.
+        environ: where the variables to forward come from; ``os.environ`` by default.
     """
     if num_ranks < 1:
         raise ValueError(f"number of ranks (-np) must be >= 1, got {num_ranks}")
@@ -200,20 +225,23 @@ def mpirun_command(
     command = [mpirun, "-np", str(num_ranks)]
     open_mpi = is_open_mpi(mpirun)
     single_host = hosts is None and hostfile is None
-    cores = os.cpu_count() or 1
+    cpus = _usable_cpus()
     if open_mpi:
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             command.append("--allow-run-as-root")
-        if single_host and num_ranks > cores:
+        if single_host and num_ranks > cpus:
             command += ["--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1"]
         elif single_host and bind:
-            command += ["--map-by", f"slot:PE={cores // num_ranks}", "--bind-to", "core"]
+            # HWTCPUS: PE counts hardware threads, as os.sched_getaffinity does; counted in
+            # cores, PE would ask for twice the cores a hyperthreaded machine has.
+            command += ["--map-by", f"slot:PE={cpus // num_ranks}:HWTCPUS", "--bind-to", "hwthread"]
     if hosts:
         command += ["-H", hosts]
     if hostfile:
         command += ["--hostfile", hostfile]
     if open_mpi:
-        forwarded = sorted(name for name in os.environ if name.startswith(FORWARDED_PREFIXES) and name not in env)
+        source = os.environ if environ is None else environ
+        forwarded = sorted(name for name in source if name.startswith(FORWARDED_PREFIXES) and name not in env)
         for name in forwarded:
             command += ["-x", name]
         for name, value in env.items():

@@ -142,7 +142,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._joined = False
         self._active_handle: Handle | None = None
         self.active_ranks = self._comm.size
-        self._timeline = timeline.current() if default_comm else None
+        # The timeline is looked up at every use: hvd.start_timeline() may begin one later.
+        self._uses_runtime = default_comm
         #: how a step's average counts ranks inside a join: "active" (those with
         #: data, hpcddp.join) or "world" (all ranks, as Horovod's and DDP's join)
         self._join_average_over = "active"
@@ -200,6 +201,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return f"DistributedOptimizer({self._optimizer!r}, buckets={len(self._buckets)})"
 
     @property
+    def _timeline(self) -> timeline.Timeline | None:
+        return timeline.current() if self._uses_runtime else None
+
+    @property
     def buckets(self) -> list[Bucket]:
         """The gradient buckets, in launch order (empty in a world of one)."""
         return self._buckets
@@ -220,10 +225,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
         self._pending = [len(b.params) for b in self._buckets]
         self._next_launch = 0
-        if self._timeline is not None:
-            for bucket in self._buckets:
-                label = f"bucket {bucket.index} ({bucket.nbytes / MB:.2f} MiB, {len(bucket.params)} tensors)"
-                self._timeline.name_track(timeline.bucket_track(bucket.index), label)
 
     def close(self) -> None:
         """Remove the hooks; the wrapped optimizer keeps working as a local one."""
@@ -334,8 +335,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.times.bucket_done[bucket.index] = handle.completed_at or copy_out_start
             if self._set_to_none:
                 self._drop_unused_grads(bucket)
-            if self._timeline is not None:
-                self._timeline.bucket_reduction(
+            recorder = self._timeline
+            if recorder is not None:
+                recorder.bucket_reduction(
                     bucket.index,
                     self.times.bucket_launch[bucket.index],
                     self.times.bucket_submit[bucket.index],
@@ -391,9 +393,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Args:
             closure: passed to the wrapped optimizer's ``step``.
         """
-        if self._timeline is None:
+        recorder = self._timeline
+        if recorder is None:
             return self._synchronize_and_step(closure)
-        with self._timeline.measure("step"):
+        with recorder.measure("step"):
             return self._synchronize_and_step(closure)
 
     def _synchronize_and_step(self, closure):

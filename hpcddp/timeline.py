@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TRAINING_TRACK", "Timeline", "bucket_track", "current"]
+__all__ = ["TRAINING_TRACK", "Timeline", "bucket_track", "current", "start", "stop"]
 
 log = logging.getLogger("hpcddp")
 
@@ -118,6 +118,8 @@ class Timeline:
             args: details for the parent span (size, step).
         """
         track = bucket_track(index)
+        if track not in self._track_names:
+            self._track_names[track] = f"bucket {index} ({args.get('mib', '?')} MiB)"
         started = handle.started_at or submitted
         completed = handle.completed_at or copy_out[0]
         self.span(f"bucket {index}", launched, copy_out[1], track, **args)
@@ -140,16 +142,22 @@ class Timeline:
         ]
 
     def remove_module_hooks(self) -> None:
+        """Stop watching module calls."""
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
 
     def _before_forward(self, mod, inputs) -> None:
         if self._forward_depth == 0:
+            # A loss module (nn.CrossEntropyLoss) called after the model is not a second forward.
+            if next(mod.parameters(), None) is None:
+                return
             self._forward_start = time.perf_counter()
         self._forward_depth += 1
 
     def _after_forward(self, mod, inputs, output) -> None:
+        if self._forward_depth == 0:  # the parameterless top-level call skipped above
+            return
         self._forward_depth -= 1
         if self._forward_depth:
             return
@@ -217,6 +225,53 @@ def _first_tensor(output) -> torch.Tensor | None:
 
 def current() -> Timeline | None:
     """Return this process's Timeline, or None when no timeline is being recorded."""
-    from .bootstrap import _runtime
+    from .bootstrap import current_timeline
 
-    return None if _runtime is None else _runtime.timeline
+    return current_timeline()
+
+
+def start(path: str | os.PathLike) -> Timeline:
+    """Start recording a timeline to ``path`` (``init(timeline=...)`` does this); collective.
+
+    Args:
+        path: where rank 0 writes the trace when ``stop()`` or ``hpcddp.shutdown()`` runs.
+    """
+    from . import bootstrap
+
+    if current() is not None:
+        raise RuntimeError(f"a timeline is already being recorded to {current().path}: stop() it first")
+    recorder = Timeline(path, bootstrap.rank())
+    comm = bootstrap.communicator()
+    comm.barrier()
+    recorder.align()
+    recorder.install_module_hooks()
+    bootstrap.set_timeline(recorder)
+    if not _exit_hook_installed:
+        _install_exit_hook()
+    return recorder
+
+
+def stop() -> Path | None:
+    """Stop recording and write the trace on rank 0 (returns its path there); collective."""
+    from . import bootstrap
+
+    recorder = current()
+    if recorder is None:
+        return None
+    recorder.remove_module_hooks()
+    bootstrap.set_timeline(None)
+    return recorder.write(bootstrap.communicator())
+
+
+_exit_hook_installed = False
+
+
+def _install_exit_hook() -> None:
+    # Written at shutdown; at exit too, for scripts that never call it.
+    global _exit_hook_installed
+    import atexit
+
+    from .bootstrap import shutdown
+
+    atexit.register(shutdown)
+    _exit_hook_installed = True

@@ -27,7 +27,7 @@ __all__ = ["run"]
     "env",
     multiple=True,
     metavar="NAME[=VALUE]",
-    help="Set or forward a variable on every rank (repeatable). HPCDDP_*, NCCL_*, OMP_*, PYTHON*, PATH ... are forwarded anyway.",
+    help="Set or forward a variable on every rank (repeatable); HPCDDP_*, NCCL_*, OMP_*, PATH ... go anyway.",
 )
 @click.option("--no-bind", is_flag=True, help="Do not bind ranks to cores (single host).")
 @click.option("--dry-run", is_flag=True, help="Print the command and exit.")
@@ -49,6 +49,8 @@ def run(num_proc, hosts, hostfile, launcher, env, no_bind, dry_run, script, args
     """
     from ..launch import LaunchConfig, build_launch_command, program_command
 
+    if script.startswith("-"):  # ignore_unknown_options passes a mistyped option on as the script
+        raise click.UsageError(f"no such option: {script} (see hpcddp run --help)")
     try:
         config = LaunchConfig(
             num_proc=num_proc, hosts=hosts, hostfile=hostfile, launcher=launcher, env=env, bind=not no_bind

@@ -61,7 +61,8 @@ class Handle:
         self.completed_at: float | None = None
 
     def set_result(self, result: Any) -> None:
-        self.completed_at = time.perf_counter()
+        if self.completed_at is None:  # a backend may have stamped the real completion already
+            self.completed_at = time.perf_counter()
         self._result = result
         self._done.set()
 

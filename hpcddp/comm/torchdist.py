@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import datetime
+import time
 from typing import Any
 
 import torch
@@ -11,6 +13,9 @@ import torch.distributed as dist
 from .base import Communicator, Handle, ReduceOp, completed
 
 __all__ = ["TorchDistCommunicator"]
+
+# Far more than can be in flight at once (one per bucket), so a dropped Work is long done.
+_KEPT_WORKS = 1024
 
 _DIST_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -27,6 +32,16 @@ class _WorkHandle(Handle):
         super().__init__(name)
         self._work = work
         self._pending_result = result
+        # Stamp the completion when the backend reaches it, not when someone waits
+        # (the timeline's allreduce spans would otherwise last until step()).
+        try:
+            work.get_future().add_done_callback(self._stamp_completion)
+        except (AttributeError, RuntimeError):  # a backend without futures: stamped at wait()
+            pass
+
+    def _stamp_completion(self, _future) -> None:
+        if self.completed_at is None:
+            self.completed_at = time.perf_counter()
 
     def poll(self) -> bool:
         return self._done.is_set() or self._work.is_completed()
@@ -55,6 +70,16 @@ class TorchDistCommunicator(Communicator):
         super().__init__(dist.get_rank(), dist.get_world_size())
         self.name = backend
         self.device = device
+        self._recent_works: collections.deque = collections.deque(maxlen=_KEPT_WORKS)
+
+    def _keep(self, work):
+        # gloo's worker thread may drop the last reference to a Work, whose destructor
+        # takes the GIL (a Work launched in backward captured Python state); during
+        # interpreter exit that thread then dies mid-destructor and std::terminate aborts
+        # the process (seen 1 run in 2 with 4 buckets). Holding recent Works here, until
+        # this object dies, makes the main thread the one to destroy them.
+        self._recent_works.append(work)
+        return work
 
     def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.device == self.device and tensor.is_contiguous():
@@ -68,14 +93,15 @@ class TorchDistCommunicator(Communicator):
         if self.size == 1:
             handle = completed(staged, "allreduce")
         else:
-            handle = _WorkHandle(dist.all_reduce(staged, op=_DIST_OPS[op], async_op=True), staged, "allreduce")
+            work = self._keep(dist.all_reduce(staged, op=_DIST_OPS[op], async_op=True))
+            handle = _WorkHandle(work, staged, "allreduce")
         if op is ReduceOp.AVERAGE:
             handle.then(lambda out: out.div_(self.size))
         return handle.then(lambda out: out if out is tensor else tensor.copy_(out))
 
     def broadcast_async_(self, tensor: torch.Tensor, root: int) -> Handle:
         staged = self._on_device(tensor)
-        work = dist.broadcast(staged, src=root, async_op=True)
+        work = self._keep(dist.broadcast(staged, src=root, async_op=True))
         handle = _WorkHandle(work, staged, "broadcast")
         return handle.then(lambda out: out if out is tensor else tensor.copy_(out))
 
@@ -90,7 +116,7 @@ class TorchDistCommunicator(Communicator):
         padded = torch.zeros((longest, *source.shape[1:]), dtype=source.dtype, device=source.device)
         padded[: source.shape[0]] = source
         pieces = [torch.empty_like(padded) for _ in rows]
-        work = dist.all_gather(pieces, padded, async_op=True)
+        work = self._keep(dist.all_gather(pieces, padded, async_op=True))
         handle = _WorkHandle(work, pieces, "allgather")
         return handle.then(lambda out: torch.cat([p[:n] for p, n in zip(out, rows)]).to(tensor.device))
 
@@ -117,4 +143,7 @@ class TorchDistCommunicator(Communicator):
 
     def close(self) -> None:
         if dist.is_initialized():
+            if self.size > 1:  # leave together: no peer is still inside a collective
+                # Kept too: gloo's barrier holds the Works before it (see _keep).
+                self._keep(dist.barrier(async_op=True)).wait()
             dist.destroy_process_group()

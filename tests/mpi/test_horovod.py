@@ -28,8 +28,8 @@ def test_allreduce_ops_scaling_and_compression():
     torch.testing.assert_close(hvd.allreduce(t, op=hvd.Sum), torch.full((5,), n * mean))
     torch.testing.assert_close(hvd.allreduce(t, op=hvd.Max), torch.full((5,), float(n)))
     torch.testing.assert_close(hvd.allreduce(t, op=hvd.Min), torch.full((5,), 1.0))
-    scaled = hvd.allreduce(t, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5)
-    torch.testing.assert_close(scaled, torch.full((5,), n * mean))
+    scaled = hvd.allreduce(t, op=hvd.Sum, prescale_factor=2.0, postscale_factor=3.0)
+    torch.testing.assert_close(scaled, torch.full((5,), 6 * n * mean))
     assert torch.equal(t, torch.full((5,), float(r + 1))), "allreduce must leave its input alone"
     half = hvd.allreduce(t, compression=hvd.Compression.fp16)
     assert half.dtype == torch.float32
@@ -66,6 +66,66 @@ def test_broadcast_allgather_and_objects():
     assert rows[:, 0].tolist() == [k for k in range(n) for _ in range(k + 1)]
     assert hvd.broadcast_object({"rank": r}, root_rank=1) == {"rank": 1}
     assert hvd.allgather_object(r * 10) == [k * 10 for k in range(n)]
+
+
+def test_integer_average_rounds_down_and_in_place_works_on_parameters():
+    n, r = hvd.size(), hvd.rank()
+    ints = torch.full((3,), r, dtype=torch.int64)
+    assert torch.equal(hvd.allreduce(ints), torch.full((3,), sum(range(n)) // n, dtype=torch.int64))
+    weight = torch.nn.Parameter(torch.full((2,), float(r)))
+    assert hvd.allreduce_(weight, op=hvd.Sum, prescale_factor=2.0) is weight
+    assert torch.equal(weight.detach(), torch.full((2,), 2.0 * sum(range(n))))
+
+
+def test_collectives_are_differentiable_as_horovods():
+    n, r = hvd.size(), hvd.rank()
+    x = torch.ones(3, requires_grad=True)
+    (hvd.allreduce(x * 2) * torch.arange(3.0)).sum().backward()
+    # d/dx of mean_r(2x_r) . w, reduced the same way: 2w
+    torch.testing.assert_close(x.grad, 2 * torch.arange(3.0))
+    rows = torch.ones(r + 1, 2, requires_grad=True)
+    gathered = hvd.allgather(rows)
+    weights = torch.arange(float(gathered.numel())).reshape(gathered.shape)
+    (gathered * weights).sum().backward()
+    offset = sum(k + 1 for k in range(r))
+    # every rank's loss touches my rows: the gradient sums over ranks
+    torch.testing.assert_close(rows.grad, n * weights[offset : offset + r + 1])
+    root = torch.ones(4, requires_grad=True)
+    hvd.broadcast(root * (r + 1), root_rank=0).sum().backward()
+    torch.testing.assert_close(root.grad, torch.full((4,), float(n)) if r == 0 else torch.zeros(4))
+
+
+def test_build_queries_barrier_and_unsupported_options():
+    assert hvd.mpi_built() and hvd.gloo_built() and not hvd.gloo_enabled()
+    assert isinstance(hvd.nccl_built(), int) and not hvd.rocm_built()
+    hvd.barrier()
+    with pytest.raises(NotImplementedError, match="Adasum"):
+        hvd.allreduce(torch.ones(1), op=hvd.Adasum)
+    with pytest.raises(NotImplementedError, match="global process set, got process_set='other'"):
+        hvd.allreduce(torch.ones(1), process_set="other")
+
+
+def test_broadcast_parameters_takes_a_list_of_tensors():
+    tensors = [torch.full((2,), float(hvd.rank())), torch.full((3,), float(hvd.rank()) + 1)]
+    hvd.broadcast_parameters(tensors, root_rank=hvd.size() - 1, process_set=hvd.global_process_set)
+    assert torch.equal(tensors[0], torch.full((2,), float(hvd.size() - 1)))
+    assert torch.equal(tensors[1], torch.full((3,), float(hvd.size())))
+
+
+def test_timeline_switches_on_and_off(tmp_path):
+    path = hvd.broadcast_object(str(tmp_path / "hvd_timeline.json"), root_rank=0)
+    hvd.start_timeline(path)
+    model = make_model()
+    optimizer = hvd.DistributedOptimizer(make_sgd(model.parameters()), named_parameters=model.named_parameters())
+    _train(model, optimizer, rank_data(1))
+    hvd.stop_timeline()
+    optimizer.close()
+    del optimizer
+    if hvd.rank() == 0:
+        import json
+
+        names = {e["name"] for e in json.load(open(path))["traceEvents"]}
+        assert {"forward", "backward", "step", "allreduce", "bucket 0"} <= names
 
 
 def _train(model, optimizer, data):
@@ -119,10 +179,30 @@ def test_bad_arguments_name_the_knob():
     model = make_model()
     with pytest.raises(ValueError, match="compression must be hvd.Compression"):
         hvd.DistributedOptimizer(make_sgd(model.parameters()), compression="zip")
+
+    class Custom(hvd.Compressor):
+        pass
+
+    with pytest.raises(ValueError, match="custom compressors are not supported"):
+        hvd.DistributedOptimizer(make_sgd(model.parameters()), compression=Custom)
     with pytest.raises(ValueError, match="gradient_predivide_factor=2.0 needs op=hvd.Average"):
         hvd.DistributedOptimizer(make_sgd(model.parameters()), op=hvd.Sum, gradient_predivide_factor=2.0)
-    with pytest.raises(NotImplementedError, match="global process set"):
-        hvd.allreduce(torch.ones(1), process_set="other")
+
+
+def test_unused_parameters_get_zero_gradients_and_passes_can_change():
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 2), "unused": torch.nn.Linear(4, 2)})
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    model["used"](torch.ones(3, 4)).sum().backward()
+    optimizer.step()
+    assert model["unused"].weight.grad is not None and not model["unused"].weight.grad.any()  # zeros, as Horovod
+    optimizer.set_backward_passes_per_step(2)
+    assert optimizer.backward_passes_per_step == 2
+    with pytest.raises(ValueError, match="backward_passes_per_step must be an integer >= 1, got 0"):
+        optimizer.set_backward_passes_per_step(0)
+    optimizer.close()
+    del optimizer
 
 
 def test_join_averages_over_all_ranks_and_returns_the_last_rank():

@@ -1,0 +1,114 @@
+"""Horovod's DistributedOptimizer and join, on hpcddp's bucketed optimizer."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections.abc import Iterator
+
+from .. import collectives
+from ..join import count_active_ranks, shadow_until_all_joined, sync_from_last_joiner
+from ..optimizer import DistributedOptimizer as _HpcddpOptimizer
+from .basics import Average, check_process_set, global_process_set
+from .compression import OPTIMIZER_COMPRESSION, Compression
+from .ops import resolve_op
+
+__all__ = ["DistributedOptimizer", "join"]
+
+_optimizers: weakref.WeakSet = weakref.WeakSet()
+
+
+class _HorovodOptimizer(_HpcddpOptimizer):
+    """hpcddp's DistributedOptimizer with Horovod's extras and its zero gradients for unused parameters."""
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Let ``step()`` skip the wait inside this block (after an explicit ``synchronize()``).
+
+        hpcddp's ``step()`` never reduces twice, so this only documents intent.
+        """
+        yield
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Reduce once every ``passes`` backward passes from now on."""
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {passes!r}")
+        self.backward_passes_per_step = passes
+
+    def _drop_unused_grads(self, bucket) -> None:
+        # Horovod gives a parameter that no rank used a zero gradient (so momentum and
+        # weight decay still move it), where DDP and hpcddp leave it None.
+        pass
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
+                         backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0, num_groups=0,
+                         groups=None, sparse_as_dense=False,
+                         process_set=global_process_set) -> _HpcddpOptimizer:  # fmt: skip
+    """Wrap ``optimizer`` so that ``step()`` applies gradients reduced over all ranks (Horovod's signature).
+
+    Gradients are fused into hpcddp's buckets (DDP's sizes) rather than Horovod's
+    fusion buffer; ``num_groups`` and ``groups`` are accepted and ignored, since
+    buckets already group gradients.
+
+    Args:
+        optimizer: any torch optimizer.
+        named_parameters: ``model.named_parameters()``.
+        compression: ``Compression.none`` (default), ``.fp16`` or ``.bf16``.
+        backward_passes_per_step: reduce once every this many backward passes.
+        op: ``Average`` or ``Sum``.
+        gradient_predivide_factor: with Average, divide by this before the sum and
+            by ``size() / factor`` after it.
+        num_groups: ignored (see above).
+        groups: ignored (see above).
+        sparse_as_dense: must be False: hpcddp reduces dense gradients only.
+        process_set: only the global process set is supported.
+    """
+    check_process_set(process_set)
+    if sparse_as_dense:
+        raise NotImplementedError("sparse_as_dense=True is not supported: hpcddp reduces dense gradients only")
+    if compression not in OPTIMIZER_COMPRESSION:
+        raise ValueError(
+            f"compression must be hvd.Compression.none, .fp16 or .bf16, got {compression!r}: "
+            "custom compressors are not supported by DistributedOptimizer"
+        )
+    reduce_op = resolve_op(op)
+    if reduce_op is not Average and gradient_predivide_factor != 1.0:
+        raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} needs op=hvd.Average, got op={op}")
+    wrapped = _HorovodOptimizer(
+        optimizer,
+        named_parameters,
+        backward_passes_per_step=backward_passes_per_step,
+        compression=OPTIMIZER_COMPRESSION[compression],
+        op=reduce_op,
+        gradient_predivide_factor=gradient_predivide_factor if reduce_op is Average else None,
+    )
+    # hvd.join() may come from any rank at any step: count active ranks in every reduction.
+    wrapped._join_average_over = "world"
+    count_active_ranks(wrapped)
+    _optimizers.add(wrapped)
+    return wrapped
+
+
+def join(device=-1) -> int:
+    """Wait for every rank, shadowing the others' gradient reductions; return the rank that joined last.
+
+    Call it on every rank when its data runs out. The last rank is the one that
+    took the most optimizer steps; without a live ``DistributedOptimizer`` it is
+    the one whose clock read latest on arrival (approximate across nodes).
+    ``device`` is accepted for Horovod's signature.
+    """
+    optimizers = [opt for opt in list(_optimizers) if opt.buckets and opt._hooks]  # closed ones do not reduce
+    if len(optimizers) > 1:
+        raise RuntimeError(
+            f"hvd.join() can shadow one DistributedOptimizer, found {len(optimizers)} live ones: "
+            "call .close() on those no longer used"
+        )
+    if optimizers:
+        optimizer = optimizers[0]
+        joined_at = optimizer._num_reductions
+        shadow_until_all_joined(optimizer)
+        return sync_from_last_joiner(optimizer, joined_at)
+    arrivals = collectives.allgather_object(time.time())
+    return max(range(len(arrivals)), key=lambda r: (arrivals[r], r))
