@@ -8,7 +8,14 @@ import torch
 
 from .comm.base import ReduceOp, parse_op
 
-__all__ = ["COMPRESSIONS", "OptimizerArguments", "check_arguments", "check_positive", "collect_parameters"]
+__all__ = [
+    "COMPRESSIONS",
+    "OptimizerArguments",
+    "check_arguments",
+    "check_backward_passes",
+    "check_positive",
+    "collect_parameters",
+]
 
 #: compression name -> the dtype gradients travel in (None: as stored)
 COMPRESSIONS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -37,9 +44,7 @@ def check_arguments(
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     check_positive("bucket_cap_mb", bucket_cap_mb)
     check_positive("first_bucket_mb", first_bucket_mb)
-    passes = backward_passes_per_step
-    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-        raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {passes!r}")
+    check_backward_passes(backward_passes_per_step)
     key = compression.lower() if isinstance(compression, str) else compression
     if key not in COMPRESSIONS:
         raise ValueError(f"compression must be one of None, 'fp16', 'bf16', got {compression!r}")
@@ -53,6 +58,12 @@ def check_arguments(
                 f"gradient_predivide_factor={gradient_predivide_factor!r} only applies to op='average', got op={op!r}"
             )
     return OptimizerArguments(reduce_op, COMPRESSIONS[key])
+
+
+def check_backward_passes(passes) -> None:
+    """Raise ValueError unless ``passes`` (backward_passes_per_step) is an integer >= 1."""
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {passes!r}")
 
 
 def check_positive(name: str, value: float) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import datetime
 import logging
 import os
 from dataclasses import dataclass
@@ -117,7 +116,7 @@ def _init(backend, num_threads, allow_gpu_sharing, stall_timeout, stall_action, 
     _runtime = _Runtime(config, environment, layout, device, comm, threads)
     if chosen in ("gloo", "nccl") and layout.world_size > 1:
         # Leave torch.distributed together even when the script never calls shutdown().
-        atexit.register(shutdown)
+        shutdown_at_exit()
     if config.timeline is not None:
         from .timeline import start
 
@@ -125,6 +124,20 @@ def _init(backend, num_threads, allow_gpu_sharing, stall_timeout, stall_action, 
     log.debug(
         "hpcddp rank %d/%d on %s, backend %s, %d threads", layout.rank, layout.world_size, device, chosen, threads
     )
+
+
+_shutdown_registered = False
+
+
+def shutdown_at_exit() -> None:
+    """Make sure ``shutdown()`` runs at interpreter exit (once, however often asked).
+
+    For what must end collectively: torch.distributed groups, timelines.
+    """
+    global _shutdown_registered
+    if not _shutdown_registered:
+        atexit.register(shutdown)
+        _shutdown_registered = True
 
 
 def _gather_node_peers(mpi_comm) -> list[NodePeer]:
@@ -170,19 +183,12 @@ def _create_communicator(name: str, environment, layout: RankLayout, device, con
         return MPICommunicator(environment.mpi_comm, **stall)
     import torch.distributed as dist
 
-    from .comm.torchdist import TorchDistCommunicator
+    from .comm.torchdist import TorchDistCommunicator, join_process_group
 
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=name,
-            init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-            rank=layout.rank,
-            world_size=layout.world_size,
-            # torch.distributed has no stall inspector: a collective that waits longer
-            # than stall_timeout fails (gloo) or aborts (NCCL's watchdog) instead.
-            timeout=datetime.timedelta(seconds=config.stall_timeout or 1800),
-            **({"device_id": device} if name == "nccl" else {}),
-        )
+        # torch.distributed has no stall inspector: a collective that waits longer
+        # than stall_timeout fails (gloo) or aborts (NCCL's watchdog) instead.
+        join_process_group(name, layout.rank, layout.world_size, timeout_s=config.stall_timeout or 1800, device=device)
     return TorchDistCommunicator(name, device)
 
 

@@ -62,6 +62,11 @@ class Bucket:
     wire: torch.Tensor | None = None
 
     @property
+    def grads(self) -> torch.Tensor:
+        """The gradient part of the buffer (without the used-counters after it)."""
+        return self.buffer[: self.buffer.numel() - self.used.numel()]
+
+    @property
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
 

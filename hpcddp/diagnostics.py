@@ -179,12 +179,9 @@ def _allreduce_ones(backend: str, active: bool) -> float:
     group = dist.new_group(backend=backend) if dist.is_initialized() else None
     created = group is None
     if created:
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-            rank=bootstrap.rank(),
-            world_size=bootstrap.size(),
-        )
+        from .comm.torchdist import join_process_group
+
+        join_process_group(backend, bootstrap.rank(), bootstrap.size(), device=device)
     try:
         ones = torch.ones(4, device=device)
         dist.all_reduce(ones, group=group)

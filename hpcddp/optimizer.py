@@ -366,7 +366,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         factor = self._predivide / divisor
         if factor != 1.0:
             for bucket in self._buckets:
-                bucket.buffer[: bucket.buffer.numel() - bucket.used.numel()].mul_(factor)
+                bucket.grads.mul_(factor)
 
     def _drop_unused_grads(self, bucket: Bucket) -> None:
         # As DDP: a parameter no rank used keeps grad None (after zero_grad's
@@ -394,31 +394,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
             closure: passed to the wrapped optimizer's ``step``.
         """
         recorder = self._timeline
-        if recorder is None:
-            return self._synchronize_and_step(closure)
-        with recorder.measure("step"):
-            return self._synchronize_and_step(closure)
-
-    def _synchronize_and_step(self, closure):
-        recorder = self._timeline
-        if recorder is None:
-            self.synchronize()
-        else:
-            with recorder.measure("synchronize"):
+        span = _no_span if recorder is None else recorder.measure
+        with span("step"):
+            with span("synchronize"):
                 self.synchronize()
-        if self.skip_nonfinite and not self._grads_finite():
-            self.skipped_steps += 1
-            self.zero_grad(self._set_to_none)
-            log.warning("hpcddp: skipped a step, a reduced gradient is inf or NaN (%d skipped)", self.skipped_steps)
-            return None
-        if recorder is None:
-            return self._optimizer.step(closure)
-        with recorder.measure("optimizer.step"):
-            return self._optimizer.step(closure)
+            if self.skip_nonfinite and not self._grads_finite():
+                self.skipped_steps += 1
+                self.zero_grad(self._set_to_none)
+                log.warning("hpcddp: skipped a step, a reduced gradient is inf or NaN (%d skipped)", self.skipped_steps)
+                return None
+            with span("optimizer.step"):
+                return self._optimizer.step(closure)
 
     def _grads_finite(self) -> bool:
         if self._buckets:
-            grads = [b.buffer[: b.buffer.numel() - b.used.numel()] for b in self._buckets]
+            grads = [b.grads for b in self._buckets]
         else:
             grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
         return not grads or bool(torch.stack([g.isfinite().all() for g in grads]).all())
@@ -474,6 +464,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             yield
         finally:
             self._no_sync = previous
+
+
+def _no_span(name: str) -> contextlib.nullcontext:
+    """Stand-in for ``Timeline.measure`` when no timeline is recorded."""
+    return contextlib.nullcontext()
 
 
 def _adopt_grad(param: torch.nn.Parameter, view: torch.Tensor) -> None:

@@ -246,8 +246,7 @@ def start(path: str | os.PathLike) -> Timeline:
     recorder.align()
     recorder.install_module_hooks()
     bootstrap.set_timeline(recorder)
-    if not _exit_hook_installed:
-        _install_exit_hook()
+    bootstrap.shutdown_at_exit()  # written at shutdown; at exit too, for scripts that never call it
     return recorder
 
 
@@ -261,17 +260,3 @@ def stop() -> Path | None:
     recorder.remove_module_hooks()
     bootstrap.set_timeline(None)
     return recorder.write(bootstrap.communicator())
-
-
-_exit_hook_installed = False
-
-
-def _install_exit_hook() -> None:
-    # Written at shutdown; at exit too, for scripts that never call it.
-    global _exit_hook_installed
-    import atexit
-
-    from .bootstrap import shutdown
-
-    atexit.register(shutdown)
-    _exit_hook_installed = True

@@ -27,6 +27,12 @@ _TORCH_TO_NUMPY = {
     torch.int64: np.int64,
 }
 _NUMPY_DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in _TORCH_TO_NUMPY}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return _NUMPY_DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
+
+
 # MPI has no standard 16-bit float: these travel as 2-byte integers and are combined
 # by user-defined ops that view the bytes with the right dtype.
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -194,7 +200,7 @@ class MPICommunicator(Communicator):
     ) -> Handle:
         handle = _QueuedHandle(name, self._help_until)
         with self._submit_lock:
-            shape, dtype = (None, None) if tensor is None else (tensor.shape, str(tensor.dtype).replace("torch.", ""))
+            shape, dtype = (None, None) if tensor is None else (tensor.shape, _dtype_name(tensor.dtype))
             self._queue.put((work, handle, self.collectives.submit(name, shape, dtype)), wake)
         return handle
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import os
 import time
 from typing import Any
 
@@ -12,7 +13,7 @@ import torch.distributed as dist
 
 from .base import Communicator, Handle, ReduceOp, completed
 
-__all__ = ["TorchDistCommunicator"]
+__all__ = ["TorchDistCommunicator", "join_process_group"]
 
 # Far more than can be in flight at once (one per bucket), so a dropped Work is long done.
 _KEPT_WORKS = 1024
@@ -23,6 +24,33 @@ _DIST_OPS = {
     ReduceOp.MIN: dist.ReduceOp.MIN,
     ReduceOp.MAX: dist.ReduceOp.MAX,
 }
+
+
+def join_process_group(
+    backend: str, rank: int, world_size: int, *, timeout_s: float = 1800, device: torch.device | None = None
+) -> None:
+    """Make torch.distributed's default group at the MASTER_ADDR/MASTER_PORT ``hpcddp.init()`` exported.
+
+    Args:
+        backend: "gloo" or "nccl".
+        rank: this process's rank.
+        world_size: the number of ranks.
+        timeout_s: how long a collective (and the rendezvous) may wait.
+        device: for nccl, this rank's GPU (binds the communicator to it).
+    """
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not (address and port):
+        raise RuntimeError(
+            "MASTER_ADDR/MASTER_PORT are not set: call hpcddp.init() first (it exports them), or set both"
+        )
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{address}:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        **({"device_id": device} if backend == "nccl" and device is not None else {}),
+    )
 
 
 class _WorkHandle(Handle):

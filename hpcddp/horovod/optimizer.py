@@ -8,6 +8,7 @@ import weakref
 from collections.abc import Iterator
 
 from .. import collectives
+from .._optimizer_args import check_backward_passes
 from ..join import count_active_ranks, shadow_until_all_joined, sync_from_last_joiner
 from ..optimizer import DistributedOptimizer as _HpcddpOptimizer
 from .basics import Average, check_process_set, global_process_set
@@ -32,8 +33,7 @@ class _HorovodOptimizer(_HpcddpOptimizer):
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Reduce once every ``passes`` backward passes from now on."""
-        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {passes!r}")
+        check_backward_passes(passes)
         self.backward_passes_per_step = passes
 
     def _drop_unused_grads(self, bucket) -> None:
