@@ -56,7 +56,7 @@ def main() -> None:
             if event["ts"] + event["dur"] < start - margin or event["ts"] > end + margin:
                 continue
             parent = event["name"].startswith("bucket ") or event["name"] == "step"
-            nested = event["name"] in ("synchronize", "optimizer.step")
+            nested = event["name"] == "optimizer.step"
             left, width = (event["ts"] - start) / 1000, event["dur"] / 1000
             height = 0.8 if parent else 0.4 if nested else 0.6
             colour = "#f3f3f3" if event["name"].startswith("bucket ") else COLOURS.get(event["name"], "#999999")

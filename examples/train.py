@@ -282,7 +282,7 @@ def main(argv=None) -> dict:
 
     start = time.perf_counter()
     # Held until the end: the SIGTERM with which Slurm ends a requeued run must not kill a rank mid-shutdown.
-    with hpcddp.PreemptionHandler() as preemption:
+    with hpcddp.PreemptionHandler(checkpoint_dir=args.checkpoint_dir) as preemption:
         completed = train(args, model, optimizer, sampler, data, test, position, preemption)
         test_loss, accuracy = evaluate(model.eval(), test)
         metrics = {

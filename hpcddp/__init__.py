@@ -7,6 +7,7 @@ optimizer = hpcddp.DistributedOptimizer(optimizer, model.named_parameters())
 hpcddp.broadcast_parameters(model.state_dict(), root_rank=0)
 """
 
+from .averaging import PeriodicModelAverager
 from .bootstrap import (
     backend,
     communicator,
@@ -50,6 +51,7 @@ __all__ = [
     "DistributedOptimizer",
     "Handle",
     "InitConfig",
+    "PeriodicModelAverager",
     "PreemptionHandler",
     "ReduceOp",
     "TrainingProgress",

@@ -7,11 +7,15 @@ next collective until the job's time limit; ``MPI_Abort`` ends all of them at on
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import traceback
 
 __all__ = ["abort_job", "install_exception_hooks", "mark_configuration_error"]
+
+#: seconds MPI_Abort may take before this process ends itself
+ABORT_GRACE_S = 10
 
 _installed = False
 _config_hook_installed = False
@@ -60,6 +64,10 @@ def abort_job(message: str, *, use_mpi: bool) -> None:
         if use_mpi:
             from ._mpi import import_mpi
 
+            # MPI_Abort asks the launcher's daemon to end every rank; on a node cut off
+            # from the launcher that request can block forever: SIGALRM's default action
+            # ends this process anyway (it fires in C, while Abort holds the GIL).
+            signal.alarm(ABORT_GRACE_S)
             import_mpi().COMM_WORLD.Abort(1)
         os._exit(1)
 

@@ -73,7 +73,7 @@ def check_positive(name: str, value: float) -> None:
 
 
 def collect_parameters(optimizer, named_parameters) -> list[tuple[str, torch.nn.Parameter]]:
-    """Return the (name, parameter) pairs to reduce, in registration order.
+    """Return the (name, parameter) pairs to reduce, in registration order (frozen ones too).
 
     Args:
         optimizer: the wrapped optimizer; every parameter it holds must be named.
@@ -113,4 +113,4 @@ def collect_parameters(optimizer, named_parameters) -> list[tuple[str, torch.nn.
                 f"named_parameters is missing {len(missing)} of the optimizer's parameters: "
                 "pass model.named_parameters() for the model the optimizer trains"
             )
-    return [(name, p) for name, p in named if p.requires_grad]
+    return named

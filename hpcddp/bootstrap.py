@@ -5,8 +5,8 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,13 +14,12 @@ from ._abort import install_exception_hooks, mark_configuration_error
 from .comm.base import Communicator
 from .config import InitConfig
 from .device import NodePeer, describe_self, select_device, set_cpu_threads
-from .env import ClusterEnvironment, RankLayout, detect_environment
-from .env.settings import read_settings
-
-if TYPE_CHECKING:
-    from .timeline import Timeline
+from .env import ClusterEnvironment, RankLayout, Rendezvous, detect_environment
+from .env.network import SOCKET_IFNAME_VARIABLES, socket_ifname_hint
+from .env.settings import read_settings, run_status_dir
 
 __all__ = [
+    "at_shutdown",
     "backend",
     "communicator",
     "device",
@@ -46,10 +45,11 @@ class _Runtime:
     device: torch.device
     comm: Communicator
     num_threads: int
-    timeline: Timeline | None = None
 
 
 _runtime: _Runtime | None = None
+#: what shutdown() runs first, newest first: collective endings such as writing a timeline
+_shutdown_callbacks: list[Callable[[], object]] = []
 
 
 def init(
@@ -57,46 +57,73 @@ def init(
     *,
     num_threads: int | None = None,
     allow_gpu_sharing: bool = False,
+    interface: str | None = None,
     stall_timeout: float | None = None,
+    stall_abort_after: float | None = None,
     stall_action: str | None = None,
+    dist_timeout: float | None = None,
     timeline: str | os.PathLike | None = None,
 ) -> None:
     """Join the job: find this rank, pick its device and backend, set its CPU threads.
 
     Safe to call again (a no-op once initialised). Works under mpirun/mpiexec, srun,
-    torchrun and as a plain single process.
+    torchrun and as a plain single process, on one node or many.
 
     Args:
-        backend: "auto" (nccl with CUDA, else mpi), "mpi", "nccl" or "gloo".
+        backend: "auto" (nccl with CUDA, else mpi), "mpi", "nccl" or "gloo";
+            with "auto", HPCDDP_BACKEND decides when set.
         num_threads: torch intra-op threads for this rank; derived from the CPUs the
             rank may use when None (and left alone when OMP_NUM_THREADS is set).
         allow_gpu_sharing: allow more ranks on a node than it has GPUs.
+        interface: the network interface that connects the nodes (e.g. "ib0"):
+            rank 0 publishes its address for torch.distributed's rendezvous and
+            gloo/NCCL use it. Default HPCDDP_IFACE, else one every node shares a
+            subnet with (no host name is ever resolved).
         stall_timeout: seconds a collective may wait for the other ranks before
-            the stall inspector reports who is missing and why (mpi backend);
-            0 turns it off. Default HPCDDP_STALL_TIMEOUT, else 60.
-        stall_action: "abort" (default, or HPCDDP_STALL_ACTION) ends the job after
-            a stall report, "warn" only prints it.
+            the stall inspector warns which ranks are missing and why; 0 turns it
+            off. Default HPCDDP_STALL_TIMEOUT, else 60.
+        stall_abort_after: seconds a stalled collective may wait before the job is
+            ended (0: never, for ranks that are only slow); ranks found dead or
+            unreachable end it at once. Default HPCDDP_STALL_ABORT_AFTER, else 1800.
+        stall_action: "abort" (default, or HPCDDP_STALL_ACTION) ends the job as
+            above; "warn" only reports.
+        dist_timeout: torch.distributed's timeout for gloo/nccl collectives.
+            Default HPCDDP_DIST_TIMEOUT, else 1800.
         timeline: write a Chrome-trace timeline (forward, backward, step, every
             bucket's reduction) to this path at shutdown. Default HPCDDP_TIMELINE.
 
     Once more than one rank runs, an uncaught exception on any rank prints its
     traceback with the rank and ends the whole job. A configuration error (bad
-    argument or variable, missing mpi4py, too few GPUs, mismatched world sizes) is
-    raised as usual; left uncaught it prints as one line, not a traceback.
+    argument or variable, missing mpi4py, too few GPUs, mismatched world sizes, an
+    unreachable rendezvous) is raised as usual; left uncaught it prints as one
+    line, not a traceback.
     """
     if _runtime is not None:
         return
+    explicit = {
+        "interface": interface,
+        "stall_timeout": stall_timeout,
+        "stall_abort_after": stall_abort_after,
+        "stall_action": stall_action,
+        "dist_timeout": dist_timeout,
+        "timeline": timeline,
+    }
     try:
-        _init(backend, num_threads, allow_gpu_sharing, stall_timeout, stall_action, timeline)
+        _init(backend, num_threads, allow_gpu_sharing, explicit)
     except (ValueError, RuntimeError, ImportError) as err:
         mark_configuration_error(err)
         raise
 
 
-def _init(backend, num_threads, allow_gpu_sharing, stall_timeout, stall_action, timeline) -> None:
+def _init(backend, num_threads, allow_gpu_sharing, explicit) -> None:
     global _runtime
-    explicit = {"stall_timeout": stall_timeout, "stall_action": stall_action, "timeline": timeline}
-    settings = {**read_settings(os.environ), **{k: v for k, v in explicit.items() if v is not None}}
+    settings = read_settings(os.environ)
+    from_environment = settings.pop("backend", None)
+    if from_environment is not None and backend == "auto":
+        backend = from_environment
+    elif from_environment is not None and from_environment != backend:
+        log.warning("hpcddp: HPCDDP_BACKEND=%s ignored: the script passed init(backend=%r)", from_environment, backend)
+    settings.update({k: v for k, v in explicit.items() if v is not None})
     config = InitConfig(backend=backend, num_threads=num_threads, allow_gpu_sharing=allow_gpu_sharing, **settings)
     environment = detect_environment()
     layout = environment.layout()
@@ -108,10 +135,15 @@ def _init(backend, num_threads, allow_gpu_sharing, stall_timeout, stall_action, 
         torch.cuda.set_device(device)
     chosen = _choose_backend(config.backend, environment, layout, device)
     _export_variables(environment, layout)
-    _export_rendezvous(environment)
+    _export_rendezvous(environment.rendezvous(config.interface))
     comm = _create_communicator(chosen, environment, layout, device, config)
     if layout.world_size > 1:
         install_exception_hooks(layout.rank, use_mpi=mpi_comm is not None or chosen == "mpi")
+    status = run_status_dir(os.environ)
+    if status is not None and layout.world_size > 1:
+        from ._run_status import mark_started
+
+        mark_started(status, layout.rank)
     threads = set_cpu_threads(layout, config.num_threads, node_peers)
     _runtime = _Runtime(config, environment, layout, device, comm, threads)
     if chosen in ("gloo", "nccl") and layout.world_size > 1:
@@ -120,7 +152,11 @@ def _init(backend, num_threads, allow_gpu_sharing, stall_timeout, stall_action, 
     if config.timeline is not None:
         from .timeline import start
 
-        start(config.timeline)
+        try:
+            start(config.timeline)
+        except Exception:
+            shutdown()  # every rank fails here alike: leave together, as if init never ran
+            raise
     log.debug(
         "hpcddp rank %d/%d on %s, backend %s, %d threads", layout.rank, layout.world_size, device, chosen, threads
     )
@@ -138,6 +174,17 @@ def shutdown_at_exit() -> None:
     if not _shutdown_registered:
         atexit.register(shutdown)
         _shutdown_registered = True
+
+
+def at_shutdown(callback: Callable[[], object]) -> None:
+    """Run ``callback`` in ``shutdown()`` (or at exit), before the communicator closes; once.
+
+    Args:
+        callback: called with no arguments on every rank; may use collectives.
+    """
+    if callback not in _shutdown_callbacks:
+        _shutdown_callbacks.append(callback)
+    shutdown_at_exit()
 
 
 def _gather_node_peers(mpi_comm) -> list[NodePeer]:
@@ -175,7 +222,7 @@ def _create_communicator(name: str, environment, layout: RankLayout, device, con
     if name == "mpi":
         from .comm.mpi import MPICommunicator
 
-        stall = {"stall_timeout": config.stall_timeout, "stall_action": config.stall_action}
+        stall = _stall_settings(config)
         if environment.mpi_comm is None:  # a single process that asked for MPI
             from ._mpi import import_mpi
 
@@ -183,13 +230,27 @@ def _create_communicator(name: str, environment, layout: RankLayout, device, con
         return MPICommunicator(environment.mpi_comm, **stall)
     import torch.distributed as dist
 
-    from .comm.torchdist import TorchDistCommunicator, join_process_group
+    from .comm.rendezvous import join_process_group
+    from .comm.torchdist import TorchDistCommunicator
 
     if not dist.is_initialized():
-        # torch.distributed has no stall inspector: a collective that waits longer
-        # than stall_timeout fails (gloo) or aborts (NCCL's watchdog) instead.
-        join_process_group(name, layout.rank, layout.world_size, timeout_s=config.stall_timeout or 1800, device=device)
-    return TorchDistCommunicator(name, device)
+        join_process_group(
+            name,
+            layout.rank,
+            layout.world_size,
+            timeout_s=config.dist_timeout,
+            device=device,
+            mpi_comm=environment.mpi_comm,
+        )
+    return TorchDistCommunicator(name, device, inspector_comm=environment.mpi_comm, **_stall_settings(config))
+
+
+def _stall_settings(config: InitConfig) -> dict:
+    return {
+        "stall_timeout": config.stall_timeout,
+        "stall_action": config.stall_action,
+        "stall_abort_after": config.stall_abort_after,
+    }
 
 
 def _export_variables(environment: ClusterEnvironment, layout: RankLayout) -> None:
@@ -208,18 +269,36 @@ def _export_variables(environment: ClusterEnvironment, layout: RankLayout) -> No
         os.environ[name] = str(value)
 
 
-def _export_rendezvous(environment: ClusterEnvironment) -> None:
-    """Agree on torch.distributed's MASTER_ADDR/MASTER_PORT and export them.
+def _export_rendezvous(rendezvous: Rendezvous) -> None:
+    """Export torch.distributed's MASTER_ADDR/MASTER_PORT and gloo's and NCCL's interface.
 
-    The environment decides (under MPI: rank 0's pair, the user's when set, else a
-    free port, broadcast to all); a rank whose own differing value is replaced is warned.
+    The environment decided (under MPI: rank 0's choice, broadcast to all). A rank
+    whose own differing MASTER_* value is replaced is warned; GLOO_SOCKET_IFNAME and
+    NCCL_SOCKET_IFNAME set by the user are kept, with a warning when they name
+    another interface than the one that reaches rank 0.
     """
-    address, port = environment.rendezvous()
-    for name, value in (("MASTER_ADDR", address), ("MASTER_PORT", str(port))):
+    for name, value in (("MASTER_ADDR", rendezvous.address), ("MASTER_PORT", str(rendezvous.port))):
         current = os.environ.get(name)
         if current and current != value:
             log.warning("hpcddp: overriding %s=%s with %s", name, current, value)
         os.environ[name] = value
+    if rendezvous.interface is None:
+        return
+    source = "HPCDDP_IFACE" if rendezvous.interface_named else f"the interface that reaches {rendezvous.address}"
+    for name in SOCKET_IFNAME_VARIABLES:
+        current = os.environ.get(name, "").strip()
+        if not current:
+            os.environ[name] = rendezvous.interface
+        elif current != rendezvous.interface and socket_ifname_hint({name: current}) == current:
+            log.warning(
+                "hpcddp: %s=%s differs from %s (%s): keeping %s; unset it to use %s",
+                name,
+                current,
+                rendezvous.interface,
+                source,
+                name,
+                rendezvous.interface,
+            )
 
 
 def _require() -> _Runtime:
@@ -273,14 +352,9 @@ def backend() -> str:
     return _require().comm.name
 
 
-def current_timeline() -> Timeline | None:
-    """Return the timeline being recorded, or None (for ``hpcddp.timeline``)."""
-    return None if _runtime is None else _runtime.timeline
-
-
-def set_timeline(recorder: Timeline | None) -> None:
-    """Install or remove the timeline being recorded (for ``hpcddp.timeline``)."""
-    _require().timeline = recorder
+def launcher_comm():
+    """Return the launcher's MPI communicator over all ranks, or None (srun without MPI, torchrun)."""
+    return _require().environment.mpi_comm
 
 
 def communicator() -> Communicator:
@@ -289,16 +363,16 @@ def communicator() -> Communicator:
 
 
 def shutdown() -> None:
-    """Leave the job: write the timeline (if recording), stop the communication thread
-    and destroy the process group. Collective when a timeline is recorded.
+    """Leave the job: run what was registered with ``at_shutdown`` (writing a timeline),
+    stop the communication thread and destroy the process group. Collective when a
+    timeline is recorded.
 
     MPI itself stays initialised (it cannot be re-initialised in one process);
     mpi4py finalises it at exit.
     """
     global _runtime
     if _runtime is not None:
-        from .timeline import stop
-
-        stop()
+        while _shutdown_callbacks:
+            _shutdown_callbacks.pop()()
         _runtime.comm.close()
         _runtime = None

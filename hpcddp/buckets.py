@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Bucket", "assign_buckets", "build_buckets"]
+__all__ = ["Bucket", "adopt_grad", "assign_buckets", "build_buckets", "drop_unused_grads", "probe_nonfinite"]
 
 MB = 1024 * 1024
+#: gradient elements of a bucket that probe_nonfinite reads
+PROBE_SIZE = 1024
 
 
 def assign_buckets(tensors: Sequence[torch.Tensor], bucket_cap_bytes: int, first_bucket_bytes: int) -> list[list[int]]:
@@ -48,23 +50,26 @@ def assign_buckets(tensors: Sequence[torch.Tensor], bucket_cap_bytes: int, first
 
 @dataclass
 class Bucket:
-    """A flat buffer holding the gradients of some parameters, reduced as one message."""
+    """A flat buffer holding the gradients of some parameters, reduced as one message.
+
+    Layout: the gradients, then one used-counter per parameter, then (last bucket
+    only) the control numbers the reducer sends along with the gradients.
+    """
 
     index: int
     params: list[torch.nn.Parameter]
     buffer: torch.Tensor
     views: list[torch.Tensor] = field(default_factory=list)
+    #: the gradient part of the buffer
+    grads: torch.Tensor | None = None
     #: one number per parameter after the gradients: 1 where this rank produced a
     #: gradient since the last reduction. Summed with the gradients, it tells every
     #: rank which parameters no rank used, without another collective.
     used: torch.Tensor | None = None
+    #: numbers after the used-counters that travel with the last bucket (see Reducer)
+    control: torch.Tensor | None = None
     #: compressed copy sent over the wire (fp16/bf16), or None
     wire: torch.Tensor | None = None
-
-    @property
-    def grads(self) -> torch.Tensor:
-        """The gradient part of the buffer (without the used-counters after it)."""
-        return self.buffer[: self.buffer.numel() - self.used.numel()]
 
     @property
     def nbytes(self) -> int:
@@ -76,6 +81,7 @@ def build_buckets(
     bucket_cap_bytes: int,
     first_bucket_bytes: int,
     wire_dtype: torch.dtype | None = None,
+    control_size: int = 0,
 ) -> list[Bucket]:
     """Assign ``params`` to buckets and allocate each bucket's flat gradient buffer.
 
@@ -88,13 +94,16 @@ def build_buckets(
         bucket_cap_bytes: see ``assign_buckets``.
         first_bucket_bytes: see ``assign_buckets``.
         wire_dtype: dtype to send in (compression), or None to send as stored.
+        control_size: extra numbers at the end of the last bucket (``Bucket.control``).
     """
     buckets = []
-    for index, members in enumerate(assign_buckets(params, bucket_cap_bytes, first_bucket_bytes)):
+    groups = assign_buckets(params, bucket_cap_bytes, first_bucket_bytes)
+    for index, members in enumerate(groups):
         chosen = [params[i] for i in members]
         total = sum(p.numel() for p in chosen)
+        extra = control_size if index == len(groups) - 1 else 0
         first = chosen[0]
-        buffer = torch.zeros(total + len(chosen), dtype=first.dtype, device=first.device)
+        buffer = torch.zeros(total + len(chosen) + extra, dtype=first.dtype, device=first.device)
         views, offset = [], 0
         for param in chosen:
             views.append(buffer[offset : offset + param.numel()].view_as(param))
@@ -102,5 +111,51 @@ def build_buckets(
         wire = None
         if wire_dtype is not None and wire_dtype != first.dtype and first.dtype.is_floating_point:
             wire = torch.empty(buffer.numel(), dtype=wire_dtype, device=first.device)
-        buckets.append(Bucket(index=index, params=chosen, buffer=buffer, views=views, used=buffer[total:], wire=wire))
+        used_end = total + len(chosen)
+        buckets.append(
+            Bucket(
+                index=index,
+                params=chosen,
+                buffer=buffer,
+                views=views,
+                grads=buffer[:total],
+                used=buffer[total:used_end],
+                control=buffer[used_end:] if extra else None,
+                wire=wire,
+            )
+        )
     return buckets
+
+
+def adopt_grad(param: torch.nn.Parameter, view: torch.Tensor) -> None:
+    """Make ``param.grad`` the bucket view, moving any gradient autograd put elsewhere (None: zeros)."""
+    grad = param.grad
+    if grad is view:
+        return
+    if grad is None:
+        view.zero_()
+    else:
+        view.copy_(grad)
+    param.grad = view
+
+
+def drop_unused_grads(bucket: Bucket) -> None:
+    """Set ``grad`` to None for the bucket's parameters whose reduced used-counter is 0."""
+    # As DDP: a parameter no rank used keeps grad None (after zero_grad's
+    # default set_to_none=True), so optimizers skip it instead of applying
+    # momentum or weight decay to a zero gradient.
+    if bool((bucket.used != 0).all()):
+        return
+    for param, used in zip(bucket.params, bucket.used.tolist()):
+        if used == 0:
+            param.grad = None
+
+
+def probe_nonfinite(grads: torch.Tensor) -> torch.Tensor:
+    """Sum at most ``PROBE_SIZE`` evenly spread elements of ``grads``: non-finite if one of them is.
+
+    A NaN or inf loss makes every gradient element non-finite, so a sample finds it;
+    reading the whole buffer would cost a pass over every gradient, every step.
+    """
+    stride = -(-grads.numel() // PROBE_SIZE)
+    return grads[::stride].sum(dtype=torch.float32)

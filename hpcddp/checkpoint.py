@@ -10,6 +10,9 @@
 A checkpoint is complete the moment its final name exists: rank 0 writes a hidden
 temporary file in the same directory, fsyncs it and renames it into place, so a job
 killed mid-write leaves at most a temporary file that ``load_checkpoint`` ignores.
+Every file ends with a SHA-256 checksum of its contents: ``load_checkpoint`` skips a
+file whose bytes changed since (or that lost its end), with a warning naming it, and
+loads the newest intact one instead.
 """
 
 from __future__ import annotations
@@ -25,8 +28,11 @@ from typing import Any
 
 import torch
 
+from ._checksum import UNVERIFIED, save_with_checksum, verify_checksum
+
 __all__ = [
     "TrainingProgress",
+    "check_checkpoint_dir",
     "find_checkpoints",
     "load_checkpoint",
     "restore_training_state",
@@ -84,7 +90,7 @@ def _write_atomically(path: Path, state: Any) -> None:
         # mkstemp makes the file 0600; a checkpoint should be as readable as any file the user writes.
         os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as fh:
-            torch.save(state, fh)
+            save_with_checksum(state, fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -157,16 +163,54 @@ def save_checkpoint(
     return target
 
 
+def check_checkpoint_dir(directory: str | os.PathLike) -> Path:
+    """Make sure rank 0 can write checkpoints into ``directory`` (creating it); collective.
+
+    Call it when the job starts, so that a read-only or missing mount fails at once
+    instead of at the first save, which may come hours later (``PreemptionHandler``
+    does this for its ``checkpoint_dir``).
+
+    Args:
+        directory: the checkpoint directory.
+
+    Raises:
+        ValueError: on every rank, naming the directory and the reason.
+    """
+    directory = Path(directory)
+    rank, size = _rank_and_size()
+    problem = None
+    if rank == 0:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=directory)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as err:
+            problem = f"{type(err).__name__}: {err}"
+    if size > 1:
+        from .collectives import broadcast_object
+
+        problem = broadcast_object(problem, root_rank=0)
+    if problem is not None:
+        raise ValueError(
+            f"checkpoint directory {str(directory)!r} is not writable on rank 0 ({problem}): "
+            "choose a writable directory (e.g. on a shared filesystem)"
+        )
+    return directory
+
+
 def load_checkpoint(
     dir_or_path: str | os.PathLike,
     *,
     map_location: Any = None,
     weights_only: bool = True,
 ) -> dict[str, Any] | None:
-    """Load the newest complete checkpoint on this rank; return None when there is none.
+    """Load the newest intact checkpoint on this rank; return None when there is none.
 
     Every rank reads the file itself, so the directory must be visible to all ranks
-    (a shared filesystem on several nodes).
+    (a shared filesystem on several nodes). A file whose checksum does not match
+    (flipped bytes, a torn write) or that does not load is skipped with a warning
+    naming it, and the next older one is tried.
 
     Args:
         dir_or_path: a checkpoint directory (newest ``checkpoint-<step>.pt`` wins)
@@ -174,24 +218,56 @@ def load_checkpoint(
         map_location: where tensors go; ``hpcddp.device()`` by default (CPU before init).
         weights_only: torch.load's safe unpickler; ``training_state`` only stores
             types it accepts. Pass False for checkpoints holding arbitrary objects.
+
+    Raises:
+        ValueError: when the given file, or every checkpoint in the directory, is damaged.
     """
     path = Path(dir_or_path)
-    if path.is_dir():
-        found = find_checkpoints(path)
-        if not found:
-            return None
-        path = found[-1]
-    elif not path.exists():
-        if path.suffix == ".pt":
-            raise FileNotFoundError(f"checkpoint {path} does not exist: pass a checkpoint file or directory")
-        return None
     if map_location is None:
         from .bootstrap import device, is_initialized
 
         map_location = device() if is_initialized() else "cpu"
-    state = torch.load(path, map_location=map_location, weights_only=weights_only)
+    if not path.is_dir():
+        if not path.exists():
+            if path.suffix == ".pt":
+                raise FileNotFoundError(f"checkpoint {path} does not exist: pass a checkpoint file or directory")
+            return None
+        state, problem = _load_intact(path, map_location, weights_only)
+        if problem is not None:
+            raise ValueError(f"checkpoint {path} is damaged: {problem}")
+        return state
+    found = find_checkpoints(path)
+    skipped = []
+    for candidate in reversed(found):
+        state, problem = _load_intact(candidate, map_location, weights_only)
+        if problem is None:
+            if skipped:
+                log.warning("hpcddp rank %d: loaded the older checkpoint %s instead", _rank_and_size()[0], candidate)
+            return state
+        skipped.append(f"{candidate.name} ({problem})")
+        log.warning("hpcddp rank %d: skipping damaged checkpoint %s: %s", _rank_and_size()[0], candidate, problem)
+    if skipped:
+        raise ValueError(
+            f"every checkpoint in {path} is damaged: {'; '.join(skipped)}: "
+            "restore one from a backup, or move them away to start afresh"
+        )
+    return None
+
+
+def _load_intact(path: Path, map_location: Any, weights_only: bool) -> tuple[Any, str | None]:
+    """Return (state, None), or (None, what is wrong) for a damaged file."""
+    verdict = verify_checksum(path)
+    if verdict is not None and verdict != UNVERIFIED:
+        return None, verdict
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=weights_only)
+    except Exception as err:
+        if verdict is None:  # intact bytes that do not load: not damage, the caller's problem
+            raise
+        # Without a checksum (written before hpcddp had them) a torn file shows only here.
+        return None, f"it has no checksum and does not load: {type(err).__name__}: {err}"
     log.debug("hpcddp: loaded checkpoint %s", path)
-    return state
+    return state, None
 
 
 def _rng_state() -> dict[str, Any]:

@@ -16,7 +16,13 @@ class InitConfig:
     """Everything ``hpcddp.init`` can be told; each field maps to one init argument."""
 
     backend: str = "auto"
-    """"auto" (nccl with CUDA, else mpi), "mpi" (mpi4py), "nccl" or "gloo" (torch.distributed)."""
+    """"auto" (nccl with CUDA, else mpi), "mpi" (mpi4py), "nccl" or "gloo" (torch.distributed).
+    Environment: HPCDDP_BACKEND (used when the script passes "auto")."""
+
+    interface: str | None = None
+    """Network interface (e.g. "ib0") whose address rank 0 publishes for torch.distributed's
+    rendezvous and that gloo and NCCL use (GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME, unless
+    set); None picks one every node shares a subnet with. Environment: HPCDDP_IFACE."""
 
     num_threads: int | None = None
     """torch intra-op threads for this rank; None derives them from the CPUs it may use."""
@@ -26,13 +32,22 @@ class InitConfig:
 
     stall_timeout: float = 60.0
     """Seconds a collective may wait for the other ranks before the stall inspector
-    reports which ranks are missing and why (mpi backend); 0 turns it off. On gloo
-    and nccl it is torch.distributed's timeout (30 min when 0): the waiting
-    collective fails without the report. Environment: HPCDDP_STALL_TIMEOUT."""
+    warns which ranks are missing and what they are doing; 0 turns the inspector off.
+    It runs whenever MPI connects the ranks (any backend). Environment: HPCDDP_STALL_TIMEOUT."""
+
+    stall_abort_after: float = 1800.0
+    """Seconds a stalled collective may wait before the job is ended; 0 never ends it for
+    a rank that is only slow. Ranks the inspector cannot reach (process dead, node down
+    or cut off) end the job as soon as they are found. Environment: HPCDDP_STALL_ABORT_AFTER."""
 
     stall_action: str = "abort"
-    """What follows a stall report: "abort" ends the job, "warn" keeps waiting.
-    Environment: HPCDDP_STALL_ACTION."""
+    """"abort" ends the job as ``stall_abort_after`` says; "warn" never ends it, only
+    reports. Environment: HPCDDP_STALL_ACTION."""
+
+    dist_timeout: float = 1800.0
+    """torch.distributed's own timeout on gloo and nccl (``init_process_group(timeout=)``):
+    a collective that waits longer fails with the collective's name and this knob.
+    Environment: HPCDDP_DIST_TIMEOUT."""
 
     timeline: str | None = None
     """Write a Chrome-trace timeline of forward, backward, step and every bucket's
@@ -43,9 +58,18 @@ class InitConfig:
             raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {self.backend!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
-        timeout = self.stall_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf"):
-            raise ValueError(f"stall_timeout must be a number of seconds >= 0 (0 turns it off), got {timeout!r}")
+        for name, meaning in (
+            ("stall_timeout", "0 turns the stall inspector off"),
+            ("stall_abort_after", "0 never aborts a slow rank"),
+            ("dist_timeout", "torch.distributed's timeout"),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ValueError(f"{name} must be a number of seconds >= 0 ({meaning}), got {value!r}")
+        if self.dist_timeout == 0:
+            raise ValueError("dist_timeout must be > 0 seconds, got 0: torch.distributed needs a timeout")
+        if self.interface is not None and (not isinstance(self.interface, str) or not self.interface.strip()):
+            raise ValueError(f"interface must be a network interface name such as 'eth0', got {self.interface!r}")
         if self.timeline is not None and (not isinstance(self.timeline, (str, os.PathLike)) or not str(self.timeline)):
             raise ValueError(f"timeline must be a file path, got {self.timeline!r}")
         if self.stall_action not in STALL_ACTIONS:

@@ -179,9 +179,11 @@ def _allreduce_ones(backend: str, active: bool) -> float:
     group = dist.new_group(backend=backend) if dist.is_initialized() else None
     created = group is None
     if created:
-        from .comm.torchdist import join_process_group
+        from .comm.rendezvous import join_process_group
 
-        join_process_group(backend, bootstrap.rank(), bootstrap.size(), device=device)
+        join_process_group(
+            backend, bootstrap.rank(), bootstrap.size(), device=device, mpi_comm=bootstrap.launcher_comm()
+        )
     try:
         ones = torch.ones(4, device=device)
         dist.all_reduce(ones, group=group)

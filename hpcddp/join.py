@@ -5,11 +5,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-import torch
-
 from .optimizer import DistributedOptimizer
+from .reducer import Reducer
 
-__all__ = ["count_active_ranks", "join", "shadow_until_all_joined", "sync_from_last_joiner"]
+__all__ = ["join", "shadow_until_all_joined", "sync_from_last_joiner"]
 
 
 @contextlib.contextmanager
@@ -24,8 +23,8 @@ def join(optimizer: DistributedOptimizer) -> Iterator[None]:
                 loss_fn(model(x), y).backward()
                 optimizer.step()
 
-    Inside the block every gradient reduction also counts the ranks that still have
-    data (one extra 1-element allreduce per step). A rank that leaves the loop
+    Every gradient reduction counts the ranks that still have data (a number in
+    the last bucket, no extra collective). A rank that leaves the loop
     early "shadows" the others: in each of their remaining steps it contributes
     zero gradients, receives the same reduced gradients and takes the same optimizer
     step, so every rank ends with the same parameters; at the end the parameters of
@@ -48,51 +47,50 @@ def join(optimizer: DistributedOptimizer) -> Iterator[None]:
     """
     if not isinstance(optimizer, DistributedOptimizer):
         raise TypeError(f"join needs an hpcddp.DistributedOptimizer, got {type(optimizer).__name__}")
-    if not optimizer.buckets:  # a world of one: nobody to wait for
+    reducer = optimizer.reducer
+    if not reducer.buckets:  # a world of one: nobody to wait for
         yield
         return
-    if optimizer._join_flag is not None:
+    if reducer.divide_by_active:
         raise RuntimeError("hpcddp.join() is already active for this optimizer: do not nest it")
     optimizer.synchronize()
-    count_active_ranks(optimizer)
+    reducer.divide_by_active = True
     try:
         yield
         # Only a rank that left its loop normally shadows; an exception propagates
         # (and, with hpcddp's exception hook, ends the job).
-        joined_at = optimizer._num_reductions
+        joined_at = reducer.num_reductions
         shadow_until_all_joined(optimizer)
-        sync_from_last_joiner(optimizer, joined_at)
+        sync_from_last_joiner(reducer, joined_at)
     finally:
-        optimizer._join_flag = None
-        optimizer.active_ranks = optimizer._comm.size
-
-
-def count_active_ranks(optimizer: DistributedOptimizer) -> None:
-    """Make every reduction of ``optimizer`` also count the ranks that still have data.
-
-    Collective in effect: every rank must turn it on before the same reduction.
-    """
-    if optimizer.buckets and optimizer._join_flag is None:
-        optimizer._join_flag = torch.zeros(1, dtype=torch.float32, device=optimizer.buckets[0].buffer.device)
+        reducer.divide_by_active = False
+        reducer.active_ranks = reducer.comm.size
 
 
 def shadow_until_all_joined(optimizer: DistributedOptimizer) -> None:
     """Join the other ranks' reductions with zero gradients until every rank has joined.
 
     Each shadowed reduction is followed by the same optimizer step the other ranks
-    take, so parameters stay equal everywhere. Needs ``count_active_ranks`` on.
+    take, so parameters stay equal everywhere. Every reduction counts the ranks
+    that still have data (in the last bucket), so no extra collective is needed.
     """
-    if not optimizer.buckets:
+    reducer = optimizer.reducer
+    if not reducer.buckets:
         return
-    optimizer._joined = True
+    reducer.has_data = False
     try:
-        while _shadow_step(optimizer):
-            pass
+        while True:
+            optimizer.zero_grad(reducer.set_to_none)
+            reducer.synchronize(force=True)
+            if reducer.active_ranks == 0:
+                break
+            optimizer.step()
     finally:
-        optimizer._joined = False
+        reducer.has_data = True
+        reducer.mark_stepped()
 
 
-def sync_from_last_joiner(optimizer: DistributedOptimizer, joined_at: int) -> int:
+def sync_from_last_joiner(reducer: Reducer, joined_at: int) -> int:
     """Copy the parameters of a rank that trained longest to every rank; return that rank.
 
     Shadowing ranks take the same optimizer steps, but not what the training loop
@@ -100,24 +98,13 @@ def sync_from_last_joiner(optimizer: DistributedOptimizer, joined_at: int) -> in
     with the last joiner's parameters everywhere. Collective.
 
     Args:
-        optimizer: the optimizer whose parameters to copy.
+        reducer: the optimizer's reducer, whose parameters to copy.
         joined_at: this rank's reduction count when its data ran out.
     """
-    comm = optimizer._comm
+    comm = reducer.comm
     counts = comm.allgather_object(joined_at)
     source = max(range(len(counts)), key=lambda r: (counts[r], r))
-    handles = [comm.broadcast_async_(param.detach(), source) for _, param in optimizer._named]
+    handles = [comm.broadcast_async_(param.detach(), source) for _, param in reducer.named]
     for handle in handles:
         handle.wait()
     return source
-
-
-def _shadow_step(optimizer: DistributedOptimizer) -> bool:
-    """Take part in one reduction with zero gradients; return False once no rank has data."""
-    optimizer.zero_grad(optimizer._set_to_none)
-    optimizer._launch_all()
-    optimizer.synchronize()
-    if optimizer.active_ranks == 0:
-        return False
-    optimizer.step()
-    return True

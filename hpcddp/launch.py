@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
+    "DAEMON_KEEPALIVE",
     "FORWARDED_PREFIXES",
     "LAUNCHERS",
     "LaunchConfig",
@@ -20,6 +21,18 @@ __all__ = [
 ]
 
 LAUNCHERS = ("auto", "mpirun", "srun")
+
+# Open MPI's launcher notices a node that went silent (down, cut off) only through TCP
+# keepalive on its daemons' connections: after 300 s idle + 9 probes x 20 s by default, 8 min
+# during which mpirun, and the job's allocation, outlive the ranks. And when it does notice,
+# Open MPI 5.0 exits 0. So the probes end 90 s after the silence, later than the stall
+# inspector (60 s + 10 s, HPCDDP_STALL_TIMEOUT), whose MPI_Abort makes the exit code 1.
+# Values the user set win.
+DAEMON_KEEPALIVE = {
+    "PRTE_MCA_oob_tcp_keepalive_time": "60",
+    "PRTE_MCA_oob_tcp_keepalive_intvl": "10",
+    "PRTE_MCA_oob_tcp_keepalive_probes": "9",
+}
 
 # Variables a rank on another host needs to behave like this shell: mpirun starts
 # remote ranks with the remote daemon's environment, not ours.
@@ -157,6 +170,9 @@ def build_launch_command(
         bind=config.bind,
         environ=environ,
     )
+    if config.hosts or config.hostfile or _in_slurm_allocation(environ):
+        for name, value in DAEMON_KEEPALIVE.items():
+            environ.setdefault(name, value)
     return command, environ
 
 

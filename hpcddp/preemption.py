@@ -45,13 +45,23 @@ class PreemptionHandler:
         check_every: agree every this many ``should_stop`` calls (one 1-element
             MAX allreduce each); the calls in between return False, so a stop
             waits at most ``check_every - 1`` extra steps.
+        checkpoint_dir: where the checkpoint will be saved when a stop comes;
+            entering checks that rank 0 can write there (collective), so a
+            read-only directory fails now rather than when the job is ending.
     """
 
-    def __init__(self, signals: Iterable[int] = _DEFAULT_SIGNALS, *, check_every: int = 1) -> None:
+    def __init__(
+        self,
+        signals: Iterable[int] = _DEFAULT_SIGNALS,
+        *,
+        check_every: int = 1,
+        checkpoint_dir: str | os.PathLike | None = None,
+    ) -> None:
         if not isinstance(check_every, int) or check_every < 1:
             raise ValueError(f"check_every must be an int >= 1, got {check_every!r}")
         self.signals = tuple(signals)
         self.check_every = check_every
+        self.checkpoint_dir = checkpoint_dir
         #: the signal number that arrived on this rank (0: none yet)
         self.received = 0
         self._stop = False
@@ -64,6 +74,10 @@ class PreemptionHandler:
             raise RuntimeError(
                 "PreemptionHandler must be entered on the main thread (Python runs signal handlers there)"
             )
+        if self.checkpoint_dir is not None:
+            from .checkpoint import check_checkpoint_dir
+
+            check_checkpoint_dir(self.checkpoint_dir)
         for signum in self.signals:
             self._previous[signum] = signal.signal(signum, self._on_signal)
         return self

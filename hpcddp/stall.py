@@ -16,13 +16,22 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
-__all__ = ["CollectiveLog", "Descriptor", "StallInspector", "collective_tag", "explain_stall", "patient_collectives"]
+__all__ = [
+    "CollectiveLog",
+    "Descriptor",
+    "StallInspector",
+    "collective_tag",
+    "explain_stall",
+    "patient_collectives",
+    "stall_verdict",
+]
 
 log = logging.getLogger("hpcddp")
 
@@ -97,8 +106,9 @@ class CollectiveLog:
         self.recent: deque[Descriptor] = deque(maxlen=history)
         self.last_step: int | None = None
         self.last_submit_time = time.monotonic()
-        self.running: Descriptor | None = None
-        self.running_since = 0.0
+        # seq -> (descriptor, since): one entry on the mpi backend's thread, several
+        # on gloo/nccl, whose collectives run concurrently; the oldest is reported.
+        self._in_flight: dict[int, tuple[Descriptor, float]] = {}
 
     def submit(self, op: str, shape=None, dtype=None, start: bool = False) -> Descriptor:
         """Number the next collective; call under the lock that orders submissions.
@@ -119,23 +129,29 @@ class CollectiveLog:
         self.last_submit_time = now
         if start:
             with self._lock:
-                self.running, self.running_since = desc, now
+                self._in_flight[desc.seq] = (desc, now)
         return desc
 
     def start(self, desc: Descriptor) -> None:
+        """Record that ``desc`` is now running (waiting for the other ranks)."""
         with self._lock:
-            self.running, self.running_since = desc, time.monotonic()
+            self._in_flight[desc.seq] = (desc, time.monotonic())
 
-    def finish(self) -> None:
+    def finish(self, desc: Descriptor | None = None) -> None:
+        """Record that ``desc`` (default: every running collective) has completed."""
         with self._lock:
-            self.running = None
+            if desc is None:
+                self._in_flight.clear()
+            else:
+                self._in_flight.pop(desc.seq, None)
 
     def waited(self) -> tuple[Descriptor | None, float]:
-        """Return the collective this rank is blocked in and for how many seconds."""
+        """Return the oldest collective this rank is blocked in and for how many seconds."""
         with self._lock:
-            if self.running is None:
+            if not self._in_flight:
                 return None, 0.0
-            return self.running, time.monotonic() - self.running_since
+            desc, since = next(iter(self._in_flight.values()))
+            return desc, time.monotonic() - since
 
     def status(self, rank: int) -> dict:
         running, waited = self.waited()
@@ -161,13 +177,16 @@ def _at(status: dict, seq: int) -> Descriptor | None:
     return next((d for d in status["recent"] if d.seq == seq), None)
 
 
-def explain_stall(statuses: dict[int, dict | None], size: int, timeout: float) -> str:
+def explain_stall(
+    statuses: dict[int, dict | None], size: int, timeout: float, hosts: Sequence[str] | None = None
+) -> str:
     """Return the stall report: which ranks are missing, what they wait for, the likely cause.
 
     Args:
         statuses: each rank's ``CollectiveLog.status``; None for a rank that did not answer.
         size: the number of ranks.
         timeout: the stall timeout, quoted in the report.
+        hosts: every rank's host name, to name the node of ranks that did not answer.
     """
     waiting = {r: s for r, s in statuses.items() if s is not None and s["running"] is not None}
     if not waiting:
@@ -215,12 +234,51 @@ def explain_stall(statuses: dict[int, dict | None], size: int, timeout: float) -
             )
         lines.append("    likely cause: " + cause)
     if silent:
-        lines.append(f"  {_ranks(silent)} did not answer the inspector: hung outside Python (holding the GIL) or dead")
+        lines.extend(_describe_silent(silent, size, hosts))
     late = sorted(
         set(missing) | set(silent) | {r for sig, rs in groups.items() if sig != reference.signature() for r in rs}
     )
     lines.append(f"  waiting: {_ranks(sorted(waiting))}; missing or different: {_ranks(late) if late else 'none'}")
     return "\n".join(lines)
+
+
+def _describe_silent(silent: list[int], size: int, hosts: Sequence[str] | None) -> list[str]:
+    if not hosts:
+        return [
+            f"  {_ranks(silent)} did not answer the inspector: dead, cut off, or hung outside Python (holding the GIL)"
+        ]
+    lines = []
+    by_host: dict[str, list[int]] = {}
+    for r in silent:
+        by_host.setdefault(hosts[r], []).append(r)
+    for host, ranks in by_host.items():
+        everyone = [r for r in range(size) if hosts[r] == host]
+        if ranks == everyone:
+            lines.append(
+                f"  node {host} is lost: {_ranks(ranks)} on it did not answer the inspector "
+                "(node down or cut off from the others, or its processes died)"
+            )
+        else:
+            lines.append(
+                f"  {_ranks(ranks)} on node {host} did not answer the inspector: dead, or hung outside Python "
+                "(holding the GIL)"
+            )
+    return lines
+
+
+def stall_verdict(statuses: dict[int, dict | None]) -> str:
+    """Classify a stall: "lost" (a rank did not answer), "deadlock" (every rank waits, in
+    collectives that cannot match), or "slow" (some rank is busy and may still come).
+
+    Args:
+        statuses: as for ``explain_stall``.
+    """
+    if any(status is None for status in statuses.values()):
+        return "lost"
+    running = [status["running"] for status in statuses.values()]
+    if all(desc is not None for desc in running) and len({(d.seq, d.signature()) for d in running}) > 1:
+        return "deadlock"
+    return "slow"
 
 
 def _mismatch_cause(reference: Descriptor, other: Descriptor, ranks, steps, reference_rank) -> str:
@@ -247,24 +305,42 @@ def _mismatch_cause(reference: Descriptor, other: Descriptor, ranks, steps, refe
 class StallInspector:
     """The thread on each rank that notices a stalled collective and reports it.
 
+    Policy, as the tools users know (Horovod warns at 60 s, torch.distributed ends
+    a collective after 30 min): a stall is reported as a warning after ``timeout``
+    and repeated every ``timeout``; the job is ended when ranks did not answer the
+    inspector (dead, or their node is down or cut off), when every rank waits in
+    collectives that can never match (a deadlock), or when the stall has lasted
+    ``abort_after`` seconds. A rank whose alarm rank 0 never answers (rank 0's node
+    is cut off) ends itself, so that no rank outlives a lost node.
+
     Args:
-        comm: an mpi4py communicator used only by the inspectors (a Dup).
+        comm: an mpi4py communicator used only by the inspectors (a Dup). Creating
+            the inspector is collective over it (the ranks exchange host names).
         collectives: this rank's CollectiveLog.
         timeout: seconds a collective may wait before it counts as stalled.
-        action: "abort" or "warn".
+        action: "abort" (end the job as above) or "warn" (only report).
+        abort_after: seconds a stall may last before the job ends; 0 never.
     """
 
-    def __init__(self, comm, collectives: CollectiveLog, timeout: float, action: str) -> None:
+    #: seconds rank 0 waits for the ranks' answers; a rank that does not answer is lost
+    ANSWER_WITHIN_S = 10.0
+
+    def __init__(self, comm, collectives: CollectiveLog, timeout: float, action: str, abort_after: float = 0) -> None:
         self._comm = comm
         self._log = collectives
         self.timeout = timeout
         self.action = action
+        self.abort_after = abort_after
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.hosts: list[str] = comm.allgather(socket.gethostname())
         self._interval = max(0.05, min(1.0, timeout / 4))
         self._stop = threading.Event()
         self._alarmed: int | None = None
+        self._alarmed_at = 0.0
+        self._unanswered_since: float | None = None  # the first alarm rank 0 has not answered
         self._next_report = 0.0
         self._episode = 0
+        self._sends: list = []  # requests in flight: a lost peer must not block this thread
         self._thread = threading.Thread(target=self._run, name="hpcddp-stall", daemon=True)
         self._thread.start()
         # Stop before mpi4py finalises MPI at exit, which a probing thread could crash.
@@ -283,38 +359,66 @@ class StallInspector:
         except Exception:  # noqa: BLE001 - a broken inspector must not end training
             log.exception("hpcddp: the stall inspector failed and is off for this run")
 
+    def _mpi_status(self):
+        from ._mpi import import_mpi
+
+        return import_mpi().Status()
+
+    def _send(self, obj, dest: int, tag: int) -> None:
+        self._sends = [request for request in self._sends if not request.Test()]
+        self._sends.append(self._comm.isend(obj, dest=dest, tag=tag))
+
     def _tick(self) -> None:
         running, waited = self._log.waited()
         stalled = running is not None and not running.patient and waited >= self.timeout
         if self.rank != 0:
-            while self._comm.Iprobe(source=0, tag=_QUERY):
-                episode = self._comm.recv(source=0, tag=_QUERY)
-                self._comm.send((episode, self._log.status(self.rank)), dest=0, tag=_REPLY)
-            if stalled and self._alarmed != running.seq:
-                self._alarmed = running.seq
-                self._comm.send(running.seq, dest=0, tag=_ALARM)
-            if stalled and waited >= 3 * self.timeout + 10:
-                # Rank 0 should have reported long ago: its inspector cannot run.
-                self._act(
-                    f"[hpcddp stall inspector] rank {self.rank} has waited {waited:.0f} s in {running} and rank 0 "
-                    "did not report: rank 0 is hung outside Python (holding the GIL) or dead"
-                )
+            self._tick_other(running, waited, stalled)
             return
         alarmed = False
-        while self._comm.Iprobe(tag=_ALARM):
-            self._comm.recv(tag=_ALARM)
+        status = self._mpi_status()
+        while self._comm.Iprobe(tag=_ALARM, status=status):
+            self._comm.recv(source=status.Get_source(), tag=_ALARM)
+            # Answer at once, report or not: a rank whose alarm goes unanswered ends itself.
+            self._send(None, dest=status.Get_source(), tag=_QUERY)
             alarmed = True
         if (stalled or alarmed) and time.monotonic() >= self._next_report:
-            report = explain_stall(self._gather(), self.size, self.timeout)
-            self._act(report)
+            statuses = self._gather()
+            report = explain_stall(statuses, self.size, self.timeout, self.hosts)
+            longest = max((s["waited"] for s in statuses.values() if s is not None), default=0.0)
+            self._act(report, stall_verdict(statuses), longest)
+
+    def _tick_other(self, running: Descriptor | None, waited: float, stalled: bool) -> None:
+        while self._comm.Iprobe(source=0, tag=_QUERY):
+            episode = self._comm.recv(source=0, tag=_QUERY)
+            self._unanswered_since = None
+            if episode is not None:  # None only acknowledges an alarm
+                self._send((episode, self._log.status(self.rank)), dest=0, tag=_REPLY)
+        now = time.monotonic()
+        # Alarm again every timeout while stalled: rank 0, maybe busy itself, repeats its
+        # warning and ends the job once the stall lasts stall_abort_after.
+        if stalled and (self._alarmed != running.seq or now - self._alarmed_at >= self.timeout):
+            self._alarmed, self._alarmed_at = running.seq, now
+            if self._unanswered_since is None:
+                self._unanswered_since = now
+            self._send(running.seq, dest=0, tag=_ALARM)
+        unanswered = self._unanswered_since is not None and now - self._unanswered_since
+        if stalled and unanswered and unanswered > self.ANSWER_WITHIN_S + 2 * self._interval:
+            # Rank 0 asks every rank within moments of an alarm: it is gone, or cut off from here.
+            self._act(
+                f"[hpcddp stall inspector] rank {self.rank} on {self.hosts[self.rank]} has waited {waited:.0f} s in "
+                f"{running} and rank 0 on {self.hosts[0]} did not answer its alarm: node {self.hosts[0]} is down or "
+                "cut off from this node, or rank 0 died or hangs outside Python (holding the GIL)",
+                "lost",
+                waited,
+            )
 
     def _gather(self) -> dict[int, dict | None]:
         self._episode += 1
         for r in range(1, self.size):
-            self._comm.send(self._episode, dest=r, tag=_QUERY)
+            self._send(self._episode, dest=r, tag=_QUERY)
         statuses: dict[int, dict | None] = {r: None for r in range(1, self.size)}
         statuses[0] = self._log.status(0)
-        deadline = time.monotonic() + max(5.0, 2 * self._interval)
+        deadline = time.monotonic() + max(self.ANSWER_WITHIN_S, 2 * self._interval)
         pending = set(range(1, self.size))
         while pending and time.monotonic() < deadline:
             if self._comm.Iprobe(tag=_REPLY):
@@ -326,12 +430,25 @@ class StallInspector:
                 time.sleep(0.02)
         return statuses
 
-    def _act(self, report: str) -> None:
+    def _act(self, report: str, verdict: str, waited: float) -> None:
         if self.action == "abort":
-            from ._abort import abort_job
+            reason = {
+                "lost": "ranks were lost",
+                "deadlock": "the ranks wait in collectives that cannot match",
+            }.get(verdict)
+            if reason is None and self.abort_after and waited >= self.abort_after:
+                reason = f"the stall has lasted {waited:.0f} s (stall_abort_after={self.abort_after:g} s)"
+            if reason is not None:
+                from ._abort import abort_job
 
-            abort_job(report + "\n[hpcddp stall inspector] aborting the job (stall_action='abort')", use_mpi=True)
+                abort_job(f"{report}\n[hpcddp stall inspector] aborting the job: {reason}", use_mpi=True)
         if time.monotonic() < self._next_report:
             return
         self._next_report = time.monotonic() + self.timeout
-        log.warning("%s\n[hpcddp stall inspector] still waiting (stall_action='warn')", report)
+        if self.action == "abort" and self.abort_after:
+            outcome = f"the job ends if it lasts {self.abort_after:g} s (stall_abort_after, HPCDDP_STALL_ABORT_AFTER)"
+        else:
+            outcome = (
+                f"the job never ends for it (stall_action={self.action!r}, stall_abort_after={self.abort_after:g})"
+            )
+        log.warning("%s\n[hpcddp stall inspector] still waiting; %s", report, outcome)

@@ -29,17 +29,19 @@ def run_mpi(
     timeout: float,
     env: Mapping[str, str] | None = None,
     cwd: str | None = None,
+    hostfile: str | None = None,
 ) -> MPIRunResult:
     """Run ``args`` on ``num_ranks`` ranks under mpirun and return its result.
 
     Args:
-        num_ranks: how many ranks to start on this host.
+        num_ranks: how many ranks to start.
         args: the program and its arguments (``[sys.executable, "-m", "pytest", ...]``).
         timeout: seconds before every rank is killed and the run counts as failed.
-        env: extra environment variables for the ranks.
+        env: extra environment variables for the ranks (and mpirun).
         cwd: working directory.
+        hostfile: an mpirun hostfile; None runs every rank on this host.
     """
-    command = mpirun_command(num_ranks, list(args), env=env)
+    command = mpirun_command(num_ranks, list(args), env=env, hostfile=hostfile)
     full_env = {**os.environ, **(env or {})}
     proc = subprocess.Popen(
         command,
@@ -55,12 +57,26 @@ def run_mpi(
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        out = _stop(proc)
         out += f"\n[hpcddp.testing] killed after {timeout} s: {' '.join(command)}\n"
     result = MPIRunResult(command, 124 if timed_out else proc.returncode, out, None)
     result.timed_out = timed_out
     return result
+
+
+def _stop(proc: subprocess.Popen) -> str:
+    """End mpirun and its ranks; return what they printed.
+
+    SIGTERM first: mpirun then kills its ranks, which run in process groups of their
+    own; a SIGKILL to mpirun alone would leave them running.
+    """
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+    return out
 
 
 if __name__ == "__main__":  # python -m hpcddp.testing N TIMEOUT cmd...

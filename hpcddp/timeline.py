@@ -4,8 +4,9 @@
 
 Open the file in https://ui.perfetto.dev or chrome://tracing. Each rank is a process;
 its "training" track shows ``forward`` (the outermost module call), ``backward`` (from
-the gradient of the module's output to the end of the autograd pass) and ``step``
-(with ``synchronize``, the wait for the reductions, and ``optimizer.step``); each
+the gradient of the module's output to the end of the autograd pass), ``synchronize``
+(launching the last buckets and waiting for every reduction, still inside
+``loss.backward()``) and ``step`` (with ``optimizer.step``); each
 bucket has a track with one ``bucket N`` span per reduction holding ``copy-in``
 (predivide and compression into the send buffer), ``queue`` (waiting for the
 communication thread), ``allreduce`` and ``copy-out``. Buckets reduced while the
@@ -223,40 +224,65 @@ def _first_tensor(output) -> torch.Tensor | None:
     return None
 
 
+_recorder: Timeline | None = None
+
+
 def current() -> Timeline | None:
     """Return this process's Timeline, or None when no timeline is being recorded."""
-    from .bootstrap import current_timeline
-
-    return current_timeline()
+    return _recorder
 
 
 def start(path: str | os.PathLike) -> Timeline:
     """Start recording a timeline to ``path`` (``init(timeline=...)`` does this); collective.
 
+    Rank 0 checks at once that it can write ``path``, so a bad path fails before
+    training rather than at shutdown.
+
     Args:
         path: where rank 0 writes the trace when ``stop()`` or ``hpcddp.shutdown()`` runs.
     """
+    global _recorder
     from . import bootstrap
 
-    if current() is not None:
-        raise RuntimeError(f"a timeline is already being recorded to {current().path}: stop() it first")
-    recorder = Timeline(path, bootstrap.rank())
+    if _recorder is not None:
+        raise RuntimeError(f"a timeline is already being recorded to {_recorder.path}: stop() it first")
     comm = bootstrap.communicator()
+    problem = _check_writable(Path(path)) if comm.rank == 0 else None
+    if comm.size > 1:
+        problem = comm.broadcast_object(problem, 0)
+    if problem is not None:
+        raise ValueError(
+            f"timeline= (HPCDDP_TIMELINE) {str(path)!r} cannot be written on rank 0: {problem}; choose a writable path"
+        )
+    recorder = Timeline(path, comm.rank)
     comm.barrier()
     recorder.align()
     recorder.install_module_hooks()
-    bootstrap.set_timeline(recorder)
-    bootstrap.shutdown_at_exit()  # written at shutdown; at exit too, for scripts that never call it
+    _recorder = recorder
+    # Written at shutdown, or at exit for scripts that never call it.
+    bootstrap.at_shutdown(stop)
     return recorder
 
 
 def stop() -> Path | None:
     """Stop recording and write the trace on rank 0 (returns its path there); collective."""
+    global _recorder
     from . import bootstrap
 
-    recorder = current()
+    recorder, _recorder = _recorder, None
     if recorder is None:
         return None
     recorder.remove_module_hooks()
-    bootstrap.set_timeline(None)
     return recorder.write(bootstrap.communicator())
+
+
+def _check_writable(path: Path) -> str | None:
+    """Return why ``path`` cannot be written (creating its folder), or None if it can."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(f".{path.name}.tmp"), "w") as probe:
+            probe.write("")
+        path.with_name(f".{path.name}.tmp").unlink()
+    except OSError as err:
+        return f"{type(err).__name__}: {err}"
+    return None

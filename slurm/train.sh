@@ -109,6 +109,12 @@ case $LAUNCHER in
         exec srun --mpi=pmix --cpus-per-task="$cpus_per_task" "${gpu_args[@]}" --kill-on-bad-exit=1 "$PYTHON" "$@"
         ;;
     mpirun)
+        # mpirun notices a lost node only through TCP keepalive on its daemons' connections: by
+        # default after 8 min, holding the allocation. 90 s here: after hpcddp's stall inspector
+        # (60 s + 10 s), whose abort gives the exit code (Open MPI 5.0 exits 0 for a lost daemon).
+        export PRTE_MCA_oob_tcp_keepalive_time=${PRTE_MCA_oob_tcp_keepalive_time:-60}
+        export PRTE_MCA_oob_tcp_keepalive_intvl=${PRTE_MCA_oob_tcp_keepalive_intvl:-10}
+        export PRTE_MCA_oob_tcp_keepalive_probes=${PRTE_MCA_oob_tcp_keepalive_probes:-9}
         args=(-np "$ntasks")
         # Open MPI refuses to run as root unless told; containers and CI often are root.
         if ((EUID == 0)); then

@@ -103,3 +103,64 @@ def test_restore_rejects_what_training_state_did_not_make():
     model, optimizer = small_model_and_optimizer()
     with pytest.raises(ValueError, match="must come from hpcddp.training_state"):
         hpcddp.restore_training_state({"model": model.state_dict()}, model, optimizer)
+
+
+# ---- integrity: checksums, fallback to the newest intact checkpoint, a writable directory ------------
+
+
+def save_two(tmp_path):
+    for step in (1, 2):
+        hpcddp.save_checkpoint(tmp_path, {"step": step, "w": torch.full((64,), float(step))})
+    return find_checkpoints(tmp_path)
+
+
+def flip_a_weight_byte(path, value):
+    data = bytearray(path.read_bytes())
+    at = data.index(torch.full((64,), value).numpy().tobytes())
+    data[at + 3] ^= 0x7F  # the exponent byte of the first float
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_byte_is_caught_and_the_previous_checkpoint_loaded(tmp_path, caplog):
+    older, newest = save_two(tmp_path)
+    flip_a_weight_byte(newest, 2.0)
+    # What torch.load alone would hand back: a silently wrong weight.
+    assert torch.load(newest, weights_only=True)["w"][0] != 2.0
+    state = hpcddp.load_checkpoint(tmp_path)
+    assert state["step"] == 1 and torch.equal(state["w"], torch.full((64,), 1.0))
+    assert f"skipping damaged checkpoint {newest}: its SHA-256 checksum does not match" in caplog.text
+    with pytest.raises(ValueError, match=f"checkpoint {newest} is damaged: its SHA-256 checksum"):
+        hpcddp.load_checkpoint(newest)
+
+
+def test_truncated_checkpoint_is_skipped_naming_the_file(tmp_path, caplog):
+    older, newest = save_two(tmp_path)
+    newest.write_bytes(newest.read_bytes()[:-300])
+    assert hpcddp.load_checkpoint(tmp_path)["step"] == 1
+    assert f"skipping damaged checkpoint {newest}" in caplog.text and "does not load" in caplog.text
+
+
+def test_every_checkpoint_damaged_is_an_error_not_a_fresh_start(tmp_path):
+    for path in save_two(tmp_path):
+        path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ValueError, match="every checkpoint in .* is damaged: checkpoint-000002.pt .*checkpoint-000001"):
+        hpcddp.load_checkpoint(tmp_path)
+
+
+def test_checkpoint_without_checksum_still_loads(tmp_path):
+    torch.save({"step": 7}, tmp_path / "checkpoint-000007.pt")  # as hpcddp wrote them before checksums
+    assert hpcddp.load_checkpoint(tmp_path)["step"] == 7
+
+
+def test_unwritable_checkpoint_directory_fails_when_the_handler_is_entered(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"checkpoint directory '.*file/ckpt' is not writable on rank 0 \(.*"):
+        with hpcddp.PreemptionHandler(checkpoint_dir=tmp_path / "file" / "ckpt"):
+            pass
+
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr("tempfile.mkstemp", read_only)
+    with pytest.raises(ValueError, match=r"'.*ro' is not writable on rank 0 \(OSError: \[Errno 30\] Read-only"):
+        hpcddp.checkpoint.check_checkpoint_dir(tmp_path / "ro")

@@ -2,6 +2,7 @@
 
 import os
 import shlex
+import signal
 import stat
 import subprocess
 import sys
@@ -30,10 +31,17 @@ def dry_run(*args, env=None):
     return shlex.split(result.output.strip())
 
 
-def test_dry_run_starts_python_scripts_with_this_python_and_binds_ranks_to_cores():
-    argv = dry_run("-np", "1", "train.py", "--epochs", "3")
+@pytest.fixture
+def train_py(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("pass\n")
+    return "train.py"
+
+
+def test_dry_run_starts_python_scripts_with_this_python_and_binds_ranks_to_cores(train_py):
+    argv = dry_run("-np", "1", train_py, "--epochs", "3")
     assert argv[argv.index("-np") + 1] == "1"
-    assert argv[-3:] == [sys.executable, "train.py", "--epochs", "3"][-3:] and sys.executable in argv
+    assert argv[-4:] == [sys.executable, "train.py", "--epochs", "3"]
     assert ("--allow-run-as-root" in argv) == (os.geteuid() == 0)
     cpus = len(os.sched_getaffinity(0))
     assert argv[argv.index("--map-by") + 1] == f"slot:PE={cpus}:HWTCPUS" and "hwthread" in argv
@@ -46,8 +54,8 @@ def test_dry_run_oversubscribes_and_yields_past_the_cores():
     assert "FOO=bar" in argv and argv[-2:] == ["hpcddp", "info"]
 
 
-def test_dry_run_with_hosts_leaves_placement_to_mpirun_and_forwards_variables():
-    argv = dry_run("-np", "8", "-H", "node1:4,node2:4", "train.py", env={"HPCDDP_STALL_TIMEOUT": "30"})
+def test_dry_run_with_hosts_leaves_placement_to_mpirun_and_forwards_variables(train_py):
+    argv = dry_run("-np", "8", "-H", "node1:4,node2:4", train_py, env={"HPCDDP_STALL_TIMEOUT": "30"})
     assert argv[argv.index("-H") + 1] == "node1:4,node2:4"
     assert "--map-by" not in argv and "--oversubscribe" not in argv
     assert "HPCDDP_STALL_TIMEOUT" in argv  # forwarded with -x to remote ranks
@@ -92,6 +100,78 @@ def test_bad_arguments_are_one_line_usage_errors(args, message):
     result = CliRunner().invoke(main, ["run", *args], env={"SLURM_JOB_ID": ""})
     assert result.exit_code == 2 and message in result.output, result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    "program, message",
+    [
+        ("trian.py", "Invalid value for SCRIPT: trian.py does not exist (in "),
+        ("pyhton", "Invalid value for SCRIPT: command 'pyhton' not found on PATH"),
+    ],
+)
+def test_a_missing_script_fails_before_the_launcher_starts(program, message):
+    result = subprocess.run([*HPCDDP, "run", "-np", "2", program], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "prterun" not in result.stderr and "mpirun" not in result.stderr
+
+
+def test_ctrl_c_stops_the_job_with_130_and_says_so():
+    code = "import sys, time; print('running', flush=True); time.sleep(120)"
+    proc = subprocess.Popen(
+        [*HPCDDP, "run", "-np", "2", "python", "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # no terminal: hpcddp run passes the signal on itself
+    )
+    try:
+        assert proc.stdout.readline().strip() == "running"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "[hpcddp run] interrupted (Ctrl-C): the job was stopped" in err
+
+
+def test_signals_reach_every_rank():
+    code = (
+        "import signal, sys, time, hpcddp; hpcddp.init(); "
+        "signal.signal(signal.SIGUSR1, lambda *a: (print('USR1 at', hpcddp.rank(), flush=True), sys.exit(0))); "
+        "print('ready', flush=True); time.sleep(120)"
+    )
+    proc = subprocess.Popen(
+        [*HPCDDP, "run", "-np", "2", "python", "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    try:
+        assert [proc.stdout.readline().strip() for _ in range(2)] == ["ready", "ready"]
+        proc.send_signal(signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and sorted(out.split("\n")[:2]) == ["USR1 at 0", "USR1 at 1"], out
+
+
+def test_ranks_that_never_finish_fail_the_job_even_when_the_launcher_says_0(tmp_path, monkeypatch, capsys):
+    from hpcddp.supervise import supervise
+
+    # A launcher as Open MPI 5.0's mpirun after losing a node: both ranks started, rank 1
+    # was killed (no finished mark), and it exits 0.
+    fake_launcher = (
+        "import os; d = os.environ['HPCDDP_RUN_STATUS']; "
+        "[open(f'{d}/{r}.started', 'w').write('vnode9') for r in (0, 1)]; open(f'{d}/0.finished', 'w')"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert supervise([sys.executable, "-c", fake_launcher], os.environ) == 1
+    err = capsys.readouterr().err
+    assert "exited 0, but rank(s) 1 on vnode9 never finished: they were killed" in err, err
+    assert not list(tmp_path.iterdir())  # the status directory is gone
+    finished = (
+        "import os; d = os.environ['HPCDDP_RUN_STATUS']; open(f'{d}/0.started', 'w'); open(f'{d}/0.finished', 'w')"
+    )
+    assert supervise([sys.executable, "-c", finished], os.environ) == 0
 
 
 def test_run_returns_the_job_exit_code():

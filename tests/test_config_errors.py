@@ -172,12 +172,25 @@ def test_invalid_integer_variable(fresh):
         (
             "HPCDDP_STALL_TIMEOUT",
             "soon",
-            "environment variable HPCDDP_STALL_TIMEOUT must be a number of seconds >= 0, got 'soon'",
+            "environment variable HPCDDP_STALL_TIMEOUT must be a number of seconds >= 0 "
+            "(0 turns the stall inspector off), got 'soon'",
         ),
         (
             "HPCDDP_STALL_TIMEOUT",
             "-5",
-            "environment variable HPCDDP_STALL_TIMEOUT must be a number of seconds >= 0, got '-5'",
+            "environment variable HPCDDP_STALL_TIMEOUT must be a number of seconds >= 0 "
+            "(0 turns the stall inspector off), got '-5'",
+        ),
+        (
+            "HPCDDP_STALL_ABORT_AFTER",
+            "never",
+            "environment variable HPCDDP_STALL_ABORT_AFTER must be a number of seconds >= 0 "
+            "(0 never aborts a slow rank), got 'never'",
+        ),
+        (
+            "HPCDDP_BACKEND",
+            "infiniband",
+            "environment variable HPCDDP_BACKEND must be one of auto, mpi, nccl, gloo, got 'infiniband'",
         ),
         (
             "HPCDDP_STALL_ACTION",
@@ -200,7 +213,8 @@ def test_stall_settings_from_environment_and_arguments(fresh):
     }
     assert read_settings({}) == {}
     with pytest.raises(
-        ValueError, match=r"^stall_timeout must be a number of seconds >= 0 \(0 turns it off\), got -1$"
+        ValueError,
+        match=r"^stall_timeout must be a number of seconds >= 0 \(0 turns the stall inspector off\), got -1$",
     ):
         hpcddp.init(stall_timeout=-1)
     with pytest.raises(ValueError, match=r"^stall_action must be 'abort' or 'warn', got 'ignore'$"):

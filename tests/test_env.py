@@ -33,7 +33,8 @@ def test_torchrun_variables():
     env = detect_environment(environ)
     assert isinstance(env, TorchrunEnvironment)
     assert astuple(env.layout()) == (5, 8, 1, 4, 1, 2)
-    assert env.rendezvous() == ("n1", 1234)
+    rendezvous = env.rendezvous()
+    assert (rendezvous.address, rendezvous.port) == ("n1", 1234)
 
 
 def test_torchrun_inside_srun_is_torchrun():
@@ -61,13 +62,15 @@ def slurm_step(**extra):
     return {**base, **extra}
 
 
-def test_srun_singletons_use_slurm_variables():
+def test_srun_singletons_use_slurm_variables(monkeypatch):
+    # Slurm's NodeAddr of the first node, not its name: names need DNS.
+    monkeypatch.setattr("hpcddp.env.slurm.node_address", {"gpu07": "10.9.0.7"}.get)
     env = detect_environment(slurm_step())
     assert isinstance(env, SlurmEnvironment)
     assert astuple(env.layout()) == (3, 4, 1, 2, 1, 2)
-    address, port = env.rendezvous()
-    assert address == "gpu07" and 15000 <= port < 30000
-    assert SlurmEnvironment(slurm_step(SLURM_PROCID="0")).rendezvous() == (address, port)
+    rendezvous = env.rendezvous()
+    assert rendezvous.address == "10.9.0.7" and 15000 <= rendezvous.port < 30000
+    assert SlurmEnvironment(slurm_step(SLURM_PROCID="0")).rendezvous() == rendezvous
 
 
 def test_batch_script_without_srun_is_a_single_process():

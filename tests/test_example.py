@@ -60,3 +60,14 @@ def test_bad_batch_size_is_one_clear_line(tmp_path):
 def test_bad_arguments_are_rejected(bad):
     result = subprocess.run([sys.executable, SCRIPT, *bad], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "--epochs must be >= 1" in result.stderr
+
+
+def test_post_local_sgd_reaches_95_percent_on_two_ranks(tmp_path):
+    out = tmp_path / "post_local_sgd.json"
+    script = f"{ROOT}/examples/post_local_sgd.py"
+    result = run_mpi(2, [sys.executable, script, "--json", str(out)], timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-5000:]
+    metrics = json.loads(out.read_text())
+    assert (metrics["world_size"], metrics["sync_steps"], metrics["period"]) == (2, 60, 4)
+    assert metrics["steps"] > metrics["sync_steps"] + 4 * metrics["period"]  # the local phase ran
+    assert metrics["test_accuracy"] >= 0.95, metrics

@@ -76,10 +76,16 @@ def test_average_of_identical_ranks_equals_a_local_step():
         torch.testing.assert_close(b, a)
 
 
-def test_buckets_launch_during_backward_in_order():
+def test_first_pass_reduces_at_its_end_then_buckets_launch_during_backward_in_order():
     model, x, y = model_and_data()
     comm = TwinRanks()
     optimizer = wrap(model, comm, bucket_cap_mb=0.001, first_bucket_mb=0.0005)
+    # The first pass learns how often each parameter accumulates: it reduces at its end.
+    F.cross_entropy(model(x), y).backward()
+    assert len(comm.calls) == len(optimizer.buckets) >= 3
+    assert optimizer.times.bucket_launch[0] > optimizer.times.backward_end
+    optimizer.step()
+    comm.calls.clear()
     F.cross_entropy(model(x), y).backward()
     assert len(comm.calls) == len(optimizer.buckets) >= 3
     expected = [b.buffer.numel() for b in optimizer.buckets]
@@ -144,18 +150,26 @@ def test_step_reduces_what_accumulated_even_before_k_passes():
 
 
 def test_second_backward_before_step_is_a_clear_error():
-    class SlowTwin(TwinRanks):
-        def allreduce_async_(self, tensor, op):  # never completes on its own
-            from hpcddp.comm.base import Handle
-
-            self.calls.append(tensor.numel())
-            return Handle()
-
     model, x, y = model_and_data()
-    wrap(model, SlowTwin())
+    optimizer = wrap(model)
     F.cross_entropy(model(x), y).backward()
     with pytest.raises(RuntimeError, match="backward_passes_per_step"):
         F.cross_entropy(model(x), y).backward()
+    optimizer.zero_grad()  # a new step: allowed again
+    F.cross_entropy(model(x), y).backward()
+
+
+def test_gradients_are_averaged_when_backward_returns():
+    model, x, y = model_and_data()
+    reference, _, _ = model_and_data()
+    optimizer = wrap(model)
+    F.cross_entropy(model(x), y).backward()
+    F.cross_entropy(reference(x), y).backward()
+    # Twin ranks: the average of two identical gradients is the gradient itself,
+    # already in place before step() (GradScaler.unscale_ and clipping read it there).
+    for a, b in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad)
+    optimizer.step()
 
 
 def test_world_of_one_installs_nothing():
@@ -236,6 +250,72 @@ def test_named_parameters_must_cover_the_optimizer():
         )
 
 
+def test_nothing_trainable_is_refused_with_the_fix():
+    model, _, _ = model_and_data()
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match="none of the 6 parameters requires grad: set requires_grad=True"):
+        wrap(model)
+
+
 def test_not_an_optimizer_is_a_type_error():
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
         DistributedOptimizer("sgd", communicator=TwinRanks())
+
+
+class SharedWeight(torch.nn.Module):
+    """``mid`` is used plainly and inside a reentrant checkpoint: two accumulations per backward pass."""
+
+    def __init__(self, checkpoint_last):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.mid, self.out = torch.nn.Linear(10, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 3)
+        self.checkpoint_last = checkpoint_last
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.mid(torch.tanh(self.inp(x)))
+        if self.checkpoint_last:
+            return checkpoint(lambda t: self.out(torch.tanh(self.mid(t))), h, use_reentrant=True)
+        return self.out(checkpoint(lambda t: torch.tanh(self.mid(t)), h, use_reentrant=True))
+
+
+@pytest.mark.parametrize("checkpoint_last", [False, True])
+@pytest.mark.parametrize("passes", [1, 2])
+def test_double_accumulation_in_reentrant_checkpoint_equals_a_local_step(checkpoint_last, passes):
+    _, x, y = model_and_data()
+    model, reference = SharedWeight(checkpoint_last), SharedWeight(checkpoint_last)
+    comm = TwinRanks()
+    optimizer = wrap(model, comm, bucket_cap_mb=0.001, first_bucket_mb=0.0005, backward_passes_per_step=passes)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        for net, opt in ((model, optimizer), (reference, plain)):
+            opt.zero_grad()
+            for half in x.chunk(passes):
+                F.cross_entropy(net(half), y[: len(half)]).backward()
+            opt.step()
+    # mid's bucket is not the last: it is sent during backward, once both accumulations are in.
+    assert any(p is model.mid.weight for p in optimizer.buckets[0].params) and len(optimizer.buckets) >= 2
+    assert len(comm.calls) == 3 * len(optimizer.buckets)
+    for a, b in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(b, a)
+
+
+def test_layer_unfrozen_after_wrapping_joins_the_buckets():
+    model, x, y = model_and_data()
+    reference, _, _ = model_and_data()
+    model[0].requires_grad_(False)
+    optimizer = wrap(model)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    assert model[0].weight.grad is None and not optimizer.reducer.holds(model[0].weight)
+    for step in range(3):
+        if step == 1:
+            model[0].requires_grad_(True)
+        reference[0].requires_grad_(step >= 1)
+        for net, opt in ((model, optimizer), (reference, plain)):
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+    assert optimizer.reducer.holds(model[0].weight) and "0.weight" in optimizer.parameter_names
+    for a, b in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(b, a)

@@ -17,8 +17,12 @@ def ensure_process_group():
 
     if dist.is_initialized():
         return dist
-    from ..comm.torchdist import join_process_group
+    from ..comm.rendezvous import join_process_group
 
     backend = "nccl" if hpcddp.device().type == "cuda" else "gloo"
-    join_process_group(backend, hpcddp.rank(), hpcddp.size(), timeout_s=600, device=hpcddp.device())
+    from ..bootstrap import launcher_comm
+
+    join_process_group(
+        backend, hpcddp.rank(), hpcddp.size(), timeout_s=600, device=hpcddp.device(), mpi_comm=launcher_comm()
+    )
     return dist

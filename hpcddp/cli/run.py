@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
+import sys
 
 import click
 
@@ -46,6 +48,8 @@ def run(num_proc, hosts, hostfile, launcher, env, no_bind, dry_run, script, args
     Through mpirun it adds what this machine needs: --allow-run-as-root as root,
     --oversubscribe with yield-when-idle when ranks outnumber cores, and on one host
     binds each rank to cores // ranks cores (hpcddp.init() uses them as threads).
+    Signals (TERM, USR1, ...) are passed on to every rank; the exit code is the
+    job's: 130 after Ctrl-C, and 1 when ranks were lost although mpirun claims 0.
     """
     from ..launch import LaunchConfig, build_launch_command, program_command
 
@@ -60,9 +64,21 @@ def run(num_proc, hosts, hostfile, launcher, env, no_bind, dry_run, script, args
         raise click.UsageError(str(err)) from None
     except FileNotFoundError as err:
         raise click.ClickException(str(err)) from None
+    _check_program(script)
     if dry_run:
         click.echo(shlex.join(command))
         return
-    # exec: the launcher takes this process's place, so signals from Slurm or the
-    # shell (SIGUSR1 before a time limit, Ctrl-C) reach it and its exit code is ours.
-    os.execvpe(command[0], command, environ)
+    from ..supervise import supervise
+
+    sys.exit(supervise(command, environ))
+
+
+def _check_program(script: str) -> None:
+    """Fail before the launcher starts (and prints a page of its own) when SCRIPT is not there."""
+    if script.endswith(".py"):
+        if not os.path.isfile(script):
+            raise click.BadParameter(f"{script} does not exist (in {os.getcwd()}): check the path", param_hint="SCRIPT")
+    elif os.sep not in script and shutil.which(script) is None:
+        raise click.BadParameter(f"command {script!r} not found on PATH", param_hint="SCRIPT")
+    elif os.sep in script and not os.access(script, os.X_OK):
+        raise click.BadParameter(f"{script} is not an executable file: check the path", param_hint="SCRIPT")

@@ -135,12 +135,15 @@ class MPICommunicator(Communicator):
             mixes with the caller's.
         stall_timeout: seconds a collective may wait before the stall inspector
             reports the missing ranks (see ``hpcddp.stall``); 0 turns it off.
-        stall_action: "abort" or "warn" after a stall report.
+        stall_action: "abort" or "warn" (see ``hpcddp.stall.StallInspector``).
+        stall_abort_after: seconds a stall may last before the job ends; 0 never.
     """
 
     name = "mpi"
 
-    def __init__(self, comm=None, *, stall_timeout: float = 0, stall_action: str = "abort") -> None:
+    def __init__(
+        self, comm=None, *, stall_timeout: float = 0, stall_action: str = "abort", stall_abort_after: float = 0
+    ) -> None:
         MPI = import_mpi()
         self._MPI = MPI
         self._comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
@@ -158,7 +161,9 @@ class MPICommunicator(Communicator):
         self.collectives = CollectiveLog()
         self._inspector = None
         if stall_timeout > 0 and self.size > 1:
-            self._inspector = StallInspector(self._comm.Dup(), self.collectives, stall_timeout, stall_action)
+            self._inspector = StallInspector(
+                self._comm.Dup(), self.collectives, stall_timeout, stall_action, stall_abort_after
+            )
         self._thread = threading.Thread(target=self._serve, name="hpcddp-mpi", daemon=True)
         self._thread.start()
 

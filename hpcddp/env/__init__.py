@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from .base import ClusterEnvironment, RankLayout, read_int
+from .base import ClusterEnvironment, RankLayout, Rendezvous, read_int
 from .mpi import MPIEnvironment
 from .single import SingleProcessEnvironment
 from .slurm import SlurmEnvironment, expand_nodelist
@@ -15,6 +15,7 @@ __all__ = [
     "ClusterEnvironment",
     "MPIEnvironment",
     "RankLayout",
+    "Rendezvous",
     "SingleProcessEnvironment",
     "SlurmEnvironment",
     "TorchrunEnvironment",

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
-__all__ = ["ClusterEnvironment", "RankLayout", "read_int", "read_value"]
+__all__ = ["ClusterEnvironment", "RankLayout", "Rendezvous", "read_int", "read_value"]
 
 T = TypeVar("T")
 
@@ -31,6 +31,20 @@ class RankLayout:
             raise ValueError(f"local_rank must be in [0, {self.local_size}), got {self.local_rank}")
         if not 0 <= self.node_rank < self.num_nodes:
             raise ValueError(f"node_rank must be in [0, {self.num_nodes}), got {self.node_rank}")
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where torch.distributed's TCP store listens, and how this rank gets there."""
+
+    address: str
+    """An IP address of rank 0 (or the user's MASTER_ADDR)."""
+    port: int
+    interface: str | None = None
+    """This rank's interface towards ``address``, for GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME;
+    None when it cannot be told (no route, or a MASTER_ADDR that does not resolve)."""
+    interface_named: bool = False
+    """The user chose the interface (HPCDDP_IFACE or ``init(interface=)``)."""
 
 
 def read_value(environ: Mapping[str, str], name: str, convert: Callable[[str], T], expected: str, default=None):
@@ -86,5 +100,10 @@ class ClusterEnvironment(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def rendezvous(self) -> tuple[str, int]:
-        """Return the (address, port) every rank uses for torch.distributed's TCP store."""
+    def rendezvous(self, interface: str | None = None) -> Rendezvous:
+        """Return the address and port every rank uses for torch.distributed's TCP store.
+
+        Args:
+            interface: the network interface the user chose (HPCDDP_IFACE or
+                ``init(interface=)``); None picks one that reaches every node.
+        """

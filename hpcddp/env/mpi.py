@@ -6,7 +6,15 @@ import socket
 from collections.abc import Mapping
 
 from .._mpi import import_mpi, mpi_launcher_present
-from .base import ClusterEnvironment, RankLayout, read_int
+from .base import ClusterEnvironment, RankLayout, Rendezvous, read_int
+from .network import (
+    choose_rendezvous_interface,
+    describe_interfaces,
+    find_interface,
+    interface_towards,
+    list_interfaces,
+    socket_ifname_hint,
+)
 
 __all__ = ["MPIEnvironment", "check_launcher_agrees", "find_free_port", "singleton_under_slurm"]
 
@@ -103,15 +111,62 @@ class MPIEnvironment(ClusterEnvironment):
             num_nodes=num_nodes,
         )
 
-    def rendezvous(self) -> tuple[str, int]:
-        """Rank 0 picks the address and a free port, and broadcasts them over MPI."""
+    def rendezvous(self, interface: str | None = None) -> Rendezvous:
+        """Rank 0 picks an IP address every node reaches and a free port, and broadcasts them.
+
+        Collective: every rank gathers every rank's interfaces (no host name is
+        resolved); a named interface missing on any rank fails on every rank.
+        """
+        comm, env = self._comm, self.environ
+        own = list_interfaces()
+        hint = interface or socket_ifname_hint(env)
+        peers = comm.allgather((self.layout().node_rank, socket.gethostname(), own))
+        if interface:
+            lacking = [
+                f"rank {r} ({host})" for r, (_, host, ifs) in enumerate(peers) if not find_interface(ifs, interface)
+            ]
+            if lacking:
+                raise ValueError(
+                    f"interface {interface!r} (HPCDDP_IFACE or init(interface=)) does not exist on "
+                    f"{', '.join(lacking)}: choose one that every node has (rank 0 has {describe_interfaces(peers[0][2])})"
+                )
+        chosen = find_interface(peers[0][2], interface) if interface else None
+        if chosen is not None and chosen.is_loopback and self.layout().num_nodes > 1:
+            raise ValueError(
+                f"interface {interface!r} (HPCDDP_IFACE or init(interface=)) is loopback, but the job spans "
+                f"{self.layout().num_nodes} nodes: choose one that connects them (rank 0 has {describe_interfaces(peers[0][2])})"
+            )
+        decision = self._decide_rendezvous(peers, hint) if comm.Get_rank() == 0 else None
+        address, port, error = comm.bcast(decision, root=0)
+        if error:
+            raise RuntimeError(error)
+        chosen = interface_towards(address, interface, own) or (find_interface(own, hint) if hint else None)
+        return Rendezvous(address, port, chosen.name if chosen else None, bool(interface))
+
+    def _decide_rendezvous(self, peers, hint: str | None) -> tuple[str | None, int | None, str | None]:
+        """Rank 0: return (address, port, None), or (None, None, error) when no address fits."""
         env = self.environ
-        choice = None
-        if self._comm.Get_rank() == 0:
-            if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
-                choice = (env["MASTER_ADDR"], read_int(env, "MASTER_PORT"))
-            else:
-                single_node = self.layout().num_nodes == 1
-                address = "127.0.0.1" if single_node else socket.getfqdn()
-                choice = (env.get("MASTER_ADDR") or address, find_free_port())
-        return self._comm.bcast(choice, root=0)
+        port = read_int(env, "MASTER_PORT") if env.get("MASTER_PORT") else find_free_port()
+        if env.get("MASTER_ADDR"):
+            return env["MASTER_ADDR"], port, None
+        _, own_host, own = peers[0]
+        if self.layout().num_nodes == 1:
+            return "127.0.0.1", port, None
+        if hint and find_interface(own, hint):
+            return find_interface(own, hint).address, port, None
+        first_of_node: dict[int, list] = {}
+        for node, _, ifaces in peers:
+            first_of_node.setdefault(node, ifaces)
+        others = [ifaces for node, ifaces in first_of_node.items() if node != peers[0][0]]
+        chosen = choose_rendezvous_interface(own, others)
+        if chosen is None:
+            return (
+                None,
+                None,
+                (
+                    f"rank 0 ({own_host}) has no interface that the other nodes reach (it has "
+                    f"{describe_interfaces(own)}): set HPCDDP_IFACE to the interface that connects the nodes, "
+                    "or MASTER_ADDR to an address of rank 0's node that every node can reach"
+                ),
+            )
+        return chosen.address, port, None

@@ -6,9 +6,13 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from ..config import BACKENDS
 from .base import read_value
 
-__all__ = ["read_float", "read_settings"]
+__all__ = ["RUN_STATUS_VARIABLE", "read_float", "read_settings", "run_status_dir"]
+
+#: set by ``hpcddp run`` for its ranks: where they record that they started and finished
+RUN_STATUS_VARIABLE = "HPCDDP_RUN_STATUS"
 
 
 def _seconds(raw: str) -> float:
@@ -18,25 +22,49 @@ def _seconds(raw: str) -> float:
     return value
 
 
-def read_float(environ: Mapping[str, str], name: str, default: float | None = None) -> float | None:
-    """Read a number of seconds >= 0 from the environment; ``default`` when unset (see ``read_value``)."""
-    return read_value(environ, name, _seconds, "a number of seconds >= 0", default)
+def read_float(environ: Mapping[str, str], name: str, default: float | None = None, meaning: str = "") -> float | None:
+    """Read a number of seconds >= 0 from the environment; ``default`` when unset (see ``read_value``).
+
+    Args:
+        environ: the environment to read.
+        name: the variable.
+        default: returned when unset.
+        meaning: what 0 means, added to the error message (e.g. "0 turns the stall inspector off").
+    """
+    expected = "a number of seconds >= 0" + (f" ({meaning})" if meaning else "")
+    return read_value(environ, name, _seconds, expected, default)
 
 
 def read_settings(environ: Mapping[str, str]) -> dict[str, Any]:
     """Return the InitConfig fields set through HPCDDP_* variables (only those that are set).
 
-    HPCDDP_STALL_TIMEOUT sets ``stall_timeout`` (seconds), HPCDDP_STALL_ACTION sets
-    ``stall_action``, HPCDDP_TIMELINE sets ``timeline`` (a path); an explicit
+    HPCDDP_BACKEND sets ``backend``, HPCDDP_IFACE ``interface``, HPCDDP_STALL_TIMEOUT
+    ``stall_timeout`` (seconds), HPCDDP_STALL_ABORT_AFTER ``stall_abort_after``
+    (seconds), HPCDDP_STALL_ACTION ``stall_action``, HPCDDP_DIST_TIMEOUT
+    ``dist_timeout`` (seconds), HPCDDP_TIMELINE ``timeline`` (a path); an explicit
     ``init()`` argument wins over any of them.
 
     Args:
         environ: the environment to read (``os.environ`` or a test's dict).
     """
     settings: dict[str, Any] = {}
-    timeout = read_float(environ, "HPCDDP_STALL_TIMEOUT")
-    if timeout is not None:
-        settings["stall_timeout"] = timeout
+    for name, field, meaning in (
+        ("HPCDDP_STALL_TIMEOUT", "stall_timeout", "0 turns the stall inspector off"),
+        ("HPCDDP_STALL_ABORT_AFTER", "stall_abort_after", "0 never aborts a slow rank"),
+        ("HPCDDP_DIST_TIMEOUT", "dist_timeout", ""),
+    ):
+        seconds = read_float(environ, name, meaning=meaning)
+        if seconds is not None:
+            settings[field] = seconds
+    backend = environ.get("HPCDDP_BACKEND", "").strip().lower()
+    if backend:
+        if backend not in BACKENDS:
+            choices = ", ".join(BACKENDS)
+            raise ValueError(f"environment variable HPCDDP_BACKEND must be one of {choices}, got {backend!r}")
+        settings["backend"] = backend
+    interface = environ.get("HPCDDP_IFACE", "").strip()
+    if interface:
+        settings["interface"] = interface
     action = environ.get("HPCDDP_STALL_ACTION", "").strip().lower()
     if action:
         if action not in ("abort", "warn"):
@@ -46,3 +74,8 @@ def read_settings(environ: Mapping[str, str]) -> dict[str, Any]:
     if timeline:
         settings["timeline"] = timeline
     return settings
+
+
+def run_status_dir(environ: Mapping[str, str]) -> str | None:
+    """Return the status directory ``hpcddp run`` gave this rank, or None (see ``hpcddp._run_status``)."""
+    return environ.get(RUN_STATUS_VARIABLE) or None

@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from .base import ClusterEnvironment, RankLayout, read_int
+from .base import ClusterEnvironment, RankLayout, Rendezvous, read_int
 from .mpi import find_free_port
+from .network import interface_towards, list_interfaces
 
 __all__ = ["SingleProcessEnvironment"]
 
@@ -33,5 +34,6 @@ class SingleProcessEnvironment(ClusterEnvironment):
             )
         return RankLayout(rank=0, world_size=1, local_rank=0, local_size=1, node_rank=0, num_nodes=1)
 
-    def rendezvous(self) -> tuple[str, int]:
-        return "127.0.0.1", find_free_port()
+    def rendezvous(self, interface: str | None = None) -> Rendezvous:
+        chosen = interface_towards("127.0.0.1", interface, list_interfaces())
+        return Rendezvous("127.0.0.1", find_free_port(), chosen.name if chosen else None, bool(interface))

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
+import subprocess
 from collections.abc import Mapping
 
-from .base import ClusterEnvironment, RankLayout, read_int
+from .base import ClusterEnvironment, RankLayout, Rendezvous, read_int
+from .network import interface_towards, list_interfaces
 
-__all__ = ["SlurmEnvironment", "expand_nodelist"]
+__all__ = ["SlurmEnvironment", "expand_nodelist", "node_address"]
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -66,17 +68,44 @@ class SlurmEnvironment(ClusterEnvironment):
             num_nodes=num_nodes,
         )
 
-    def rendezvous(self) -> tuple[str, int]:
+    def rendezvous(self, interface: str | None = None) -> Rendezvous:
+        """The first node's address (Slurm's NodeAddr: no DNS needed) and a port from the job id.
+
+        Every task derives the same answer without talking to the others.
+        """
         env = self.environ
-        if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
-            return env["MASTER_ADDR"], read_int(env, "MASTER_PORT")
-        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
-        address = expand_nodelist(nodelist)[0]
-        # Every task must derive the same port without talking to the others; the
-        # job id spreads concurrent jobs on one node over 15000-30000.
-        job_id = read_int(env, "SLURM_JOB_ID", 0)
-        step_id = read_int(env, "SLURM_STEP_ID", 0) or 0
-        return address, 15000 + (job_id * 7 + step_id) % 15000
+        address = env.get("MASTER_ADDR")
+        if not address:
+            nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""
+            first = expand_nodelist(nodelist)[0] if nodelist else None
+            if first is None or self.layout().num_nodes == 1:
+                address = "127.0.0.1"
+            else:
+                address = node_address(first)
+        port = read_int(env, "MASTER_PORT")
+        if port is None:
+            # The job id spreads concurrent jobs on one node over 15000-30000.
+            job_id = read_int(env, "SLURM_JOB_ID", 0)
+            step_id = read_int(env, "SLURM_STEP_ID", 0) or 0
+            port = 15000 + (job_id * 7 + step_id) % 15000
+        chosen = interface_towards(address, interface, list_interfaces())
+        return Rendezvous(address, port, chosen.name if chosen else None, bool(interface))
+
+
+def node_address(node: str) -> str:
+    """Return Slurm's NodeAddr for ``node`` (``scontrol show node``), or ``node`` itself.
+
+    Slurm reaches its nodes by NodeAddr, so that address works where the node's
+    name is not in DNS.
+    """
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "node", "-o", node], capture_output=True, text=True, timeout=15
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return node
+    match = re.search(r"\bNodeAddr=(\S+)", out)
+    return match.group(1) if match else node
 
 
 def _tasks_on_this_node(env: Mapping[str, str], world_size: int, num_nodes: int) -> int:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .base import ClusterEnvironment, RankLayout, read_int
+from .base import ClusterEnvironment, RankLayout, Rendezvous, read_int
+from .network import interface_towards, list_interfaces
 
 __all__ = ["TorchrunEnvironment"]
 
@@ -31,6 +32,10 @@ class TorchrunEnvironment(ClusterEnvironment):
             num_nodes=max(1, world_size // max(1, local_size)),
         )
 
-    def rendezvous(self) -> tuple[str, int]:
+    def rendezvous(self, interface: str | None = None) -> Rendezvous:
         env = self.environ
-        return env.get("MASTER_ADDR", "127.0.0.1"), read_int(env, "MASTER_PORT", 29500)
+        address = env.get("MASTER_ADDR", "127.0.0.1")
+        chosen = interface_towards(address, interface, list_interfaces())
+        return Rendezvous(
+            address, read_int(env, "MASTER_PORT", 29500), chosen.name if chosen else None, bool(interface)
+        )

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 from .. import collectives
 from .._optimizer_args import check_backward_passes
-from ..join import count_active_ranks, shadow_until_all_joined, sync_from_last_joiner
+from ..join import shadow_until_all_joined, sync_from_last_joiner
 from ..optimizer import DistributedOptimizer as _HpcddpOptimizer
 from .basics import Average, check_process_set, global_process_set
 from .compression import OPTIMIZER_COMPRESSION, Compression
@@ -35,11 +35,6 @@ class _HorovodOptimizer(_HpcddpOptimizer):
         """Reduce once every ``passes`` backward passes from now on."""
         check_backward_passes(passes)
         self.backward_passes_per_step = passes
-
-    def _drop_unused_grads(self, bucket) -> None:
-        # Horovod gives a parameter that no rank used a zero gradient (so momentum and
-        # weight decay still move it), where DDP and hpcddp leave it None.
-        pass
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
@@ -84,9 +79,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         op=reduce_op,
         gradient_predivide_factor=gradient_predivide_factor if reduce_op is Average else None,
     )
-    # hvd.join() may come from any rank at any step: count active ranks in every reduction.
-    wrapped._join_average_over = "world"
-    count_active_ranks(wrapped)
+    # Horovod gives a parameter that no rank used a zero gradient (so momentum and
+    # weight decay still move it), where DDP and hpcddp leave it None.
+    wrapped.reducer.zero_unused = True
     _optimizers.add(wrapped)
     return wrapped
 
@@ -99,7 +94,7 @@ def join(device=-1) -> int:
     the one whose clock read latest on arrival (approximate across nodes).
     ``device`` is accepted for Horovod's signature.
     """
-    optimizers = [opt for opt in list(_optimizers) if opt.buckets and opt._hooks]  # closed ones do not reduce
+    optimizers = [opt for opt in list(_optimizers) if opt.buckets and not opt.reducer.closed]
     if len(optimizers) > 1:
         raise RuntimeError(
             f"hvd.join() can shadow one DistributedOptimizer, found {len(optimizers)} live ones: "
@@ -107,8 +102,8 @@ def join(device=-1) -> int:
         )
     if optimizers:
         optimizer = optimizers[0]
-        joined_at = optimizer._num_reductions
+        joined_at = optimizer.reducer.num_reductions
         shadow_until_all_joined(optimizer)
-        return sync_from_last_joiner(optimizer, joined_at)
+        return sync_from_last_joiner(optimizer.reducer, joined_at)
     arrivals = collectives.allgather_object(time.time())
     return max(range(len(arrivals)), key=lambda r: (arrivals[r], r))

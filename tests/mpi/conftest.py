@@ -57,8 +57,8 @@ def gloo():
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        address, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://{address}:{port}", rank=hpcddp.rank(), world_size=hpcddp.size()
-        )
+        from hpcddp.bootstrap import launcher_comm
+        from hpcddp.comm.rendezvous import join_process_group
+
+        join_process_group("gloo", hpcddp.rank(), hpcddp.size(), mpi_comm=launcher_comm())
     return dist

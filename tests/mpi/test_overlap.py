@@ -30,6 +30,9 @@ def test_first_bucket_starts_before_backward_ends():
     )
     assert len(optimizer.buckets) >= 3
     x = torch.randn(8, 64)
+    # The first pass learns how often each parameter accumulates and reduces at its end.
+    layers(first(x)).sum().backward()
+    optimizer.step()
     # Backward: the later layers' gradients, then 0.2 s in the slow identity, then `first`'s.
     loss = layers(SlowFirstLayer.apply(first(x))).sum()
     loss.backward()

@@ -1,0 +1,39 @@
+"""Autograd plumbing: finding the end of the outermost backward pass when checkpoints nest one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch.autograd import Variable
+
+__all__ = ["queue_on_outer_backward"]
+
+
+def queue_on_outer_backward(node, callback: Callable[[], None], still_wanted: Callable[[], bool]) -> bool:
+    """Queue ``callback`` at the end of the backward pass that runs ``node``; return False if impossible.
+
+    Called from the end of a reentrant backward (``torch.utils.checkpoint`` with
+    ``use_reentrant=True`` runs one inside the outer backward's ``node``): a final
+    callback queued there would run at the end of the nested pass. A pre-hook on
+    the nodes after ``node`` runs in the outer pass instead, and queues ``callback``
+    on it (once, and only if ``still_wanted()`` then).
+
+    Args:
+        node: the outer backward's node that is running the nested backward
+            (``torch._C._current_autograd_node()``).
+        callback: what to run when the outer backward ends.
+        still_wanted: asked when a next node runs; False drops the callback.
+    """
+    handles: list[Any] = []
+    queued: list[bool] = []
+
+    def queue(grad_outputs):
+        for handle in handles:
+            handle.remove()
+        if not queued and still_wanted():
+            queued.append(True)
+            Variable._execution_engine.queue_callback(callback)
+
+    handles.extend(fn.register_prehook(queue) for fn, _ in node.next_functions if fn is not None)
+    return bool(handles)

@@ -1,0 +1,127 @@
+"""Start torch.distributed's default group at the rendezvous ``hpcddp.init()`` exported.
+
+torch.distributed on its own waits out its whole timeout (and prints C++ frames)
+when a node cannot reach rank 0's store. Here rank 0 opens the store first and
+every other rank checks within seconds, in plain Python, that it can reach it;
+the ranks that cannot say so in one line each (and, when MPI connects the ranks,
+every rank ends with them) before torch.distributed is asked to connect.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from ..env.network import describe_interfaces, list_interfaces, probe_tcp
+
+__all__ = ["CONNECT_TIMEOUT_S", "connect_store", "join_process_group"]
+
+#: seconds a rank may take to reach rank 0's store before the job fails
+CONNECT_TIMEOUT_S = 10.0
+
+
+def join_process_group(
+    backend: str,
+    rank: int,
+    world_size: int,
+    *,
+    timeout_s: float = 1800,
+    device: torch.device | None = None,
+    mpi_comm=None,
+) -> None:
+    """Make torch.distributed's default group at the MASTER_ADDR/MASTER_PORT ``hpcddp.init()`` exported.
+
+    Args:
+        backend: "gloo" or "nccl".
+        rank: this process's rank.
+        world_size: the number of ranks.
+        timeout_s: how long a collective may wait (torch.distributed's timeout).
+        device: for nccl, this rank's GPU (binds the communicator to it).
+        mpi_comm: the launcher's MPI communicator, if MPI connects the ranks: then
+            every rank learns of an unreachable rendezvous and fails with it.
+    """
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not (address and port):
+        raise RuntimeError(
+            "MASTER_ADDR/MASTER_PORT are not set: call hpcddp.init() first (it exports them), or set both"
+        )
+    store = connect_store(address, int(port), rank, world_size, timeout_s=timeout_s, mpi_comm=mpi_comm)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        **({"device_id": device} if backend == "nccl" and device is not None else {}),
+    )
+
+
+def connect_store(
+    address: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    *,
+    timeout_s: float,
+    mpi_comm=None,
+    connect_timeout: float = CONNECT_TIMEOUT_S,
+) -> dist.TCPStore:
+    """Return a TCPStore at ``address:port`` (rank 0 serves it), checking reachability first.
+
+    Args:
+        address: rank 0's address.
+        port: the store's port.
+        rank: this process's rank.
+        world_size: the number of ranks.
+        timeout_s: the store's timeout once connected.
+        mpi_comm: an MPI communicator over the ranks, to fail together; None when
+            the ranks cannot talk yet (srun without MPI, torchrun).
+        connect_timeout: seconds to reach the store before failing.
+
+    Raises:
+        RuntimeError: one line naming the address, the interface and the fix.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, error = None, None
+    if rank == 0:
+        try:
+            store = dist.TCPStore(address, port, world_size, True, timeout=timeout, wait_for_workers=False)
+        except RuntimeError as err:
+            error = (
+                f"rank 0 ({socket.gethostname()}) cannot serve the rendezvous on port {port} "
+                f"({str(err).splitlines()[0]}): set MASTER_PORT to a free port, or unset it to let hpcddp pick one"
+            )
+    else:
+        failure = probe_tcp(address, port, connect_timeout)
+        if failure is not None:
+            error = _unreachable(rank, address, port, connect_timeout, failure)
+    if mpi_comm is not None:
+        failed = [r for r, e in enumerate(mpi_comm.allgather(error)) if e]
+        if failed and error is None:
+            error = (
+                f"rank {rank}: the rendezvous at {address}:{port} failed on {_ranks(failed)}; "
+                "their lines say why and what to change"
+            )
+    if error is not None:
+        raise RuntimeError(error)
+    if store is None:
+        store = dist.TCPStore(address, port, world_size, False, timeout=timeout)
+    return store
+
+
+def _unreachable(rank: int, address: str, port: int, waited: float, failure: str) -> str:
+    interface = os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("NCCL_SOCKET_IFNAME") or "no named interface"
+    return (
+        f"rank {rank} ({socket.gethostname()}) cannot reach the rendezvous {address}:{port} through {interface} "
+        f"within {waited:g} s ({failure}): set HPCDDP_IFACE (or init(interface=)) to the interface that connects "
+        f"the nodes (this node has {describe_interfaces(list_interfaces())}), or MASTER_ADDR to an address of "
+        "rank 0 that this node reaches"
+    )
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))

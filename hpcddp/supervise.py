@@ -1,0 +1,98 @@
+"""Run the launcher (mpirun, srun) as ``hpcddp run``'s child and report how the job really ended.
+
+``exec`` would hand the terminal straight to the launcher, but then nobody could tell
+that Open MPI 5.0's mpirun exits 0 after losing a node (see ``hpcddp._run_status``),
+nor say that a Ctrl-C stopped the job. Signals that schedulers and users send to
+``hpcddp run`` (TERM, USR1, USR2, HUP; INT when it does not come from the terminal)
+are passed on to the launcher, which passes them to the ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+
+from ._run_status import unfinished_ranks
+from .env.settings import RUN_STATUS_VARIABLE
+
+__all__ = ["INTERRUPTED_EXIT_CODE", "supervise"]
+
+#: the shell's code for a job ended by Ctrl-C (128 + SIGINT)
+INTERRUPTED_EXIT_CODE = 130
+_FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+
+
+def _terminal_delivers_sigint() -> bool:
+    """True when Ctrl-C reaches the launcher by itself (we are the terminal's foreground group)."""
+    try:
+        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _status_directory() -> str | None:
+    try:
+        return tempfile.mkdtemp(prefix=".hpcddp-run-", dir=os.getcwd())
+    except OSError:  # a read-only working directory: run without the check
+        return None
+
+
+def supervise(command: Sequence[str], environ: Mapping[str, str]) -> int:
+    """Run ``command`` (a launcher) to its end and return the exit code the job deserves.
+
+    The launcher's own code, except: 130 (with a line saying so) after Ctrl-C, and 1
+    when the launcher claims success although ranks that started never finished.
+
+    Args:
+        command: the launcher command line.
+        environ: its environment.
+    """
+    status = _status_directory()
+    environ = {**environ, **({RUN_STATUS_VARIABLE: status} if status else {})}
+    interrupted = False
+    try:
+        proc = subprocess.Popen(list(command), env=environ)
+    except OSError as err:
+        _remove(status)
+        sys.stderr.write(f"[hpcddp run] cannot start {command[0]}: {err.strerror}\n")
+        return 127
+
+    def forward(signum, _frame):
+        proc.send_signal(signum)
+
+    def interrupt(signum, _frame):
+        nonlocal interrupted
+        interrupted = True
+        if not _terminal_delivers_sigint():
+            proc.send_signal(signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in _FORWARDED}
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
+    try:
+        code = proc.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        missing = unfinished_ranks(status) if status else {}
+        _remove(status)
+    if interrupted:
+        sys.stderr.write("[hpcddp run] interrupted (Ctrl-C): the job was stopped\n")
+        return INTERRUPTED_EXIT_CODE
+    if code == 0 and missing:
+        hosts = sorted(set(missing.values()))
+        sys.stderr.write(
+            f"[hpcddp run] {command[0].rsplit('/', 1)[-1]} exited 0, but rank(s) {', '.join(map(str, missing))} "
+            f"on {', '.join(hosts)} never finished: they were killed (a node lost or cut off?); exiting 1\n"
+        )
+        return 1
+    return code if code >= 0 else 128 - code
+
+
+def _remove(directory: str | None) -> None:
+    if directory:
+        shutil.rmtree(directory, ignore_errors=True)

@@ -1,0 +1,128 @@
+"""Submitting and watching jobs on the test clusters (one-node Slurm, virtual multi-node cluster)."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from .conftest import ROOT
+
+CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+TRAIN_SH = os.path.join(ROOT, "slurm", "train.sh")
+TRAIN_PY = os.path.join(ROOT, "examples", "train.py")
+ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "SUSPENDED")
+
+
+def unavailable(reason):
+    """Skip, or fail in CI, where the test clusters must run."""
+    if CI:
+        pytest.fail(f"CI must run the cluster tests, but {reason}")
+    pytest.skip(reason)
+
+
+def require_cluster_tests():
+    """Skip unless the cluster tests may start daemons and namespaces on this host (CI, or opted in)."""
+    if not CI and os.environ.get("HPCDDP_SLURM_TESTS") != "1":
+        pytest.skip("set HPCDDP_SLURM_TESTS=1 to start test clusters on this host (root, Debian; installs Slurm)")
+    if os.geteuid() != 0:
+        unavailable(f"the test clusters must be started as root, this is uid {os.geteuid()}")
+
+
+def start(script, *args, timeout=600):
+    """Run a cluster start script; skip (fail in CI) with its output if it fails."""
+    try:
+        result = subprocess.run(["bash", script, *args], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        unavailable(f"{os.path.basename(script)} did not finish in {err.timeout} s")
+    if result.returncode != 0:
+        name = os.path.basename(script)
+        unavailable(f"{name} failed (exit {result.returncode}):\n{(result.stdout + result.stderr)[-3000:]}")
+
+
+def slurm_environment(extra=None):
+    """The environment for srun/sbatch: the test's Python on every rank, pip's Open MPI under srun."""
+    env = {**os.environ, "PYTHON": sys.executable, "PMIX_MCA_psec": "native", "OPAL_PREFIX": sys.prefix}
+    return {**env, **(extra or {})}
+
+
+def scontrol_job(job_id, env=None):
+    """Return scontrol's fields of a job as a dict, or {} once Slurm has forgotten it."""
+    result = subprocess.run(
+        ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30, env=env
+    )
+    if result.returncode != 0:
+        return {}
+    return dict(field.split("=", 1) for field in result.stdout.split() if "=" in field)
+
+
+def submit(env, tmp_path, launcher, *train_args, wait=True, timeout=300, sbatch_args=(), name=None):
+    """sbatch slurm/train.sh examples/train.py ...; return (job id, return code or None, output path)."""
+    output = tmp_path / f"{name or launcher}.out"
+    command = ["sbatch", "--parsable", f"--output={output}", f"--export=ALL,LAUNCHER={launcher}", *sbatch_args]
+    command += ["--wait"] if wait else []
+    command += [TRAIN_SH, TRAIN_PY, "--quiet", *train_args]
+    env = {**env, "HPCDDP_CHECKPOINT_DIR": str(tmp_path / "checkpoints")}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        job = out.strip().split(";")[0]
+        if job:
+            subprocess.run(["scancel", job], timeout=30, env=env)
+        pytest.fail(f"sbatch --wait did not return in {timeout} s (job {job or '?'} cancelled): {err[-2000:]}")
+    job = out.strip().split(";")[0]
+    assert job.isdigit(), f"sbatch printed {out!r}, stderr {err[-2000:]}"
+    return job, proc.returncode, output
+
+
+def preempt_and_wait(env, tmp_path, job, output, first_checkpoint="checkpoint-000004.pt"):
+    """Send the job's batch shell USR1 once it checkpointed, and follow it through requeue to its end.
+
+    Returns (the job's last scontrol fields, the (state, restarts) pairs seen, its log).
+    """
+    states, last = [], {}
+    try:
+        first = tmp_path / "checkpoints" / first_checkpoint
+        deadline = time.monotonic() + 180
+        while not first.exists():
+            assert time.monotonic() < deadline, f"job {job} wrote no checkpoint in 180 s: {scontrol_job(job, env)}"
+            assert scontrol_job(job, env).get("JobState") in ACTIVE, scontrol_job(job, env)
+            time.sleep(0.2)
+        # What sbatch --signal=B:USR1@90 does before the time limit: signal the batch shell,
+        # which is the launcher (train.sh execs it); srun and mpirun forward it to the ranks.
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True, timeout=30, env=env)
+        deadline = time.monotonic() + 240
+        while info := scontrol_job(job, env):  # Slurm forgets a finished job after MinJobAge (5 s)
+            states.append((info.get("JobState"), info.get("Restarts")))
+            last = info
+            if info.get("JobState") not in ACTIVE:
+                break
+            assert time.monotonic() < deadline, f"job {job} did not finish in 240 s: {info}"
+            time.sleep(0.3)
+    finally:
+        subprocess.run(["scancel", job], timeout=30, env=env)
+    return last, states, output.read_text()
+
+
+def assert_resumed_to_the_same_parameters(last, states, log, expected, final_path, num_steps, world_size):
+    """The job was requeued once, resumed from the step it stopped at, and ended where an uninterrupted run ends."""
+    assert last.get("JobState") == "COMPLETED" and last.get("ExitCode") == "0:0", f"{last}\n{log[-5000:]}"
+    assert int(last.get("Restarts", 0)) >= 1 and ("PENDING", "1") in states, (states, log[-5000:])
+    stopped = re.search(r"^stopped at step (\d+), job requeued$", log, flags=re.M)
+    assert stopped, log[-5000:]
+    step = int(stopped.group(1))
+    assert 4 <= step < num_steps
+    assert re.search(rf"^rank 0/{world_size} on \S+, backend \w+, restart 1$", log, flags=re.M), log[-5000:]
+    assert re.search(rf"^resumed from step {step} \(", log, flags=re.M), log[-5000:]
+    assert "done: test accuracy" in log
+    got = torch.load(final_path)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), f"{name} differs after the requeue at step {step}"
+    return step

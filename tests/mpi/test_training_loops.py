@@ -1,0 +1,188 @@
+"""Training loops as users write them (AMP with GradScaler, reentrant checkpointing, fine-tuning,
+a NaN loss): hpcddp (mpi backend) ends where torch DDP (gloo) ends, and every rank agrees."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
+
+import hpcddp
+
+from .test_ddp_equivalence import SEVERAL_BUCKETS, assert_same, batches, make_model
+
+STEPS = 8
+
+
+def assert_ranks_agree(model):
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    for other in hpcddp.allgather_object(flat):
+        assert torch.equal(other, flat)
+
+
+# ---- fp16 autocast + GradScaler, an inf on one rank at one step ---------------------------------
+
+BAD_STEP = 3
+
+
+def train_amp(model, optimizer, data):
+    """The loop of the torch.amp docs, with clipping; returns the loss scale after every step."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scales = []
+    for step, (x, y) in enumerate(data):
+        if step == BAD_STEP and hpcddp.rank() == hpcddp.size() - 1:
+            x = x.clone()
+            x[0, 0] = float("inf")  # one rank's gradient overflows
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def amp_model():
+    # 1 MiB of gradients: the reduction takes long enough that unscale_ would read
+    # it half done if backward returned before it completed.
+    torch.manual_seed(11)
+    return torch.nn.Sequential(
+        torch.nn.Linear(12, 512), torch.nn.Tanh(), torch.nn.Linear(512, 512), torch.nn.Tanh(), torch.nn.Linear(512, 4)
+    )
+
+
+def test_amp_grad_scaler_skips_the_overflowing_step_on_every_rank_as_ddp(gloo):
+    data = batches(STEPS)
+    reference = amp_model()
+    ddp = DDP(reference)
+    ddp_scales = train_amp(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9), data)
+    model = amp_model()
+    optimizer = hpcddp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model.named_parameters()
+    )
+    scales = train_amp(model, optimizer, data)
+    optimizer.close()
+    # The overflow halves the scale once, on every rank; the other steps train.
+    assert scales == ddp_scales
+    assert scales[BAD_STEP] == scales[BAD_STEP - 1] / 2 and scales[0] == scales[-1] * 2
+    assert all(bool(p.isfinite().all()) for p in model.parameters())
+    assert_same(reference, model)
+    assert_ranks_agree(model)
+
+
+# ---- a weight used outside and inside a reentrant checkpoint -------------------------------------
+
+
+class SharedWeight(torch.nn.Module):
+    """``mid`` runs once plainly and once inside torch.utils.checkpoint(use_reentrant=True)."""
+
+    def __init__(self, checkpoint_last):
+        super().__init__()
+        torch.manual_seed(5)
+        self.inp = torch.nn.Linear(12, 32)
+        self.mid = torch.nn.Linear(32, 32)
+        self.out = torch.nn.Linear(32, 4)
+        self.checkpoint_last = checkpoint_last
+
+    def forward(self, x):
+        h = self.mid(torch.tanh(self.inp(x)))
+        if self.checkpoint_last:  # the checkpoint's backward runs first and opens the pass
+            return checkpoint(lambda t: self.out(torch.tanh(self.mid(t))), h, use_reentrant=True)
+        h = checkpoint(lambda t: torch.tanh(self.mid(t)), h, use_reentrant=True)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("checkpoint_last", [False, True], ids=["checkpoint-inside", "checkpoint-last"])
+def test_weight_inside_and_outside_a_reentrant_checkpoint_matches_ddp_static_graph(gloo, checkpoint_last):
+    data = batches(STEPS)
+    reference = SharedWeight(checkpoint_last)
+    # DDP reduces a parameter accumulated twice in one pass only with static_graph=True.
+    ddp = DDP(reference, static_graph=True)
+    ddp_optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    model = SharedWeight(checkpoint_last)
+    optimizer = hpcddp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model.named_parameters(), **SEVERAL_BUCKETS
+    )
+    for net, opt in ((ddp, ddp_optimizer), (model, optimizer)):
+        for x, y in data:
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+    optimizer.close()
+    assert len(optimizer.buckets) >= 2
+    assert_same(reference, model)
+    assert_ranks_agree(model)
+
+
+def test_more_accumulations_than_learned_is_an_error_not_a_wrong_gradient():
+    model = SharedWeight(checkpoint_last=False)
+    optimizer = hpcddp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(), **SEVERAL_BUCKETS
+    )
+    # mid's bucket is sent before the first layer's gradient is in.
+    assert any(p is model.mid.weight for p in optimizer.buckets[0].params)
+    x, y = batches(1)[0]
+    F.cross_entropy(model.out(torch.tanh(model.mid(torch.tanh(model.inp(x))))), y).backward()  # mid once
+    optimizer.step()
+    optimizer.zero_grad()
+    with pytest.raises(RuntimeError, match=r"'mid\.(weight|bias)' received gradient #2 .* use_reentrant=False"):
+        F.cross_entropy(model(x), y).backward()  # mid twice, after its bucket was sent
+    optimizer.close()
+
+
+# ---- fine-tuning: a frozen layer is unfrozen after wrapping -------------------------------------
+
+
+def test_layer_unfrozen_after_wrapping_is_averaged_as_ddp_rebuilt_after_unfreezing(gloo):
+    data = batches(STEPS)
+    unfreeze_at = 3
+    reference = make_model()
+    reference.inp.requires_grad_(False)
+    ddp_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    model = make_model()
+    model.inp.requires_grad_(False)
+    optimizer = hpcddp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model.named_parameters(), **SEVERAL_BUCKETS
+    )
+    ddp = DDP(reference, find_unused_parameters=True)
+    for step, (x, y) in enumerate(data):
+        if step == unfreeze_at:
+            # DDP reduces only what required grad when it was built: it must be built again.
+            reference.inp.requires_grad_(True)
+            model.inp.requires_grad_(True)
+            ddp = DDP(reference, find_unused_parameters=True)
+        for net, opt in ((ddp, ddp_optimizer), (model, optimizer)):
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+    optimizer.close()
+    assert "inp.weight" in optimizer.parameter_names
+    assert_same(reference, model)
+    assert_ranks_agree(model)
+
+
+# ---- a NaN loss on one rank ---------------------------------------------------------------------
+
+
+def test_nan_loss_on_one_rank_is_reported_naming_that_rank(caplog):
+    model = make_model()
+    optimizer = hpcddp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters())
+    bad_rank = hpcddp.size() - 1
+    with caplog.at_level(logging.WARNING, logger="hpcddp"):
+        for step, (x, y) in enumerate(batches(3)):
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            if step == 1 and hpcddp.rank() == bad_rank:
+                loss = loss * float("nan")
+            loss.backward()
+            optimizer.step()
+    optimizer.close()
+    warnings = [r.getMessage() for r in caplog.records if "was inf or NaN" in r.getMessage()]
+    # Once, when it starts (every later step is NaN everywhere as a consequence), on every rank.
+    assert len(warnings) == 1, warnings
+    assert f"the local gradient of rank {bad_rank} was inf or NaN in reduction 1" in warnings[0]

@@ -1,0 +1,35 @@
+"""A gloo job that leaves torch.distributed itself (dist.destroy_process_group()) still exits cleanly."""
+
+import sys
+import textwrap
+
+from hpcddp.testing import run_mpi
+
+from .conftest import ROOT
+
+SCRIPT = """
+    import torch, torch.nn.functional as F, torch.distributed as dist
+    import hpcddp
+
+    hpcddp.init(backend="gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(6)])
+    optimizer = hpcddp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(), bucket_cap_mb=0.05, first_bucket_mb=0.02
+    )
+    for _ in range(50):
+        optimizer.zero_grad()
+        F.mse_loss(model(torch.randn(8, 128)), torch.zeros(8, 128)).backward()
+        optimizer.step()
+        hpcddp.allreduce(torch.ones(1))
+    dist.destroy_process_group()  # the script's own cleanup; hpcddp's exit hook must cope
+    print("finished", hpcddp.rank(), len(optimizer.buckets), flush=True)
+"""
+
+
+def test_script_destroying_the_process_group_itself_exits_with_0(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    result = run_mpi(2, [sys.executable, str(script)], timeout=180, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-5000:]
+    assert "finished 0" in result.stdout and "finished 1" in result.stdout
