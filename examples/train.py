@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -135,7 +136,9 @@ def evaluate(model: torch.nn.Module, data: TensorDataset) -> tuple[float, float]
 
 
 def progress(iterable, enabled: bool, **kwargs):
-    if not enabled:
+    # Bars redrawn with carriage returns garble Slurm's log files: only on a terminal.
+    # The per-epoch line is printed either way.
+    if not enabled or not (sys.stdout.isatty() and sys.stderr.isatty()):
         return iterable
     try:
         from tqdm import tqdm

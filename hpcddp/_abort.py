@@ -12,7 +12,7 @@ import sys
 import threading
 import traceback
 
-__all__ = ["abort_job", "install_exception_hooks", "mark_configuration_error"]
+__all__ = ["abort_job", "install_exception_hooks", "launcher_rank", "mark_configuration_error"]
 
 #: seconds MPI_Abort may take before this process ends itself
 ABORT_GRACE_S = 10
@@ -22,6 +22,12 @@ _config_hook_installed = False
 # Set by the launchers before Python starts: the rank, for messages printed before
 # hpcddp knows it.
 _RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID", "RANK")
+
+
+def launcher_rank() -> int | None:
+    """This process's rank as its launcher announced it, or None when no launcher did."""
+    raw = next((os.environ[name] for name in _RANK_VARIABLES if os.environ.get(name)), None)
+    return int(raw) if raw is not None and raw.isdigit() else None
 
 
 def mark_configuration_error(error: BaseException) -> None:
@@ -41,7 +47,7 @@ def mark_configuration_error(error: BaseException) -> None:
         if not getattr(exc, "__hpcddp_configuration__", False):
             previous_hook(exc_type, exc, tb)
             return
-        rank = next((os.environ[name] for name in _RANK_VARIABLES if os.environ.get(name)), None)
+        rank = launcher_rank()
         where = f"[hpcddp rank {rank}]" if rank is not None else "[hpcddp]"
         sys.stderr.write(f"{where} error: {exc}\n")
         sys.stderr.flush()

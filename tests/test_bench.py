@@ -115,7 +115,11 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
     result = CliRunner().invoke(main, ["bench", "allreduce", "--plot", "out.png"])
     assert result.exit_code == 2
-    assert "pip install matplotlib" in result.output
+    assert "pip install 'hpcddp[plot]'" in result.output
+    # Under mpirun only rank 0 says it: the other ranks exit with the same status, silently.
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
+    result = CliRunner().invoke(main, ["bench", "allreduce", "--plot", "out.png"])
+    assert result.exit_code == 2 and result.output == ""
 
 
 def test_allreduce_sweep_in_a_world_of_one_writes_json(world_of_one, tmp_path):

@@ -96,12 +96,12 @@ def _runner(path: str, count: int, shared: torch.Tensor) -> tuple[Callable[[], N
 
 
 def path_label(path: str) -> str:
-    """Return the column name of ``path``: torch's names its backend (``gloo``, ``nccl``)."""
+    """Return the column name of ``path``: torch's names its backend, ``torch (gloo)``."""
     if path != "torch":
         return path
     from ._torchdist import ensure_process_group
 
-    return ensure_process_group().get_backend()
+    return f"torch ({ensure_process_group().get_backend()})"
 
 
 def _prepare(path: str, size: int, warmup: int, shared: torch.Tensor) -> Callable[[], None]:

@@ -26,7 +26,7 @@ def plot_busbw(results: Sequence[AllreduceResult], path: str, title: str = "") -
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as err:
-        raise ImportError("--plot needs matplotlib: pip install matplotlib") from err
+        raise ImportError("--plot needs matplotlib: pip install 'hpcddp[plot]' (or pip install matplotlib)") from err
     # busbw is 0 in a world of one (nothing crosses a link): show algbw there.
     metric = "busbw" if any(r.busbw > 0 for r in results) else "algbw"
     figure, axes = plt.subplots(figsize=(7, 4.5))

@@ -32,6 +32,24 @@ def _size(ctx, param, value):
         raise click.BadParameter(str(err), ctx=ctx, param=param) from None
 
 
+def _launcher_rank() -> int:
+    """This process's rank as the launcher set it, before hpcddp.init() (0 when alone)."""
+    from .._abort import launcher_rank
+
+    return launcher_rank() or 0
+
+
+def _fail_once(message: str) -> None:
+    """Raise a usage error on the launcher's rank 0 only; the other ranks exit quietly with the
+    same status, so ``mpirun -np 8`` prints the fix once instead of eight times."""
+    if _launcher_rank() == 0:
+        raise click.UsageError(message)
+    raise SystemExit(2)
+
+
+PLOT_HINT = "--plot needs matplotlib: pip install 'hpcddp[plot]' (or pip install matplotlib)"
+
+
 def _echo(line: str = "") -> None:
     import hpcddp
 
@@ -83,7 +101,7 @@ def _write_json(path: str, payload: dict) -> None:
     "--plot",
     "plot_path",
     type=click.Path(dir_okay=False, writable=True),
-    help="Write a PNG of busbw against size here (needs matplotlib).",
+    help="Write a PNG of busbw against size here (needs the plot extra: pip install 'hpcddp[plot]').",
 )
 def allreduce(min_size, max_size, iters, warmup, paths, json_path, plot_path) -> None:
     """Sweep float32 sum-allreduce over message sizes; print time, algbw and busbw (nccl-tests' definitions)."""
@@ -100,7 +118,7 @@ def allreduce(min_size, max_size, iters, warmup, paths, json_path, plot_path) ->
     if unknown or not requested:
         raise click.BadParameter(f"--paths must list names among {', '.join(PATHS)}, got {paths!r}")
     if plot_path and importlib.util.find_spec("matplotlib") is None:
-        raise click.UsageError("--plot needs matplotlib: pip install matplotlib")
+        _fail_once(PLOT_HINT)
 
     import hpcddp
 
@@ -118,7 +136,8 @@ def allreduce(min_size, max_size, iters, warmup, paths, json_path, plot_path) ->
         f" | {label + ' us':>13} {'algbw':>7} {'busbw':>7}" for label in labels
     )
     if "hpcddp" in labels and "mpi4py" in labels:
-        header += " | hpcddp/mpi4py"
+        _echo("# busbw ratio: hpcddp's bus bandwidth over mpi4py's (above 1: hpcddp moves more bytes per second)")
+        header += " | busbw ratio hpcddp/mpi4py"
     _echo(header)
     results = []
     for size in sizes:
@@ -130,7 +149,7 @@ def allreduce(min_size, max_size, iters, warmup, paths, json_path, plot_path) ->
         by_path = {r.path: r for r in row}
         if "hpcddp" in by_path and "mpi4py" in by_path:
             # busbw ratio, as a time ratio: busbw is 0 in a world of one.
-            line += f" | {by_path['mpi4py'].time_us / by_path['hpcddp'].time_us:>13.2f}"
+            line += f" | {by_path['mpi4py'].time_us / by_path['hpcddp'].time_us:>26.2f}"
         _echo(line)
     if json_path:
         payload = {
