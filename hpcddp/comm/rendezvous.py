@@ -89,7 +89,10 @@ def connect_store(
     store, error = None, None
     if rank == 0:
         try:
-            store = dist.TCPStore(address, port, world_size, True, timeout=timeout, wait_for_workers=False)
+            # The server listens on every interface; rank 0's own client goes through
+            # loopback, because torch retries a MASTER_ADDR that is not rank 0's for the
+            # whole timeout before the other ranks could report it in seconds.
+            store = dist.TCPStore("127.0.0.1", port, world_size, True, timeout=timeout, wait_for_workers=False)
         except RuntimeError as err:
             error = (
                 f"rank 0 ({socket.gethostname()}) cannot serve the rendezvous on port {port} "
