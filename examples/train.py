@@ -54,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="parameter and data precision; float64 makes runs on different rank counts agree to rounding",
     )
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout before the last layer (draws per rank)")
+    parser.add_argument(
+        "--compression", choices=("none", "fp16", "bf16"), default="none", help="gradients' dtype on the wire"
+    )
     parser.add_argument("--json", metavar="PATH", help="write final metrics here (rank 0)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -272,7 +275,9 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed + 1 + rank)
     hpcddp.broadcast_parameters(model.state_dict(), root_rank=0)
     optimizer = hpcddp.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), model.named_parameters()
+        torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
+        model.named_parameters(),
+        compression=None if args.compression == "none" else args.compression,
     )
     log.info(
         "training on %d rank(s), backend %s, device %s, global batch %d",

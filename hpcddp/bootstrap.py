@@ -62,6 +62,7 @@ def init(
     stall_abort_after: float | None = None,
     stall_action: str | None = None,
     dist_timeout: float | None = None,
+    hierarchical_allreduce: bool | None = None,
     timeline: str | os.PathLike | None = None,
 ) -> None:
     """Join the job: find this rank, pick its device and backend, set its CPU threads.
@@ -89,6 +90,10 @@ def init(
             above; "warn" only reports.
         dist_timeout: torch.distributed's timeout for gloo/nccl collectives.
             Default HPCDDP_DIST_TIMEOUT, else 1800.
+        hierarchical_allreduce: on backend mpi, reduce inside each node, allreduce
+            among one leader per node, broadcast inside the node: True, False, or
+            None (default, or HPCDDP_HIERARCHICAL_ALLREDUCE) for on when the job spans
+            nodes and a node holds several ranks.
         timeline: write a Chrome-trace timeline (forward, backward, step, every
             bucket's reduction) to this path at shutdown. Default HPCDDP_TIMELINE.
 
@@ -106,6 +111,7 @@ def init(
         "stall_abort_after": stall_abort_after,
         "stall_action": stall_action,
         "dist_timeout": dist_timeout,
+        "hierarchical_allreduce": hierarchical_allreduce,
         "timeline": timeline,
     }
     try:
@@ -222,12 +228,12 @@ def _create_communicator(name: str, environment, layout: RankLayout, device, con
     if name == "mpi":
         from .comm.mpi import MPICommunicator
 
-        stall = _stall_settings(config)
+        options = {**_stall_settings(config), "hierarchical": config.hierarchical_allreduce}
         if environment.mpi_comm is None:  # a single process that asked for MPI
             from ._mpi import import_mpi
 
-            return MPICommunicator(import_mpi().COMM_WORLD, **stall)
-        return MPICommunicator(environment.mpi_comm, **stall)
+            return MPICommunicator(import_mpi().COMM_WORLD, **options)
+        return MPICommunicator(environment.mpi_comm, **options)
     import torch.distributed as dist
 
     from .comm.rendezvous import join_process_group

@@ -49,6 +49,11 @@ class InitConfig:
     a collective that waits longer fails with the collective's name and this knob.
     Environment: HPCDDP_DIST_TIMEOUT."""
 
+    hierarchical_allreduce: bool | None = None
+    """Reduce inside each node, then among one leader per node, then broadcast inside
+    the node (backend mpi). None (default): on when the job spans nodes and a node holds
+    several ranks. Environment: HPCDDP_HIERARCHICAL_ALLREDUCE (1, 0 or auto)."""
+
     timeline: str | None = None
     """Write a Chrome-trace timeline of forward, backward, step and every bucket's
     reduction to this path (rank 0, at shutdown). Environment: HPCDDP_TIMELINE."""
@@ -72,5 +77,9 @@ class InitConfig:
             raise ValueError(f"interface must be a network interface name such as 'eth0', got {self.interface!r}")
         if self.timeline is not None and (not isinstance(self.timeline, (str, os.PathLike)) or not str(self.timeline)):
             raise ValueError(f"timeline must be a file path, got {self.timeline!r}")
+        if self.hierarchical_allreduce not in (None, True, False):
+            raise ValueError(
+                f"hierarchical_allreduce must be True, False or None (automatic), got {self.hierarchical_allreduce!r}"
+            )
         if self.stall_action not in STALL_ACTIONS:
             raise ValueError(f"stall_action must be 'abort' or 'warn', got {self.stall_action!r}")

@@ -1,4 +1,5 @@
-"""Time training steps: local compute, torch DDP, Horovod (when importable) and hpcddp."""
+"""Time training steps: local compute, torch DDP, Horovod (when importable), hpcddp, hpcddp
+with fp16 gradients, and local SGD (parameters averaged every ``LOCAL_SGD_PERIOD`` steps)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ from .models import Workload
 __all__ = ["VARIANTS", "TrainResult", "bench_train", "horovod_available"]
 
 #: every variant, in the order each round runs them
-VARIANTS = ("local", "ddp", "horovod", "hpcddp")
+VARIANTS = ("local", "ddp", "horovod", "hpcddp", "hpcddp-fp16", "local-sgd")
+
+#: steps between parameter averages of the local-sgd variant
+LOCAL_SGD_PERIOD = 4
 
 
 @dataclass
@@ -70,8 +74,15 @@ def _make_step(variant: str, workload: Workload, hpcddp_options: dict) -> tuple[
         optimizer = hvd.DistributedOptimizer(_optimizer(model), named_parameters=model.named_parameters())
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         runner = model
-    elif variant == "hpcddp":
-        optimizer = hpcddp.DistributedOptimizer(_optimizer(model), model.named_parameters(), **hpcddp_options)
+    elif variant in ("hpcddp", "hpcddp-fp16"):
+        options = {**hpcddp_options, "compression": "fp16"} if variant == "hpcddp-fp16" else hpcddp_options
+        optimizer = hpcddp.DistributedOptimizer(_optimizer(model), model.named_parameters(), **options)
+        runner = model
+    elif variant == "local-sgd":
+        from ..averaging import PeriodicModelAverager
+
+        hpcddp.broadcast_parameters(model.state_dict(), root_rank=0)
+        optimizer = _AveragingOptimizer(_optimizer(model), model, PeriodicModelAverager(LOCAL_SGD_PERIOD))
         runner = model
     else:
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
@@ -86,6 +97,20 @@ def _make_step(variant: str, workload: Workload, hpcddp_options: dict) -> tuple[
             torch.cuda.synchronize()
 
     return step, optimizer
+
+
+class _AveragingOptimizer:
+    """A local optimizer whose ``step`` also averages the parameters every ``period`` steps."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, averager) -> None:
+        self.optimizer, self.parameters, self.averager = optimizer, list(model.parameters()), averager
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.averager.average_parameters(self.parameters)
 
 
 def _time_run(step: Callable[[], None], steps: int, warmup: int) -> float:
@@ -169,5 +194,7 @@ def bench_train(
             result.vs_ddp = result.step_ms / by_name["ddp"].step_ms
     if "hpcddp" in built:
         by_name["hpcddp"].timeline = _timeline(built["hpcddp"][1])
-        built["hpcddp"][1].close()
+    for variant in ("hpcddp", "hpcddp-fp16"):
+        if variant in built:
+            built[variant][1].close()
     return results

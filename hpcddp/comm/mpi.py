@@ -14,6 +14,7 @@ import torch
 from .._mpi import import_mpi
 from ..stall import CollectiveLog, StallInspector
 from .base import Communicator, Handle, ReduceOp
+from .hierarchy import HIERARCHY_MIN_BYTES, hierarchy_for
 
 __all__ = ["MPICommunicator"]
 
@@ -137,12 +138,21 @@ class MPICommunicator(Communicator):
             reports the missing ranks (see ``hpcddp.stall``); 0 turns it off.
         stall_action: "abort" or "warn" (see ``hpcddp.stall.StallInspector``).
         stall_abort_after: seconds a stall may last before the job ends; 0 never.
+        hierarchical: allreduce in two levels (inside nodes, then among one leader
+            per node; see ``hpcddp.comm.hierarchy``): True, False, or None for when
+            the job spans nodes.
     """
 
     name = "mpi"
 
     def __init__(
-        self, comm=None, *, stall_timeout: float = 0, stall_action: str = "abort", stall_abort_after: float = 0
+        self,
+        comm=None,
+        *,
+        stall_timeout: float = 0,
+        stall_action: str = "abort",
+        stall_abort_after: float = 0,
+        hierarchical: bool | None = None,
     ) -> None:
         MPI = import_mpi()
         self._MPI = MPI
@@ -156,6 +166,7 @@ class MPICommunicator(Communicator):
             ReduceOp.MIN: MPI.MIN,
             ReduceOp.MAX: MPI.MAX,
         }
+        self._hierarchy = hierarchy_for(self._comm, MPI, hierarchical)
         self._queue = _WorkQueue()
         self._submit_lock = threading.Lock()
         self.collectives = CollectiveLog()
@@ -217,6 +228,8 @@ class MPICommunicator(Communicator):
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+            if self._hierarchy is not None:
+                self._hierarchy.free()
             self._comm.Free()
 
     # -- collectives ----------------------------------------------------------------
@@ -253,7 +266,7 @@ class MPICommunicator(Communicator):
                 desc = self._queue.claim() and self.collectives.submit("allreduce", tensor.shape, name, start=True)
             if desc:
                 try:
-                    self._comm.Allreduce(self._MPI.IN_PLACE, tensor.numpy(), op=self._plain_ops[op])
+                    self._reduce_in_place(tensor.numpy(), self._plain_ops[op], tensor.nbytes)
                 except BaseException as err:
                     raise _explain_failure(err, desc) from None
                 finally:
@@ -274,17 +287,22 @@ class MPICommunicator(Communicator):
         else:
             buffer = staged.numpy()
         mpi_op = self._mpi_op(dtype, op)
-        comm = self._comm
 
         def work():
             if self.size > 1:
-                comm.Allreduce(self._MPI.IN_PLACE, buffer, op=mpi_op)
+                self._reduce_in_place(buffer, mpi_op, staged.nbytes)
             return staged
 
         handle = self._submit(work, "allreduce", tensor, wake)
         if op is ReduceOp.AVERAGE:
             handle.then(lambda out: out.div_(self.size))
         return handle.then(lambda out: out if out is tensor else tensor.copy_(out))
+
+    def _reduce_in_place(self, buffer, mpi_op, nbytes: int) -> None:
+        if self._hierarchy is not None and nbytes >= HIERARCHY_MIN_BYTES:
+            self._hierarchy.allreduce(buffer, mpi_op)
+        else:
+            self._comm.Allreduce(self._MPI.IN_PLACE, buffer, op=mpi_op)
 
     def broadcast_async_(self, tensor: torch.Tensor, root: int) -> Handle:
         staged = tensor if tensor.device.type == "cpu" and tensor.is_contiguous() else tensor.cpu().contiguous()

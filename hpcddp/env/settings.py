@@ -41,7 +41,8 @@ def read_settings(environ: Mapping[str, str]) -> dict[str, Any]:
     HPCDDP_BACKEND sets ``backend``, HPCDDP_IFACE ``interface``, HPCDDP_STALL_TIMEOUT
     ``stall_timeout`` (seconds), HPCDDP_STALL_ABORT_AFTER ``stall_abort_after``
     (seconds), HPCDDP_STALL_ACTION ``stall_action``, HPCDDP_DIST_TIMEOUT
-    ``dist_timeout`` (seconds), HPCDDP_TIMELINE ``timeline`` (a path); an explicit
+    ``dist_timeout`` (seconds), HPCDDP_HIERARCHICAL_ALLREDUCE ``hierarchical_allreduce``
+    (1, 0, auto), HPCDDP_TIMELINE ``timeline`` (a path); an explicit
     ``init()`` argument wins over any of them.
 
     Args:
@@ -70,6 +71,14 @@ def read_settings(environ: Mapping[str, str]) -> dict[str, Any]:
         if action not in ("abort", "warn"):
             raise ValueError(f"environment variable HPCDDP_STALL_ACTION must be 'abort' or 'warn', got {action!r}")
         settings["stall_action"] = action
+    hierarchical = environ.get("HPCDDP_HIERARCHICAL_ALLREDUCE", "").strip().lower()
+    if hierarchical:
+        choices = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False, "auto": None}
+        if hierarchical not in choices:
+            raise ValueError(
+                f"environment variable HPCDDP_HIERARCHICAL_ALLREDUCE must be 1, 0 or auto, got {hierarchical!r}"
+            )
+        settings["hierarchical_allreduce"] = choices[hierarchical]
     timeline = environ.get("HPCDDP_TIMELINE", "").strip()
     if timeline:
         settings["timeline"] = timeline

@@ -7,6 +7,9 @@
 #   virtual_cluster.sh exec NODE COMMAND...  run a command on a node (vnode_exec.sh)
 #   virtual_cluster.sh link NODE up|down     connect or cut off a node (a node failure)
 #   virtual_cluster.sh crash NODE            kill every process on a node but its slurmd (a crash)
+#   virtual_cluster.sh run [--nodes N] [--rate RATE] COMMAND...
+#                                            run COMMAND on every slot of the nodes with `hpcddp run`
+#                                            (starts the cluster if needed; e.g. `hpcddp bench train`)
 #   virtual_cluster.sh status
 #   virtual_cluster.sh down                  stop everything and remove every trace
 #
@@ -65,7 +68,7 @@ die() {
 }
 
 usage() {
-    sed -n '2,10p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 
@@ -128,6 +131,8 @@ write_env() {
         echo "export PRTE_MCA_plm_ssh_agent=$HERE/vnode_exec.sh"
         # mpirun and its daemons talk over the bridge only.
         echo "export PRTE_MCA_oob_tcp_if_include=$VCLUSTER_SUBNET.0/24"
+        # The nodes share this host's cores, which no node can see: waiting ranks must yield.
+        echo "export OMPI_MCA_mpi_yield_when_idle=1"
         if [[ -s $VC_SLURM_CONF ]]; then
             echo "export SLURM_CONF=$VC_SLURM_CONF"
         fi
@@ -318,6 +323,33 @@ stop_everything() {
     rm -rf -- "${VCLUSTER_STATE:?}" /tmp/hpcddp-vcluster
 }
 
+# Benchmarks across the nodes: `run --rate 1gbit hpcddp bench train` is one command anyone can rerun.
+cmd_run() {
+    local up_args=() rate=""
+    while (($#)); do
+        case $1 in
+            --nodes) up_args+=(--nodes "$2") && shift 2 ;;
+            --rate) rate=$2 && shift 2 ;;
+            *) break ;;
+        esac
+    done
+    (($#)) || usage
+    (
+        exec 9>/run/lock/hpcddp-vcluster.lock
+        flock 9
+        cmd_up "${up_args[@]}"
+        cmd_rate "${rate:-none}"
+    )
+    local ranks
+    ranks=$(awk -F'slots=' '{ n += $2 } END { print n }' "$VCLUSTER_STATE/hostfile")
+    set -a
+    # shellcheck source=/dev/null
+    source "$VCLUSTER_STATE/env"
+    set +a
+    log "running on $ranks ranks of $(node_names | paste -sd' ' -), link rate ${rate:-unlimited}: $*"
+    exec hpcddp run -np "$ranks" --hostfile "$VCLUSTER_STATE/hostfile" "$@"
+}
+
 cmd_status() {
     if ! cluster_alive; then
         echo "virtual cluster: down"
@@ -353,6 +385,7 @@ main() {
         crash) cmd_crash "$@" ;;
         env) cat "$VCLUSTER_STATE/env" 2>/dev/null || die "the virtual cluster is not up" ;;
         exec) exec "$HERE/vnode_exec.sh" "$@" ;;
+        run) cmd_run "$@" ;;
         status) cmd_status ;;
         *) usage ;;
     esac

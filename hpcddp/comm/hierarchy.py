@@ -1,0 +1,107 @@
+"""Two-level allreduce for jobs that span nodes: reduce inside each node over shared
+memory, allreduce between nodes, share the result inside the node.
+
+A flat ring over 2 nodes x 2 ranks sends 1.5x the buffer over each node's link; this
+sends 1x, and the rest moves through shared memory. Where the links between nodes
+are the bottleneck, that is the whole difference (see docs/BENCHMARKS.md, "Across
+nodes").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["HIERARCHY_MIN_BYTES", "NodeHierarchy", "hierarchy_for"]
+
+#: messages below this size take the flat allreduce: three steps cost more latency
+#: than the link time they save
+HIERARCHY_MIN_BYTES = 64 * 1024
+
+
+class NodeHierarchy:
+    """The communicators of a two-level allreduce over ``comm``.
+
+    When every node holds the same number of ranks, each node's ranks reduce-scatter
+    the buffer over shared memory, each rank allreduces its shard with the ranks of
+    the same local rank on the other nodes (as many flows between nodes as ranks
+    per node, each with 1/L of the buffer), and the node allgathers the shards. With
+    uneven nodes, each node reduces to its first rank, those allreduce, and broadcast.
+
+    Nodes are told apart by the processor name MPI reports (the host name), as the
+    launchers place ranks; no name resolution is involved.
+
+    Args:
+        comm: the mpi4py communicator to split (collective over it).
+        MPI: the mpi4py ``MPI`` module.
+        hosts: the node of every rank, in rank order; the processor names by default
+            (tests lay out nodes with it).
+    """
+
+    def __init__(self, comm, MPI, hosts: list[str] | None = None) -> None:
+        rank = comm.Get_rank()
+        hosts = hosts or comm.allgather(MPI.Get_processor_name())
+        nodes = list(dict.fromkeys(hosts))
+        self.num_nodes = len(nodes)
+        self.ranks_per_node = [hosts.count(node) for node in nodes]
+        self._MPI = MPI
+        self.local = comm.Split(nodes.index(hosts[rank]), rank)
+        self.sharded = len(set(self.ranks_per_node)) == 1
+        # Sharded: ranks of one local rank across nodes; else: the first rank of each node.
+        if self.sharded:
+            self.across = comm.Split(self.local.Get_rank(), rank)
+        else:
+            self.across = comm.Split(0 if self.local.Get_rank() == 0 else MPI.UNDEFINED, rank)
+
+    def allreduce(self, buffer: Any, op) -> None:
+        """Reduce ``buffer`` (a numpy array, or ``[array, datatype]``) in place over all ranks."""
+        array, datatype = (
+            buffer if isinstance(buffer, list) else (buffer, self._MPI.Datatype.fromcode(buffer.dtype.char))
+        )
+        if self.sharded:
+            self._sharded(array, datatype, op)
+        else:
+            self._through_leaders(array, datatype, op)
+
+    def _sharded(self, array, datatype, op) -> None:
+        size, me = self.local.Get_size(), self.local.Get_rank()
+        counts = [len(array) // size + (i < len(array) % size) for i in range(size)]
+        displacements = [sum(counts[:i]) for i in range(size)]
+        shard = array[displacements[me] : displacements[me] + counts[me]].copy()
+        self.local.Reduce_scatter([array, datatype], [shard, datatype], counts, op=op)
+        self.across.Allreduce(self._MPI.IN_PLACE, [shard, datatype], op=op)
+        self.local.Allgatherv([shard, datatype], [array, counts, displacements, datatype])
+
+    def _through_leaders(self, array, datatype, op) -> None:
+        MPI = self._MPI
+        if self.local.Get_rank() == 0:
+            self.local.Reduce(MPI.IN_PLACE, [array, datatype], op=op, root=0)
+            self.across.Allreduce(MPI.IN_PLACE, [array, datatype], op=op)
+        else:
+            self.local.Reduce([array, datatype], None, op=op, root=0)
+        self.local.Bcast([array, datatype], root=0)
+
+    def free(self) -> None:
+        """Release the communicators."""
+        self.local.Free()
+        if self.across != self._MPI.COMM_NULL:
+            self.across.Free()
+
+
+def hierarchy_for(comm, MPI, enabled: bool | None) -> NodeHierarchy | None:
+    """Return the two-level scheme for ``comm``, or None where a flat allreduce is used.
+
+    Args:
+        comm: the mpi4py communicator (collective over it).
+        MPI: the mpi4py ``MPI`` module.
+        enabled: True or False forces the choice; None (the default) uses it when the
+            job spans nodes and some node holds more than one rank, where it saves
+            traffic between nodes.
+    """
+    if enabled is False or comm.Get_size() == 1:
+        return None
+    hierarchy = NodeHierarchy(comm, MPI)
+    spans_nodes = hierarchy.num_nodes > 1 and max(hierarchy.ranks_per_node) > 1
+    if enabled or spans_nodes:
+        return hierarchy
+    hierarchy.free()
+    return None
