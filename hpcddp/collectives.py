@@ -68,7 +68,7 @@ def allreduce(tensor: torch.Tensor, op: str | ReduceOp = "average") -> torch.Ten
         tensor: the tensor to reduce.
         op: "average" (default), "sum", "min" or "max".
     """
-    return allreduce_async(tensor, op).wait()
+    return communicator().allreduce(tensor.detach(), _check_op(tensor, op))
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int = 0) -> Handle:

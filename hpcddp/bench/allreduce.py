@@ -66,8 +66,13 @@ def _buffer(count: int, device: torch.device) -> torch.Tensor:
     return torch.zeros(count, dtype=torch.float32, device=device)
 
 
-def _runner(path: str, count: int, shared: torch.Tensor) -> tuple[Callable[[], None], Callable[[], torch.Tensor]]:
-    """Return (one in-place allreduce, a view of the buffer as a tensor) for ``path``.
+def _runner(
+    path: str, count: int, shared: torch.Tensor, out_of_place: bool = False
+) -> tuple[Callable[[], None], Callable[[], torch.Tensor]]:
+    """Return (one allreduce, a view of its result as a tensor) for ``path``.
+
+    In place by default; ``out_of_place`` reduces into a second buffer as MPI's
+    send/receive form does (``hpcddp.allreduce``, ``Allreduce(sendbuf, recvbuf)``).
 
     Paths whose buffer lives on the CPU all reduce ``shared``: two buffers allocated
     one after the other were measured up to 1.5x apart at 4-16 MiB (the first one
@@ -75,11 +80,27 @@ def _runner(path: str, count: int, shared: torch.Tensor) -> tuple[Callable[[], N
     """
     if path == "hpcddp":
         tensor = shared if hpcddp.device().type == "cpu" else _buffer(count, hpcddp.device())
+        if out_of_place:
+            result = [tensor]
+
+            def once():
+                result[0] = hpcddp.allreduce(tensor, op="sum")
+
+            return once, (lambda: result[0])
         return (lambda: hpcddp.allreduce_(tensor, op="sum")), (lambda: tensor)
     if path == "mpi4py":
         MPI = import_mpi()
         comm = _mpi_comm()
         array = shared.numpy()
+        if out_of_place:
+            # A new result each time, as a function that returns one must allocate it.
+            result = [array]
+
+            def reduce_into_new():
+                result[0] = np.empty_like(array)
+                comm.Allreduce(array, result[0], op=MPI.SUM)
+
+            return reduce_into_new, (lambda: torch.from_numpy(result[0]))
         return (lambda: comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)), (lambda: shared)
     from ._torchdist import ensure_process_group
 
@@ -104,18 +125,20 @@ def path_label(path: str) -> str:
     return f"torch ({ensure_process_group().get_backend()})"
 
 
-def _prepare(path: str, size: int, warmup: int, shared: torch.Tensor) -> Callable[[], None]:
-    """Return one in-place allreduce of ``size`` bytes on ``path``, checked and warmed up."""
+def _prepare(path: str, size: int, warmup: int, shared: torch.Tensor, out_of_place: bool) -> Callable[[], None]:
+    """Return one allreduce of ``size`` bytes on ``path``, checked and warmed up."""
     count = size // 4
-    once, view = _runner(path, count, shared)
+    once, view = _runner(path, count, shared, out_of_place)
     # One reduction of ones proves the path sums before we time it; zeros keep
     # the repeated in-place sums finite afterwards.
+    shared.fill_(1.0)
     view().fill_(1.0)
     once()
     got = view()[: min(count, 8)].cpu()
     if not torch.all(got == hpcddp.size()):
         raise RuntimeError(f"{path} allreduce of ones gave {got.tolist()}, expected {hpcddp.size()}")
     view().zero_()
+    shared.zero_()
     for _ in range(warmup):
         once()
     return once
@@ -140,7 +163,7 @@ def _time_interleaved(runners: dict[str, Callable[[], None]], iters: int) -> dic
 
 
 def sweep_allreduce(
-    sizes: Sequence[int], iters: int = 20, warmup: int = 5, paths: Sequence[str] = PATHS
+    sizes: Sequence[int], iters: int = 20, warmup: int = 5, paths: Sequence[str] = PATHS, out_of_place: bool = False
 ) -> list[AllreduceResult]:
     """Time a float32 sum-allreduce at each size on each path; every rank must call this.
 
@@ -151,6 +174,8 @@ def sweep_allreduce(
         iters: timed iterations per size and path (median taken, then the slowest rank's).
         warmup: untimed iterations before them.
         paths: names from ``PATHS``; ones that cannot run here are skipped.
+        out_of_place: reduce into a new buffer (``hpcddp.allreduce``, MPI's send/receive
+            form); torch.distributed has no such form and reduces in place.
     """
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
@@ -163,7 +188,7 @@ def sweep_allreduce(
         if size <= 0 or size % 4:
             raise ValueError(f"sizes must be positive multiples of 4 bytes, got {size}")
         shared = _buffer(size // 4, torch.device("cpu"))
-        runners = {path: _prepare(path, size, warmup, shared) for path in chosen}
+        runners = {path: _prepare(path, size, warmup, shared, out_of_place) for path in chosen}
         hpcddp.barrier()
         medians = _time_interleaved(runners, iters)
         for path in chosen:

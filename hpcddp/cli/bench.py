@@ -96,6 +96,11 @@ def _write_json(path: str, payload: dict) -> None:
     show_default=True,
     help="Comma-separated: hpcddp (hpcddp.allreduce_), mpi4py (raw Allreduce on numpy), torch (torch.distributed: gloo on CPU, nccl on GPU).",
 )
+@click.option(
+    "--out-of-place",
+    is_flag=True,
+    help="Reduce into a second buffer: hpcddp.allreduce and MPI's Allreduce(sendbuf, recvbuf) (torch stays in place).",
+)
 @json_option
 @click.option(
     "--plot",
@@ -103,7 +108,7 @@ def _write_json(path: str, payload: dict) -> None:
     type=click.Path(dir_okay=False, writable=True),
     help="Write a PNG of busbw against size here (needs the plot extra: pip install 'hpcddp[plot]').",
 )
-def allreduce(min_size, max_size, iters, warmup, paths, json_path, plot_path) -> None:
+def allreduce(min_size, max_size, iters, warmup, paths, out_of_place, json_path, plot_path) -> None:
     """Sweep float32 sum-allreduce over message sizes; print time, algbw and busbw (nccl-tests' definitions)."""
     from ..bench.metrics import size_sweep
 
@@ -129,7 +134,8 @@ def allreduce(min_size, max_size, iters, warmup, paths, json_path, plot_path) ->
     chosen = available_paths(requested)
     labels = [path_label(p) for p in chosen]
     _echo(
-        f"# allreduce float32 sum, {hpcddp.size()} ranks, backend {hpcddp.backend()}, {iters} iters after {warmup} warm-up"
+        f"# allreduce float32 sum{' out of place' if out_of_place else ''}, {hpcddp.size()} ranks, "
+        f"backend {hpcddp.backend()}, {iters} iters after {warmup} warm-up"
     )
     _echo("# time: median over iterations, slowest rank; algbw = size/time; busbw = algbw * 2(n-1)/n (GB/s = 1e9 B/s)")
     header = f"{'size':>10} {'count':>10}" + "".join(
@@ -141,7 +147,7 @@ def allreduce(min_size, max_size, iters, warmup, paths, json_path, plot_path) ->
     _echo(header)
     results = []
     for size in sizes:
-        row = sweep_allreduce([size], iters=iters, warmup=warmup, paths=chosen)
+        row = sweep_allreduce([size], iters=iters, warmup=warmup, paths=chosen, out_of_place=out_of_place)
         results += row
         line = f"{size:>10} {size // 4:>10}" + "".join(
             f" | {r.time_us:>13.1f} {r.algbw:>7.3f} {r.busbw:>7.3f}" for r in row
@@ -158,6 +164,7 @@ def allreduce(min_size, max_size, iters, warmup, paths, json_path, plot_path) ->
             "backend": hpcddp.backend(),
             "iters": iters,
             "warmup": warmup,
+            "out_of_place": out_of_place,
             "machine": describe_machine(),
             "results": results_as_dicts(results),
         }

@@ -131,6 +131,10 @@ class Communicator(abc.ABC):
         """Reduce ``tensor`` in place across ranks and return it (blocking)."""
         return self.allreduce_async_(tensor, op).wait()
 
+    def allreduce(self, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        """Return the reduction of ``tensor`` across ranks, leaving it unchanged (blocking)."""
+        return self.allreduce_(tensor.clone(memory_format=torch.contiguous_format), op)
+
     @abc.abstractmethod
     def broadcast_async_(self, tensor: torch.Tensor, root: int) -> Handle:
         """Start copying root's ``tensor`` into every rank's ``tensor``."""

@@ -52,6 +52,18 @@ def test_allreduce_sum_dtypes(dtype):
     torch.testing.assert_close(out.float(), by_hand(lambda t: t.sum(0)))
 
 
+def test_allreduce_out_of_place_keeps_shape_and_input_for_views_and_large_tensors():
+    base = rank_tensor().t()  # a transposed view
+    out = hpcddp.allreduce(base, op="sum")
+    assert out.shape == base.shape
+    torch.testing.assert_close(out, by_hand(lambda t: t.sum(0)).t())
+    torch.testing.assert_close(base, rank_tensor().t())
+    large = torch.arange(300_000, dtype=torch.float64) + hpcddp.rank()
+    expected = sum(torch.arange(300_000, dtype=torch.float64) + r for r in range(hpcddp.size()))
+    torch.testing.assert_close(hpcddp.allreduce(large, op="sum"), expected, rtol=0, atol=0)
+    torch.testing.assert_close(large, torch.arange(300_000, dtype=torch.float64) + hpcddp.rank())
+
+
 def test_allreduce_non_contiguous_in_place():
     base = rank_tensor().t()  # a transposed view
     hpcddp.allreduce_(base, op="sum")
