@@ -15,10 +15,14 @@ import hpcddp
 from .._mpi import import_mpi, mpi_launcher_present
 from .metrics import algbw, busbw, median
 
-__all__ = ["PATHS", "AllreduceResult", "available_paths", "path_label", "results_as_dicts", "sweep_allreduce"]
+__all__ = ["PATHS", "SPANS", "AllreduceResult", "available_paths", "path_label", "results_as_dicts", "sweep_allreduce"]
 
 #: every path the sweep knows, in the order columns are printed
 PATHS = ("hpcddp", "mpi4py", "torch")
+
+#: which ranks reduce together: all of them, each node's ranks among themselves (all
+#: nodes at once), or one rank per node (the links between nodes alone)
+SPANS = ("world", "node", "between-nodes")
 
 
 @dataclass
@@ -54,6 +58,51 @@ def available_paths(requested: Sequence[str] = PATHS) -> list[str]:
     return [p for p in requested if p != "mpi4py" or _mpi_comm() is not None]
 
 
+@dataclass
+class _Group:
+    """The ranks this rank reduces with for one span: their count, and per path the
+    communicator (None on ranks left out of the span)."""
+
+    size: int
+    active: bool
+    mpi: object = None
+    hpcddp: object = None
+    torch: object = None
+
+
+def _span_group(span: str, paths: Sequence[str]) -> _Group:
+    if span == "world":
+        return _Group(hpcddp.size(), True)
+    if span not in SPANS:
+        raise ValueError(f"span must be one of {', '.join(SPANS)}, got {span!r}")
+    nodes = hpcddp.allgather_object(hpcddp.node_rank())
+    locals_ = hpcddp.allgather_object(hpcddp.local_rank())
+    if span == "node":
+        groups = [[r for r, n in enumerate(nodes) if n == node] for node in sorted(set(nodes))]
+    else:
+        groups = [[r for r, lr in enumerate(locals_) if lr == 0]]
+    mine = next((g for g in groups if hpcddp.rank() in g), None)
+    group = _Group(len(mine or groups[0]), mine is not None)
+    comm = _mpi_comm()
+    if comm is not None and ("mpi4py" in paths or "hpcddp" in paths):
+        MPI = import_mpi()
+        color = groups.index(mine) if mine else MPI.UNDEFINED
+        group.mpi = comm.Split(color, hpcddp.rank())
+        if mine and "hpcddp" in paths:
+            from ..comm.mpi import MPICommunicator
+
+            group.hpcddp = MPICommunicator(group.mpi, hierarchical=False)
+    if "torch" in paths:
+        from ._torchdist import ensure_process_group
+
+        dist = ensure_process_group()
+        for ranks in groups:  # every rank takes part in making every group
+            made = dist.new_group(ranks)
+            if hpcddp.rank() in ranks:
+                group.torch = made
+    return group
+
+
 def _buffer(count: int, device: torch.device) -> torch.Tensor:
     """Return zeros allocated alike for every path, so only the communication path differs.
 
@@ -67,7 +116,7 @@ def _buffer(count: int, device: torch.device) -> torch.Tensor:
 
 
 def _runner(
-    path: str, count: int, shared: torch.Tensor, out_of_place: bool = False
+    path: str, count: int, shared: torch.Tensor, out_of_place: bool = False, group: _Group | None = None
 ) -> tuple[Callable[[], None], Callable[[], torch.Tensor]]:
     """Return (one allreduce, a view of its result as a tensor) for ``path``.
 
@@ -78,6 +127,13 @@ def _runner(
     one after the other were measured up to 1.5x apart at 4-16 MiB (the first one
     faster, whichever path used it), which would be billed to the path, not the buffer.
     """
+    if group is not None and not group.active:
+        return (lambda: None), (lambda: torch.full((1,), float(group.size)))
+    if path == "hpcddp" and group is not None and group.hpcddp is not None:
+        from ..comm.base import ReduceOp
+
+        sub = group.hpcddp
+        return (lambda: sub.allreduce_(shared, ReduceOp.SUM)), (lambda: shared)
     if path == "hpcddp":
         tensor = shared if hpcddp.device().type == "cpu" else _buffer(count, hpcddp.device())
         if out_of_place:
@@ -90,7 +146,7 @@ def _runner(
         return (lambda: hpcddp.allreduce_(tensor, op="sum")), (lambda: tensor)
     if path == "mpi4py":
         MPI = import_mpi()
-        comm = _mpi_comm()
+        comm = group.mpi if group is not None and group.mpi is not None else _mpi_comm()
         array = shared.numpy()
         if out_of_place:
             # A new result each time, as a function that returns one must allocate it.
@@ -108,8 +164,10 @@ def _runner(
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     tensor = shared if device.type == "cpu" else _buffer(count, device)
 
+    torch_group = group.torch if group is not None else None
+
     def once():
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=torch_group)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
@@ -125,18 +183,20 @@ def path_label(path: str) -> str:
     return f"torch ({ensure_process_group().get_backend()})"
 
 
-def _prepare(path: str, size: int, warmup: int, shared: torch.Tensor, out_of_place: bool) -> Callable[[], None]:
+def _prepare(
+    path: str, size: int, warmup: int, shared: torch.Tensor, out_of_place: bool, group: _Group
+) -> Callable[[], None]:
     """Return one allreduce of ``size`` bytes on ``path``, checked and warmed up."""
     count = size // 4
-    once, view = _runner(path, count, shared, out_of_place)
+    once, view = _runner(path, count, shared, out_of_place, group if group.size != hpcddp.size() else None)
     # One reduction of ones proves the path sums before we time it; zeros keep
     # the repeated in-place sums finite afterwards.
     shared.fill_(1.0)
     view().fill_(1.0)
     once()
     got = view()[: min(count, 8)].cpu()
-    if not torch.all(got == hpcddp.size()):
-        raise RuntimeError(f"{path} allreduce of ones gave {got.tolist()}, expected {hpcddp.size()}")
+    if not torch.all(got == group.size):
+        raise RuntimeError(f"{path} allreduce of ones gave {got.tolist()}, expected {group.size}")
     view().zero_()
     shared.zero_()
     for _ in range(warmup):
@@ -163,7 +223,12 @@ def _time_interleaved(runners: dict[str, Callable[[], None]], iters: int) -> dic
 
 
 def sweep_allreduce(
-    sizes: Sequence[int], iters: int = 20, warmup: int = 5, paths: Sequence[str] = PATHS, out_of_place: bool = False
+    sizes: Sequence[int],
+    iters: int = 20,
+    warmup: int = 5,
+    paths: Sequence[str] = PATHS,
+    out_of_place: bool = False,
+    span: str = "world",
 ) -> list[AllreduceResult]:
     """Time a float32 sum-allreduce at each size on each path; every rank must call this.
 
@@ -176,19 +241,25 @@ def sweep_allreduce(
         paths: names from ``PATHS``; ones that cannot run here are skipped.
         out_of_place: reduce into a new buffer (``hpcddp.allreduce``, MPI's send/receive
             form); torch.distributed has no such form and reduces in place.
+        span: one of ``SPANS``: "node" times each node's ranks among themselves (all
+            nodes at once, shared memory), "between-nodes" one rank per node (the links
+            alone); the bandwidths then count the ranks of one group.
     """
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
     chosen = available_paths(paths)
-    num_ranks = hpcddp.size()
+    group = _span_group(span, chosen)
+    if span != "world" and hpcddp.backend() != "mpi" and "hpcddp" in chosen:
+        chosen.remove("hpcddp")  # hpcddp's sub-groups need the mpi backend
+    num_ranks = group.size
     results = []
     for size in sizes:
         if size <= 0 or size % 4:
             raise ValueError(f"sizes must be positive multiples of 4 bytes, got {size}")
         shared = _buffer(size // 4, torch.device("cpu"))
-        runners = {path: _prepare(path, size, warmup, shared, out_of_place) for path in chosen}
+        runners = {path: _prepare(path, size, warmup, shared, out_of_place, group) for path in chosen}
         hpcddp.barrier()
         medians = _time_interleaved(runners, iters)
         for path in chosen:
@@ -199,7 +270,15 @@ def sweep_allreduce(
                     path_label(path), size, size // 4, seconds * 1e6, bandwidth, busbw(bandwidth, num_ranks)
                 )
             )
+    _free(group)
     return results
+
+
+def _free(group: _Group) -> None:
+    if group.hpcddp is not None:
+        group.hpcddp.close()
+    if group.mpi is not None and group.mpi != import_mpi().COMM_NULL:
+        group.mpi.Free()
 
 
 def results_as_dicts(results: Sequence[AllreduceResult]) -> list[dict]:

@@ -97,6 +97,13 @@ def _write_json(path: str, payload: dict) -> None:
     help="Comma-separated: hpcddp (hpcddp.allreduce_), mpi4py (raw Allreduce on numpy), torch (torch.distributed: gloo on CPU, nccl on GPU).",
 )
 @click.option(
+    "--span",
+    type=click.Choice(["world", "node", "between-nodes"]),
+    default="world",
+    show_default=True,
+    help="Which ranks reduce together: all; each node's among themselves (shared memory); one per node (the links).",
+)
+@click.option(
     "--out-of-place",
     is_flag=True,
     help="Reduce into a second buffer: hpcddp.allreduce and MPI's Allreduce(sendbuf, recvbuf) (torch stays in place).",
@@ -108,7 +115,7 @@ def _write_json(path: str, payload: dict) -> None:
     type=click.Path(dir_okay=False, writable=True),
     help="Write a PNG of busbw against size here (needs the plot extra: pip install 'hpcddp[plot]').",
 )
-def allreduce(min_size, max_size, iters, warmup, paths, out_of_place, json_path, plot_path) -> None:
+def allreduce(min_size, max_size, iters, warmup, paths, span, out_of_place, json_path, plot_path) -> None:
     """Sweep float32 sum-allreduce over message sizes; print time, algbw and busbw (nccl-tests' definitions)."""
     from ..bench.metrics import size_sweep
 
@@ -132,9 +139,13 @@ def allreduce(min_size, max_size, iters, warmup, paths, out_of_place, json_path,
 
     hpcddp.init()
     chosen = available_paths(requested)
+    if span != "world" and hpcddp.backend() != "mpi" and "hpcddp" in chosen:
+        chosen.remove("hpcddp")
+        _echo("# hpcddp: sub-groups of ranks need backend mpi, skipped")
     labels = [path_label(p) for p in chosen]
     _echo(
-        f"# allreduce float32 sum{' out of place' if out_of_place else ''}, {hpcddp.size()} ranks, "
+        f"# allreduce float32 sum{' out of place' if out_of_place else ''}, {hpcddp.size()} ranks on "
+        f"{hpcddp.num_nodes()} node(s), span {span}, "
         f"backend {hpcddp.backend()}, {iters} iters after {warmup} warm-up"
     )
     _echo("# time: median over iterations, slowest rank; algbw = size/time; busbw = algbw * 2(n-1)/n (GB/s = 1e9 B/s)")
@@ -147,7 +158,7 @@ def allreduce(min_size, max_size, iters, warmup, paths, out_of_place, json_path,
     _echo(header)
     results = []
     for size in sizes:
-        row = sweep_allreduce([size], iters=iters, warmup=warmup, paths=chosen, out_of_place=out_of_place)
+        row = sweep_allreduce([size], iters=iters, warmup=warmup, paths=chosen, out_of_place=out_of_place, span=span)
         results += row
         line = f"{size:>10} {size // 4:>10}" + "".join(
             f" | {r.time_us:>13.1f} {r.algbw:>7.3f} {r.busbw:>7.3f}" for r in row
@@ -165,6 +176,8 @@ def allreduce(min_size, max_size, iters, warmup, paths, out_of_place, json_path,
             "iters": iters,
             "warmup": warmup,
             "out_of_place": out_of_place,
+            "span": span,
+            "num_nodes": hpcddp.num_nodes(),
             "machine": describe_machine(),
             "results": results_as_dicts(results),
         }
