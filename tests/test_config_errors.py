@@ -197,6 +197,11 @@ def test_invalid_integer_variable(fresh):
             "explode",
             "environment variable HPCDDP_STALL_ACTION must be 'abort' or 'warn', got 'explode'",
         ),
+        (
+            "HPCDDP_HIERARCHICAL_ALLREDUCE",
+            "maybe",
+            "environment variable HPCDDP_HIERARCHICAL_ALLREDUCE must be 1, 0 or auto, got 'maybe'",
+        ),
     ],
 )
 def test_invalid_hpcddp_variable(fresh, name, value, message):
@@ -212,6 +217,12 @@ def test_stall_settings_from_environment_and_arguments(fresh):
         "stall_action": "warn",
     }
     assert read_settings({}) == {}
+    assert read_settings({"HPCDDP_HIERARCHICAL_ALLREDUCE": "0"}) == {"hierarchical_allreduce": False}
+    assert read_settings({"HPCDDP_HIERARCHICAL_ALLREDUCE": "auto"}) == {"hierarchical_allreduce": None}
+    with pytest.raises(
+        ValueError, match=r"^hierarchical_allreduce must be True, False or None \(automatic\), got 'yes'$"
+    ):
+        hpcddp.init(hierarchical_allreduce="yes")
     with pytest.raises(
         ValueError,
         match=r"^stall_timeout must be a number of seconds >= 0 \(0 turns the stall inspector off\), got -1$",
