@@ -74,7 +74,8 @@ def cluster():
 def test_layout_and_ddp_equivalence_across_nodes(cluster, backend):
     # The rank layout against the hosts, Horovod's cross ranks, a rendezvous without DNS, and
     # hpcddp against torch DDP: the single-host suites, run over 2 nodes.
-    suites = ["tests/mpi/test_bootstrap.py", "tests/mpi/test_ddp_equivalence.py"]
+    # DDP equivalence runs on the hierarchical allreduce here (the default across nodes).
+    suites = ["tests/mpi/test_bootstrap.py", "tests/mpi/test_ddp_equivalence.py", "tests/mpi/test_hierarchy.py"]
     result = cluster.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "--color=no", "-p", "no:cacheprovider", *suites],
         timeout=400,

@@ -135,7 +135,7 @@ write_env() {
         echo "export OMPI_MCA_mpi_yield_when_idle=1"
         # One TCP connection per pair of ranks moved 64 MB/s over a 1 Gbit/s tbf-limited veth,
         # two moved 125 MB/s (docs/BENCHMARKS.md, "Across nodes"); gloo opens its own.
-        echo "export OMPI_MCA_btl_tcp_links=\${OMPI_MCA_btl_tcp_links:-2}"
+        echo "export OMPI_MCA_btl_tcp_links=${OMPI_MCA_btl_tcp_links:-2}"
         if [[ -s $VC_SLURM_CONF ]]; then
             echo "export SLURM_CONF=$VC_SLURM_CONF"
         fi
