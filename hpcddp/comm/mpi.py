@@ -57,6 +57,7 @@ class MPICommunicator(VectorOps, Communicator):
             "stall_abort_after": stall_abort_after,
         }
         self._queue = WorkQueue()
+        self._agreement_vectors: dict[tuple, tuple[Signature, np.ndarray]] = {}
         self._submit_lock = threading.Lock()
         self.collectives = CollectiveLog()
         self._inspector = None
@@ -106,6 +107,21 @@ class MPICommunicator(VectorOps, Communicator):
         self._comm.Allreduce(self._MPI.IN_PLACE, vector, op=self._MPI.MIN)
         if disagrees(vector):
             raise CollectiveMismatchError(mismatch_message(self._comm.allgather(sig)))
+
+    def _agree_allreduce(self, tensor: torch.Tensor, op: ReduceOp, check: str) -> None:
+        # The hot path: a training loop reduces the same shapes again and again, and
+        # hashing a signature costs more than the small Allreduce it feeds.
+        key = (tensor.shape, tensor.dtype, op, check)
+        vector = self._agreement_vectors.get(key)
+        if vector is None:
+            if len(self._agreement_vectors) > 1024:
+                self._agreement_vectors.clear()
+            sig = signature("allreduce", tensor, reduce_op=op, name=check)
+            vector = self._agreement_vectors[key] = (sig, np.array(agreement_vector(sig), dtype=np.int64))
+        reduced = np.empty(3, dtype=np.int64)
+        self._comm.Allreduce(vector[1], reduced, op=self._MPI.MIN)
+        if disagrees(reduced):
+            raise CollectiveMismatchError(mismatch_message(self._comm.allgather(vector[0])))
 
     def _submit(
         self,
@@ -166,7 +182,7 @@ class MPICommunicator(VectorOps, Communicator):
             if desc:
                 try:
                     if check is not None and self.check_collectives:
-                        self._agree(signature("allreduce", tensor, reduce_op=op, name=check))
+                        self._agree_allreduce(tensor, op, check)
                     self._comm.Allreduce(self._MPI.IN_PLACE, tensor.numpy(), op=self._plain_ops[op])
                 except BaseException as err:
                     raise explain_failure(err, desc) from None
