@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .agreement import CollectiveMismatchError, agreement_vector, disagrees, mismatch_message, signature
+from .agreement import agreement_vector, disagrees, mismatch_error, signature
 from .base import Handle, ReduceOp, even_splits, splits_error
 
 __all__ = ["DIST_OPS", "TorchDistOps", "WorkHandle", "explain_timeout"]
@@ -103,7 +103,7 @@ class TorchDistOps:
         vector = torch.tensor(agreement_vector(sig), dtype=torch.int64, device=self.device)
         self._keep(dist.all_reduce(vector, op=dist.ReduceOp.MIN, group=self.group, async_op=True)).wait()
         if disagrees(vector.tolist()):
-            raise CollectiveMismatchError(mismatch_message(self.allgather_object(sig)))
+            raise mismatch_error(self.allgather_object(sig))
 
     def reduce_async_(self, tensor: torch.Tensor, op: ReduceOp, root: int, *, check: str | None = None) -> Handle:
         if op is ReduceOp.AVERAGE and not tensor.dtype.is_floating_point:

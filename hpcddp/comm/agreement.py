@@ -18,12 +18,18 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = [
+    "CollectiveArgumentError",
     "CollectiveMismatchError",
     "Signature",
+    "JOINED",
+    "JOINED_VECTOR",
     "agreement_vector",
+    "all_joined",
     "disagrees",
+    "mismatch_error",
     "mismatch_message",
     "signature",
+    "some_joined",
 ]
 
 
@@ -32,6 +38,14 @@ class CollectiveMismatchError(RuntimeError):
 
     Raised on every rank alike; the collective was not run and the communicator
     stays usable.
+    """
+
+
+class CollectiveArgumentError(CollectiveMismatchError, ValueError):
+    """A rank passed arguments the collective cannot take (splits that do not add up, ...).
+
+    Raised on every rank alike, as CollectiveMismatchError; also a ValueError, as the
+    same mistake raises when the check is off.
     """
 
 
@@ -91,31 +105,64 @@ def _fingerprint(sig: Signature) -> int:
     return int.from_bytes(digest, "little") >> 2
 
 
+# A joined rank (Horovod's join) takes part in every check with this vector: it never
+# wins the MIN over a real hash, and its last two entries say "some/all ranks joined".
+_ABOVE_ANY_HASH = 1 << 62
+JOINED_VECTOR = (_ABOVE_ANY_HASH, _ABOVE_ANY_HASH, 0, 1, -1)
+#: the signature a joined rank contributes when the ranks compare signatures
+JOINED = Signature("join")
+
+
 def agreement_vector(sig: Signature) -> list[int]:
-    """Return this rank's ``[hash, -hash, -error]``, to be reduced with MIN across ranks."""
+    """Return this rank's ``[hash, -hash, -error, joined, -joined]``, to be reduced with MIN across ranks."""
     fingerprint = _fingerprint(sig)
-    return [fingerprint, -fingerprint, -int(sig.error is not None)]
+    return [fingerprint, -fingerprint, -int(sig.error is not None), 0, 0]
 
 
 def disagrees(reduced: Sequence[int]) -> bool:
-    """Return True when the MIN-reduced agreement vectors show a mismatch or a rank's error."""
-    return int(reduced[0]) != -int(reduced[1]) or int(reduced[2]) != 0
+    """Return True when the MIN-reduced agreement vectors show a mismatch, a rank's error, or joined ranks."""
+    return int(reduced[0]) != -int(reduced[1]) or int(reduced[2]) != 0 or int(reduced[4]) != 0
+
+
+def some_joined(reduced: Sequence[int]) -> bool:
+    """Return True when the reduced vectors show a rank that has joined (Horovod's join)."""
+    return len(reduced) > 4 and int(reduced[4]) != 0
+
+
+def all_joined(reduced: Sequence[int]) -> bool:
+    """Return True when every rank has joined."""
+    return len(reduced) > 4 and int(reduced[3]) == 1
 
 
 def _ranks(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def mismatch_message(signatures: Sequence[Signature]) -> str:
+def mismatch_error(signatures: Sequence[Signature]) -> CollectiveMismatchError:
+    """Return the exception every rank raises for these gathered signatures."""
+    if any(s.error is not None for s in signatures):
+        return CollectiveArgumentError(mismatch_message(signatures))
+    return CollectiveMismatchError(mismatch_message(signatures))
+
+
+def mismatch_message(all_signatures: Sequence[Signature]) -> str:
     """Return the one message every rank raises, from every rank's signature (in rank order).
 
     Args:
         signatures: every rank's Signature, gathered.
     """
+    joined = [r for r, s in enumerate(all_signatures) if s.op == JOINED.op]
+    signatures = [s for s in all_signatures if s.op != JOINED.op]
+    if joined and signatures and len({s.compared() for s in signatures}) == 1 and not any(s.error for s in signatures):
+        return (
+            f"{signatures[0].op} cannot run while {_ranks(joined)} {'has' if len(joined) == 1 else 'have'} joined "
+            "(hvd.join): only sum and average allreduces continue until every rank joins"
+        )
     first = signatures[0]
     names = sorted({s.name for s in signatures if s.name})
     what = first.op + (f" of tensor {', '.join(map(repr, names))}" if names else "")
-    errors = [(r, s.error) for r, s in enumerate(signatures) if s.error is not None]
+    ranked = [(r, s) for r, s in enumerate(all_signatures) if s.op != JOINED.op]
+    errors = [(r, s.error) for r, s in ranked if s.error is not None]
     if errors:
         details = "; ".join(f"rank {r}: {error}" for r, error in errors)
         return f"{what} was not run: {details}"
@@ -123,7 +170,7 @@ def mismatch_message(signatures: Sequence[Signature]) -> str:
     differences = []
     for index, field in enumerate(fields):
         groups: dict[Any, list[int]] = {}
-        for r, sig in enumerate(signatures):
+        for r, sig in ranked:
             groups.setdefault(sig.compared()[index], []).append(r)
         if len(groups) > 1:
             label = {"shape": "shape" if first.op not in _ROWS_MAY_DIFFER else "shape after the first dimension"}.get(

@@ -256,6 +256,14 @@ class Communicator(abc.ABC):
         """Start receiving into ``tensor`` from rank ``source``; its result is ``tensor``."""
         raise NotImplementedError(f"{self.name} communicator has no recv")
 
+    def join(self) -> int:
+        """Take part in the other ranks' checked collectives until every rank joins; return the last to join.
+
+        Horovod's ``join``: sum and average allreduces go on with zeros from the joined
+        ranks, other checked collectives raise CollectiveMismatchError where they were called.
+        """
+        raise NotImplementedError(f"{self.name} communicator has no join: use the mpi backend")
+
     def split(self, ranks: list[int]) -> Communicator | None:
         """Return a communicator over ``ranks`` (renumbered in list order), None on other ranks.
 

@@ -15,7 +15,17 @@ from ..stall import CollectiveLog, StallInspector
 from ._mpi_buffers import NUMPY_DTYPE_NAMES, MPIOps, bytes_view, dtype_name, explain_failure, staged
 from ._mpi_ops import VectorOps
 from ._workqueue import QueuedHandle, WorkQueue
-from .agreement import CollectiveMismatchError, Signature, agreement_vector, disagrees, mismatch_message, signature
+from .agreement import (
+    JOINED,
+    JOINED_VECTOR,
+    Signature,
+    agreement_vector,
+    all_joined,
+    disagrees,
+    mismatch_error,
+    signature,
+    some_joined,
+)
 from .base import Communicator, Handle, ReduceOp, split_ranks_error
 
 __all__ = ["MPICommunicator"]
@@ -48,6 +58,7 @@ class MPICommunicator(VectorOps, Communicator):
         MPI = import_mpi()
         self._MPI = MPI
         self._comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
+        self._side = self._comm.Dup()  # for barrier_now, beside the collectives' communicator
         super().__init__(self._comm.Get_rank(), self._comm.Get_size())
         self._ops = MPIOps(MPI)
         self._plain_ops = self._ops.plain
@@ -103,25 +114,56 @@ class MPICommunicator(VectorOps, Communicator):
 
     def _agree(self, sig: Signature) -> None:
         """Compare ``sig`` across ranks (a collective); raise CollectiveMismatchError on every rank if they differ."""
-        vector = np.array(agreement_vector(sig), dtype=np.int64)
-        self._comm.Allreduce(self._MPI.IN_PLACE, vector, op=self._MPI.MIN)
-        if disagrees(vector):
-            raise CollectiveMismatchError(mismatch_message(self._comm.allgather(sig)))
+        self._agree_vector(np.array(agreement_vector(sig), dtype=np.int64), sig)
 
     def _agree_allreduce(self, tensor: torch.Tensor, op: ReduceOp, check: str) -> None:
         # The hot path: a training loop reduces the same shapes again and again, and
         # hashing a signature costs more than the small Allreduce it feeds.
         key = (tensor.shape, tensor.dtype, op, check)
-        vector = self._agreement_vectors.get(key)
-        if vector is None:
+        cached = self._agreement_vectors.get(key)
+        if cached is None:
             if len(self._agreement_vectors) > 1024:
                 self._agreement_vectors.clear()
             sig = signature("allreduce", tensor, reduce_op=op, name=check)
-            vector = self._agreement_vectors[key] = (sig, np.array(agreement_vector(sig), dtype=np.int64))
-        reduced = np.empty(3, dtype=np.int64)
-        self._comm.Allreduce(vector[1], reduced, op=self._MPI.MIN)
+            cached = self._agreement_vectors[key] = (sig, np.array(agreement_vector(sig), dtype=np.int64))
+        self._agree_vector(cached[1], cached[0])
+
+    def _agree_vector(self, vector: np.ndarray, sig: Signature) -> None:
+        reduced = np.empty_like(vector)
+        self._comm.Allreduce(vector, reduced, op=self._MPI.MIN)
         if disagrees(reduced):
-            raise CollectiveMismatchError(mismatch_message(self._comm.allgather(vector[0])))
+            signatures = self._comm.allgather(sig)
+            if not (some_joined(reduced) and _continues_while_joined(signatures)):
+                raise mismatch_error(signatures)
+
+    def join(self) -> int:
+        """Stand in for this rank in the others' checked collectives until every rank joins (Horovod's join).
+
+        Sum and average allreduces of the others go on with zeros from this rank (an
+        average still divides by ``size``); any other checked collective raises
+        CollectiveMismatchError on the ranks that called it. Collective; returns the
+        rank that joined last, the same on every rank.
+        """
+        comm, MPI = self._comm, self._MPI
+
+        def work():
+            rounds = 0
+            while True:
+                reduced = np.empty(len(JOINED_VECTOR), dtype=np.int64)
+                comm.Allreduce(np.array(JOINED_VECTOR, dtype=np.int64), reduced, op=MPI.MIN)
+                if all_joined(reduced):
+                    break
+                rounds += 1
+                signatures = comm.allgather(JOINED)
+                if _continues_while_joined(signatures):
+                    sig = next(s for s in signatures if s.op != JOINED.op)
+                    zeros = torch.zeros(sig.shape, dtype=getattr(torch, sig.dtype))
+                    op = ReduceOp(sig.reduce_op)
+                    comm.Allreduce(MPI.IN_PLACE, self._ops.buffer(zeros), op=self._ops.op(zeros.dtype, op))
+            waited = comm.allgather(rounds)
+            return min(range(self.size), key=lambda r: (waited[r], -r))
+
+        return self._submit(work, "join").wait()
 
     def _submit(
         self,
@@ -160,6 +202,7 @@ class MPICommunicator(VectorOps, Communicator):
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+            self._side.Free()
             self._comm.Free()
 
     # -- collectives ----------------------------------------------------------------
@@ -251,6 +294,14 @@ class MPICommunicator(VectorOps, Communicator):
     def barrier(self) -> None:
         self._submit(self._comm.Barrier, "barrier").wait()
 
+    def barrier_now(self) -> None:
+        """Block until every rank reaches this call, without waiting for this rank's queued collectives.
+
+        Horovod's barrier: a rank may pass it with an allreduce still pending, which
+        the others submit after the barrier.
+        """
+        self._side.Barrier()
+
     def split(self, ranks: list[int]) -> MPICommunicator | None:
         members = list(ranks)
         error = split_ranks_error(members, self.size)
@@ -271,3 +322,15 @@ class MPICommunicator(VectorOps, Communicator):
             sub.Free()
         child.check_collectives = self.check_collectives
         return child
+
+
+def _continues_while_joined(signatures: list[Signature]) -> bool:
+    """Return True when the ranks that have not joined agree on a sum or average allreduce."""
+    active = [s for s in signatures if s.op != JOINED.op]
+    return (
+        bool(active)
+        and len({s.compared() for s in active}) == 1
+        and not any(s.error for s in active)
+        and active[0].op == "allreduce"
+        and active[0].reduce_op in (ReduceOp.SUM.value, ReduceOp.AVERAGE.value)
+    )
