@@ -50,14 +50,25 @@ def resolve_op(op, average=None) -> ReduceOp:
     return Average if op is None else parse_op(op)
 
 
+def scale_(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    """Multiply ``tensor`` in place by ``factor`` as Horovod does: integers in float64 then truncated,
+    16-bit floats in float32, other floats in their own precision."""
+    if factor == 1.0:
+        return tensor
+    if not tensor.dtype.is_floating_point:
+        return tensor.copy_((tensor.double() * factor).to(tensor.dtype))
+    if tensor.dtype in (torch.float16, torch.bfloat16):
+        return tensor.copy_(tensor.float() * torch.tensor(factor, dtype=torch.float32))
+    return tensor.mul_(torch.tensor(factor, dtype=tensor.dtype, device=tensor.device))
+
+
 def allreduce_handle(tensor, op: ReduceOp, name, prescale_factor, postscale_factor, in_place, process_set,
                      compression=Compression.none) -> Handle:  # fmt: skip
     """Start one allreduce as Horovod's: scaling, integer averages, compression; the handle yields the output."""
     comm = communicator_of(process_set)
     # detach(): in place on a parameter (a leaf that requires grad) writes its data, as Horovod does.
     source = tensor.detach() if in_place else tensor.detach().clone()
-    if prescale_factor != 1.0:
-        source.mul_(prescale_factor)
+    scale_(source, prescale_factor)
     # Horovod's integer average truncates a sum; MPI sums, we divide after.
     integer_average = op is Average and not source.dtype.is_floating_point
     wire, ctx = compression.compress(source)
@@ -67,8 +78,7 @@ def allreduce_handle(tensor, op: ReduceOp, name, prescale_factor, postscale_fact
         out = compression.decompress(out, ctx)
         if integer_average:
             out.div_(comm.size, rounding_mode="trunc")
-        if postscale_factor != 1.0:
-            out.mul_(postscale_factor)
+        scale_(out, postscale_factor)
         if out is not source:
             source.copy_(out)
         return tensor if in_place else source
@@ -227,7 +237,7 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
         gathered_indices = synchronize(indices)
         if parse_op(op) is Average:
             gathered_values = gathered_values / size
-        return torch.sparse_coo_tensor(gathered_indices.t(), gathered_values, tensor.shape)
+        return torch.sparse_coo_tensor(gathered_indices.t(), gathered_values, tensor.shape, check_invariants=True)
 
     return finish
 

@@ -7,7 +7,7 @@ import torch
 from ..comm.base import Handle
 from .basics import Average, Sum
 from .compression import Compression
-from .ops import GroupHandle, resolve_op, start
+from .ops import GroupHandle, resolve_op, scale_, start
 from .process_sets import communicator_of, global_process_set
 
 __all__ = [
@@ -25,7 +25,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle
 
 
 class _Allgather(torch.autograd.Function):
-    """Allgather whose gradient is this rank's rows of the summed incoming gradient."""
+    """Allgather whose gradient is this rank's rows of the incoming gradient averaged over ranks (Horovod's rule)."""
 
     @staticmethod
     def forward(ctx, tensor, name, process_set):
@@ -35,9 +35,9 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         comm = communicator_of(ctx.process_set)
-        summed = comm.allreduce_async_(grad.detach().clone(), Sum, check="").wait()
+        averaged = comm.allreduce_async_(grad.detach().clone(), Average, check="").wait()
         rows = comm.allgather_object(ctx.rows)
-        return summed.narrow(0, sum(rows[: comm.rank]), ctx.rows), None, None
+        return averaged.narrow(0, sum(rows[: comm.rank]), ctx.rows), None, None
 
 
 def allgather(tensor, name=None, process_set=global_process_set) -> torch.Tensor:
@@ -79,7 +79,7 @@ def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set
 
 
 class _Broadcast(torch.autograd.Function):
-    """Broadcast whose gradient, on the root, is the sum of every rank's incoming gradient."""
+    """Broadcast whose gradient, on the root, is the average of every rank's incoming gradient (Horovod's rule)."""
 
     @staticmethod
     def forward(ctx, tensor, root_rank, name, process_set):
@@ -89,10 +89,10 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         comm = communicator_of(ctx.process_set)
-        summed = comm.allreduce_async_(grad.detach().clone(), Sum, check="").wait()
+        averaged = comm.allreduce_async_(grad.detach().clone(), Average, check="").wait()
         if comm.rank != ctx.root_rank:
-            summed.zero_()
-        return summed, None, None, None
+            averaged.zero_()
+        return averaged, None, None, None
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
@@ -173,14 +173,14 @@ def _reducescatter_handle(tensor, op, name, process_set, prescale, postscale) ->
         raise ValueError("reducescatter needs a tensor with at least one dimension, got a scalar")
     source = tensor.detach()
     if prescale != 1.0:
-        source = source * prescale
+        source = scale_(source.clone(), prescale)
     integer_average = op is Average and not source.dtype.is_floating_point
     handle = start(name, lambda: comm.reducescatter_async(source, Sum if integer_average else op, check=name or ""))
 
     def finish(out: torch.Tensor) -> torch.Tensor:
         if integer_average:
             out.div_(comm.size, rounding_mode="trunc")
-        return out.mul_(postscale) if postscale != 1.0 else out
+        return scale_(out, postscale)
 
     return handle.then(finish)
 

@@ -6,8 +6,9 @@
 stand-in modules put first on PYTHONPATH (``horovod``, ``horovod.torch``, and the one
 ``horovod.runner`` helper Horovod's ``test/utils/common.py`` imports). The tests run under
 mpirun in chunks, each chunk its own launch with a time limit; every rank writes its own
-JUnit report, and a test counts as passed only when it passed on every rank. Tests of a
-chunk that crashed or ran out of time without a report count as failed.
+record of outcomes, and a test counts as passed only when it passed on every rank. A test
+in which a launch crashed or ran out of time counts as failed, and the rest of its chunk
+runs again in a new launch.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import os
 import re
 import sys
 import tempfile
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,48 +59,37 @@ def list_tests(source: Path) -> list[str]:
     return re.findall(r"^    def (test_\w+)\(self", text, flags=re.M)
 
 
-def _rank_reports(directory: Path) -> dict[str, set[str]]:
-    """Return {outcome: test names} merged over every rank's JUnit report."""
-    outcomes: dict[str, dict[str, str]] = {}
-    for report in sorted(directory.glob("rank*.xml")):
-        try:
-            tree = ET.parse(report)
-        except ET.ParseError:
-            continue
-        for case in tree.iter("testcase"):
-            name = case.get("name", "")
-            if case.find("failure") is not None or case.find("error") is not None:
-                outcome = "failed"
-            elif case.find("skipped") is not None:
-                outcome = "skipped"
-            else:
-                outcome = "passed"
-            previous = outcomes.setdefault(name, {}).get("outcome")
-            # failed beats passed beats skipped, over ranks
-            order = {"failed": 2, "passed": 1, "skipped": 0}
-            if previous is None or order[outcome] > order[previous]:
-                outcomes[name]["outcome"] = outcome
-    merged: dict[str, set[str]] = {"passed": set(), "failed": set(), "skipped": set()}
-    for name, entry in outcomes.items():
-        merged[entry["outcome"]].add(name)
+def _outcomes(directory: Path) -> dict[str, str]:
+    """Return {test name: outcome} merged over every rank's record; a failure on any rank wins."""
+    order = {"failed": 2, "passed": 1, "skipped": 0}
+    merged: dict[str, str] = {}
+    for record in sorted(directory.glob("rank*.txt")):
+        for line in record.read_text().splitlines():
+            name, _, outcome = line.partition(" ")
+            if outcome in order and order[outcome] >= order.get(merged.get(name, "skipped"), 0):
+                merged[name] = outcome
     return merged
 
 
-def run_suite(source: Path, num_ranks: int = 2, chunk: int = 8, timeout: float = 300, verbose: bool = True) -> dict:
-    """Run Horovod's torch suite against hpcddp.horovod; return counts and the failed tests.
+def run_suite(source: Path, num_ranks: int = 2, chunk: int = 6, timeout: float = 240, verbose: bool = True) -> dict:
+    """Run Horovod's torch suite against hpcddp.horovod; return counts, the failed tests and launch logs.
+
+    Each rank records every test's outcome as soon as it is known, so a launch that
+    hangs or crashes still reports the tests before it; the test it stopped in counts
+    as failed and the rest of its chunk runs in a new launch.
 
     Args:
         source: a Horovod checkout (the directory holding ``test/parallel``).
         num_ranks: ranks per launch.
         chunk: tests per launch.
         timeout: seconds each launch may run.
-        verbose: print each chunk's outcome.
+        verbose: print each launch's outcome.
     """
     sys.path.insert(0, str(ROOT))
     from hpcddp.testing import run_mpi
 
     tests = list_tests(source)
-    results: dict[str, set[str]] = {"passed": set(), "failed": set(), "skipped": set()}
+    outcomes: dict[str, str] = {}
     logs: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="hpcddp-hvd-") as scratch:
         shim = write_shim(Path(scratch) / "shim")
@@ -108,42 +97,69 @@ def run_suite(source: Path, num_ranks: int = 2, chunk: int = 8, timeout: float =
             "PYTHONPATH": os.pathsep.join([str(shim), str(ROOT), os.environ.get("PYTHONPATH", "")]),
             "PYTHONUNBUFFERED": "1",
         }
-        for start in range(0, len(tests), chunk):
-            names = tests[start : start + chunk]
-            reports = Path(scratch) / f"chunk{start}"
-            reports.mkdir()
+        pending = list(tests)
+        launch = 0
+        while pending:
+            names, pending = pending[:chunk], pending[chunk:]
+            launch += 1
+            records = Path(scratch) / f"launch{launch}"
+            records.mkdir()
             ids = [f"{SUITE}::TorchTests::{name}" for name in names]
-            command = [sys.executable, str(Path(__file__).resolve()), "--rank-pytest", str(reports), *ids]
+            command = [sys.executable, str(Path(__file__).resolve()), "--rank-pytest", str(records), *ids]
             result = run_mpi(num_ranks, command, timeout=timeout, env=env, cwd=str(source))
-            merged = _rank_reports(reports)
-            for outcome, found in merged.items():
-                results[outcome] |= found
-            missing = [n for n in names if not any(n in found for found in merged.values())]
-            results["failed"] |= set(missing)
-            for name in missing:
-                logs[name] = "no report (the launch crashed or timed out)"
+            found = _outcomes(records)
+            stuck = next((n for n in names if n not in found), None)
+            for name in names:
+                outcomes[name] = found.get(name, "failed" if name == stuck else outcomes.get(name, ""))
+            if stuck is not None:
+                # The launch ended inside ``stuck``: run what came after it again.
+                pending = [n for n in names[names.index(stuck) + 1 :] if n not in found] + pending
+                logs[stuck] = "timed out" if result.timed_out else f"launch ended (exit {result.returncode})"
+            failed = [n for n in names if outcomes.get(n) == "failed"]
+            if failed:
+                logs[f"launch {launch}: {', '.join(failed)}"] = result.stdout[-6000:]
             if verbose:
                 status = "timed out" if result.timed_out else f"exit {result.returncode}"
-                print(
-                    f"[{start // chunk + 1}] {status}: "
-                    + ", ".join(f"{len(merged[k] & set(names))} {k}" for k in ("passed", "failed", "skipped"))
-                    + (f", {len(missing)} without report" if missing else ""),
-                    flush=True,
+                counts = ", ".join(
+                    f"{sum(found.get(n) == k for n in names)} {k}" for k in ("passed", "failed", "skipped")
                 )
-                for name in sorted((merged["failed"] & set(names)) | set(missing)):
+                print(f"[{launch}] {status}: {counts}" + (f"; stopped in {stuck}" if stuck else ""), flush=True)
+                for name in failed:
                     print(f"    FAILED {name}", flush=True)
-            if missing or merged["failed"] & set(names):
-                logs[f"chunk{start}"] = result.stdout[-4000:]
-    counts = {k: len(v - (results["failed"] if k != "failed" else set())) for k, v in results.items()}
-    return {"counts": counts, "failed": sorted(results["failed"]), "logs": logs}
+    counts = {k: sum(v == k for v in outcomes.values()) for k in ("passed", "failed", "skipped")}
+    return {"counts": counts, "failed": sorted(n for n, v in outcomes.items() if v == "failed"), "logs": logs}
 
 
-def _rank_pytest(reports: str, ids: list[str]) -> int:
+class _Recorder:
+    """pytest plugin: append each test's outcome to a file as soon as it is known."""
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "a")  # noqa: SIM115 - open for the whole session
+        self._failed: set[str] = set()
+
+    def pytest_runtest_logreport(self, report) -> None:
+        name = report.nodeid.rsplit("::", 1)[-1]
+        if report.failed:
+            self._failed.add(name)
+            self._write(name, "failed")
+        elif report.skipped and report.when in ("setup", "call"):
+            self._failed.add(name)  # reported already
+            self._write(name, "skipped")
+        elif report.when == "teardown" and name not in self._failed:
+            self._write(name, "passed")
+
+    def _write(self, name: str, outcome: str) -> None:
+        self._file.write(f"{name} {outcome}\n")
+        self._file.flush()
+
+
+def _rank_pytest(records: str, ids: list[str]) -> int:
     import pytest
 
     rank = next((os.environ[v] for v in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK") if v in os.environ), "0")
-    args = ["-q", "-p", "no:cacheprovider", "--color=no", f"--junitxml={reports}/rank{rank}.xml", *ids]
-    return pytest.main(args)
+    return pytest.main(
+        ["-q", "-p", "no:cacheprovider", "--color=no", *ids], plugins=[_Recorder(f"{records}/rank{rank}.txt")]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--horovod-src", default=os.environ.get("HOROVOD_SRC"), help="Horovod checkout (HOROVOD_SRC)")
     parser.add_argument("--np", type=int, default=2, help="ranks per launch")
-    parser.add_argument("--chunk", type=int, default=8, help="tests per launch")
-    parser.add_argument("--timeout", type=float, default=300, help="seconds per launch")
+    parser.add_argument("--chunk", type=int, default=6, help="tests per launch")
+    parser.add_argument("--timeout", type=float, default=240, help="seconds per launch")
     parser.add_argument("--show-logs", action="store_true", help="print the output of launches with failures")
     args = parser.parse_args(argv)
     if not args.horovod_src or not (Path(args.horovod_src) / SUITE).is_file():
