@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .. import bootstrap
-from .process_sets import communicator_of, global_process_set
+from .process_sets import communicator_of, global_process_set, set_rank
 from .vector_ops import broadcast_async_
 
 __all__ = ["allgather_object", "barrier", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters"]
@@ -27,9 +27,7 @@ def barrier(process_set=global_process_set) -> None:
 def broadcast_object(obj=None, root_rank=0, name=None, process_set=global_process_set) -> Any:
     """Return root's picklable ``obj`` on every rank of the set."""
     comm = communicator_of(process_set)
-    if not 0 <= root_rank < comm.size:
-        raise ValueError(f"root_rank must be in [0, {comm.size}), got {root_rank}")
-    return comm.broadcast_object(obj, root_rank)
+    return comm.broadcast_object(obj, set_rank(process_set, root_rank))
 
 
 def allgather_object(obj, name=None, process_set=global_process_set) -> list[Any]:
@@ -62,14 +60,35 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=glob
         process_set: the ranks that take part.
     """
     comm = communicator_of(process_set)
+    if not optimizer.state_dict()["state"]:
+        _create_state(optimizer)
     if comm.size == 1:
         return
     payload = None
-    if comm.rank == root_rank:
+    if comm.rank == set_rank(process_set, root_rank):
         buffer = io.BytesIO()
         torch.save(optimizer.state_dict(), buffer)
         payload = buffer.getvalue()
     payload = broadcast_object(payload, root_rank, process_set=process_set)
-    if comm.rank != root_rank:
+    if comm.rank != set_rank(process_set, root_rank):
         state = torch.load(io.BytesIO(payload), map_location=bootstrap.device(), weights_only=False)
         optimizer.load_state_dict(state)
+
+
+def _create_state(optimizer) -> None:
+    """Give an optimizer that never stepped its state (momenta, ...), as Horovod does before broadcasting it.
+
+    One step on zero gradients creates the state; the parameters are put back, so
+    weight decay does not move them. Parameters that need a gradient keep the zero
+    gradient, as after Horovod's call.
+    """
+    inner = getattr(optimizer, "_optimizer", optimizer)
+    params = [p for group in inner.param_groups for p in group["params"] if p.requires_grad]
+    saved = [p.detach().clone() for p in params]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    inner.step()
+    with torch.no_grad():
+        for p, value in zip(params, saved):
+            p.copy_(value)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
+import warnings
 import weakref
 from collections.abc import Iterator
 
@@ -24,13 +26,65 @@ _optimizers: weakref.WeakSet = weakref.WeakSet()
 class _HorovodOptimizer(_HpcddpOptimizer):
     """hpcddp's DistributedOptimizer with Horovod's extras and its zero gradients for unused parameters."""
 
+    _synchronized = False
+    _skipping = False
+    # parameter -> its bucket view, for parameters whose gradients arrive sparse
+    _sparse: dict | None = None
+
+    @property
+    def _parameter_names(self) -> dict:
+        """Horovod's map of each parameter to its name."""
+        return {param: name for name, param in self.reducer.named}
+
+    def synchronize(self) -> None:
+        """Finish reducing the gradients now (e.g. to clip them before ``step()``)."""
+        super().synchronize()
+        self._synchronized = True
+
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
-        """Let ``step()`` skip the wait inside this block (after an explicit ``synchronize()``).
+        """Mark the ``step()`` in this block as following an explicit ``synchronize()``.
 
-        hpcddp's ``step()`` never reduces twice, so this only documents intent.
+        hpcddp's ``step()`` never reduces twice; Horovod's warning without the block is kept.
         """
-        yield
+        self._skipping = True
+        try:
+            yield
+        finally:
+            self._skipping = False
+
+    def step(self, closure=None):
+        if self._synchronized and not self._skipping:
+            warnings.warn(
+                "optimizer.step() called without optimizer.skip_synchronize() context after optimizer.synchronize(): "
+                "wrap step() in optimizer.skip_synchronize() when you call synchronize() yourself",
+                stacklevel=2,
+            )
+        self._synchronized = False
+        if not self._sparse:
+            return super().step(closure)
+        # Sparse layers' gradients were reduced dense (see _watch_sparse); their optimizer wants them sparse.
+        dense = {p: p.grad for p in self._sparse if p.grad is not None}
+        super().synchronize()
+        for param in dense:
+            param.grad = param.grad.to_sparse()
+        try:
+            return super().step(closure)
+        finally:
+            for param, grad in dense.items():
+                param.grad = grad
+
+    def _watch_sparse(self) -> None:
+        """Note the parameters whose gradients arrive sparse (the buckets take them in dense)."""
+        self._sparse = {}
+
+        def densify(grad, param):
+            if grad.is_sparse:  # the bucket copies it in dense (see step)
+                self._sparse[param] = True
+
+        for _, param in self.reducer.named:
+            if param.requires_grad:
+                param.register_hook(functools.partial(densify, param=param))
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Reduce once every ``passes`` backward passes from now on."""
@@ -58,12 +112,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             by ``size() / factor`` after it.
         num_groups: ignored (see above).
         groups: ignored (see above).
-        sparse_as_dense: must be False: hpcddp reduces dense gradients only.
+        sparse_as_dense: accepted; sparse gradients (``nn.Embedding(sparse=True)``) are
+            always reduced dense, then handed to the optimizer sparse again.
         process_set: the ranks that reduce their gradients together (a ProcessSet).
     """
     comm = communicator_of(process_set)
-    if sparse_as_dense:
-        raise NotImplementedError("sparse_as_dense=True is not supported: hpcddp reduces dense gradients only")
     if compression not in OPTIMIZER_COMPRESSION:
         raise ValueError(
             f"compression must be hvd.Compression.none, .fp16 or .bf16, got {compression!r}: "
@@ -85,6 +138,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     # Horovod gives a parameter that no rank used a zero gradient (so momentum and
     # weight decay still move it), where DDP and hpcddp leave it None.
     wrapped.reducer.zero_unused = True
+    wrapped._watch_sparse()
     _optimizers.add(wrapped)
     return wrapped
 

@@ -7,7 +7,9 @@ from collections.abc import Sequence
 from .. import bootstrap
 from ..comm.base import Communicator
 
-__all__ = ["ProcessSet", "add_process_set", "communicator_of", "global_process_set", "remove_process_set"]
+__all__ = [
+    "ProcessSet", "add_process_set", "communicator_of", "global_process_set", "remove_process_set", "set_rank",
+]  # fmt: skip
 
 
 class ProcessSet:
@@ -132,6 +134,18 @@ def communicator_of(process_set: ProcessSet | None) -> Communicator:
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be a ProcessSet (hvd.add_process_set), got {type(process_set).__name__}")
     return process_set._communicator()
+
+
+def set_rank(process_set: ProcessSet | None, root_rank: int, argument: str = "root_rank") -> int:
+    """Return the position in ``process_set`` of global rank ``root_rank`` (Horovod names roots globally)."""
+    if process_set is None or process_set is global_process_set:
+        size = bootstrap.size()
+        if not 0 <= root_rank < size:
+            raise ValueError(f"{argument} must be in [0, {size}), got {root_rank}")
+        return root_rank
+    if root_rank not in process_set.ranks:
+        raise ValueError(f"{argument} must be a member of process set {process_set.ranks}, got {root_rank}")
+    return process_set.ranks.index(root_rank)
 
 
 def forget_process_sets() -> None:

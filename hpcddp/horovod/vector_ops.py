@@ -8,7 +8,7 @@ from ..comm.base import Handle
 from .basics import Average, Sum
 from .compression import Compression
 from .ops import GroupHandle, resolve_op, scale_, start
-from .process_sets import communicator_of, global_process_set
+from .process_sets import communicator_of, global_process_set, set_rank
 
 __all__ = [
     "allgather", "allgather_async", "alltoall", "alltoall_async", "broadcast", "broadcast_", "broadcast_async",
@@ -59,18 +59,11 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set) -> lis
 
 
 # -- broadcast -----------------------------------------------------------------------
-def _check_root(root_rank, comm) -> None:
-    if not 0 <= root_rank < comm.size:
-        raise ValueError(f"root_rank must be in [0, {comm.size}), got {root_rank}")
-
-
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
-    """Start overwriting ``tensor`` with root's in place."""
+    """Start overwriting ``tensor`` with root's in place (``root_rank`` is a global rank, as in Horovod)."""
     comm = communicator_of(process_set)
-    _check_root(root_rank, comm)
-    return start(name, lambda: comm.broadcast_async_(tensor.detach(), root_rank, check=name or "")).then(
-        lambda _: tensor
-    )
+    root = set_rank(process_set, root_rank)
+    return start(name, lambda: comm.broadcast_async_(tensor.detach(), root, check=name or "")).then(lambda _: tensor)
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
@@ -90,7 +83,7 @@ class _Broadcast(torch.autograd.Function):
     def backward(ctx, grad):
         comm = communicator_of(ctx.process_set)
         averaged = comm.allreduce_async_(grad.detach().clone(), Average, check="").wait()
-        if comm.rank != ctx.root_rank:
+        if comm.rank != set_rank(ctx.process_set, ctx.root_rank):
             averaged.zero_()
         return averaged, None, None, None
 
