@@ -114,9 +114,16 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         groups: ignored (see above).
         sparse_as_dense: accepted; sparse gradients (``nn.Embedding(sparse=True)``) are
             always reduced dense, then handed to the optimizer sparse again.
-        process_set: the ranks that reduce their gradients together (a ProcessSet).
+        process_set: the ranks that reduce their gradients together (a ProcessSet);
+            on ranks outside it the optimizer steps on local gradients.
     """
-    comm = communicator_of(process_set)
+    if process_set is not None and process_set.included() is False:
+        # Horovod's rule: a rank outside the set steps on its own gradients.
+        from ..comm.local import LocalCommunicator
+
+        comm = LocalCommunicator()
+    else:
+        comm = communicator_of(process_set)
     if compression not in OPTIMIZER_COMPRESSION:
         raise ValueError(
             f"compression must be hvd.Compression.none, .fp16 or .bf16, got {compression!r}: "
