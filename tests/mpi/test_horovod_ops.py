@@ -24,7 +24,7 @@ def test_process_sets_reduce_within_their_members():
         assert total.item() == sum(members)
         gathered = hvd.allgather(torch.tensor([me]), process_set=mine)
         assert gathered.tolist() == members
-        assert hvd.broadcast(torch.tensor([me]), root_rank=0, process_set=mine).item() == members[0]
+        assert hvd.broadcast(torch.tensor([me]), root_rank=members[0], process_set=mine).item() == members[0]
         assert hvd.allgather_object(me, process_set=mine) == members
         hvd.barrier(process_set=mine)
         if n > 1:
