@@ -21,7 +21,6 @@ from .agreement import (
     Signature,
     agreement_vector,
     all_joined,
-    disagrees,
     mismatch_error,
     signature,
     some_joined,
@@ -69,6 +68,7 @@ class MPICommunicator(VectorOps, Communicator):
         }
         self._queue = WorkQueue()
         self._agreement_vectors: dict[tuple, tuple[Signature, np.ndarray]] = {}
+        self._reduced = np.empty(len(JOINED_VECTOR), dtype=np.int64)  # used by one thread at a time (the runner)
         self._submit_lock = threading.Lock()
         self.collectives = CollectiveLog()
         self._inspector = None
@@ -129,9 +129,10 @@ class MPICommunicator(VectorOps, Communicator):
         self._agree_vector(cached[1], cached[0])
 
     def _agree_vector(self, vector: np.ndarray, sig: Signature) -> None:
-        reduced = np.empty_like(vector)
+        reduced = self._reduced
         self._comm.Allreduce(vector, reduced, op=self._MPI.MIN)
-        if disagrees(reduced):
+        low, minus_high, minus_error, _, minus_joined = reduced.tolist()
+        if low != -minus_high or minus_error or minus_joined:
             signatures = self._comm.allgather(sig)
             if not (some_joined(reduced) and _continues_while_joined(signatures)):
                 raise mismatch_error(signatures)
