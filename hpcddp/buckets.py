@@ -135,7 +135,7 @@ def adopt_grad(param: torch.nn.Parameter, view: torch.Tensor) -> None:
     if grad is None:
         view.zero_()
     else:
-        view.copy_(grad)
+        view.copy_(grad.to_dense() if grad.is_sparse else grad)  # sparse layers' gradients travel dense
     param.grad = view
 
 

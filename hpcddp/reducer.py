@@ -300,6 +300,8 @@ class Reducer:
         if slot.count > slot.expected:  # a raw sum in a bucket not yet sent: still right
             slot.expected = slot.count
         grad = param.grad
+        if grad is not slot.view and grad.is_sparse:  # nn.Embedding(sparse=True): reduced dense
+            grad = grad.to_dense()
         if grad is not slot.view:
             if self._learning or slot.expected > 1 or self._op is not ReduceOp.AVERAGE:
                 # Several accumulations may land in the view: keep it a raw sum, divided at launch.

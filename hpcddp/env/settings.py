@@ -35,6 +35,28 @@ def read_float(environ: Mapping[str, str], name: str, default: float | None = No
     return read_value(environ, name, _seconds, expected, default)
 
 
+_SWITCH_VALUES = {
+    "1": True,
+    "true": True,
+    "yes": True,
+    "on": True,
+    "0": False,
+    "false": False,
+    "no": False,
+    "off": False,
+}
+
+
+def _switch(name: str, raw: str, allow_auto: bool) -> bool | None:
+    """Read an on/off variable; with ``allow_auto``, "auto" means None (hpcddp decides)."""
+    if allow_auto and raw == "auto":
+        return None
+    if raw not in _SWITCH_VALUES:
+        choices = "1, 0 or auto" if allow_auto else "0 or 1"
+        raise ValueError(f"environment variable {name} must be {choices}, got {raw!r}")
+    return _SWITCH_VALUES[raw]
+
+
 def read_settings(environ: Mapping[str, str]) -> dict[str, Any]:
     """Return the InitConfig fields set through HPCDDP_* variables (only those that are set).
 
@@ -42,7 +64,8 @@ def read_settings(environ: Mapping[str, str]) -> dict[str, Any]:
     ``stall_timeout`` (seconds), HPCDDP_STALL_ABORT_AFTER ``stall_abort_after``
     (seconds), HPCDDP_STALL_ACTION ``stall_action``, HPCDDP_DIST_TIMEOUT
     ``dist_timeout`` (seconds), HPCDDP_HIERARCHICAL_ALLREDUCE ``hierarchical_allreduce``
-    (1, 0, auto), HPCDDP_TIMELINE ``timeline`` (a path); an explicit
+    (1, 0, auto), HPCDDP_TIMELINE ``timeline`` (a path), HPCDDP_CHECK_COLLECTIVES
+    ``check_collectives`` (0 or 1); an explicit
     ``init()`` argument wins over any of them.
 
     Args:
@@ -71,14 +94,13 @@ def read_settings(environ: Mapping[str, str]) -> dict[str, Any]:
         if action not in ("abort", "warn"):
             raise ValueError(f"environment variable HPCDDP_STALL_ACTION must be 'abort' or 'warn', got {action!r}")
         settings["stall_action"] = action
-    hierarchical = environ.get("HPCDDP_HIERARCHICAL_ALLREDUCE", "").strip().lower()
-    if hierarchical:
-        choices = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False, "auto": None}
-        if hierarchical not in choices:
-            raise ValueError(
-                f"environment variable HPCDDP_HIERARCHICAL_ALLREDUCE must be 1, 0 or auto, got {hierarchical!r}"
-            )
-        settings["hierarchical_allreduce"] = choices[hierarchical]
+    for name, field, allow_auto in (
+        ("HPCDDP_HIERARCHICAL_ALLREDUCE", "hierarchical_allreduce", True),
+        ("HPCDDP_CHECK_COLLECTIVES", "check_collectives", False),
+    ):
+        raw = environ.get(name, "").strip().lower()
+        if raw:
+            settings[field] = _switch(name, raw, allow_auto)
     timeline = environ.get("HPCDDP_TIMELINE", "").strip()
     if timeline:
         settings["timeline"] = timeline

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
+import warnings
 import weakref
 from collections.abc import Iterator
 
-from .. import collectives
+from .. import bootstrap, collectives
 from .._optimizer_args import check_backward_passes
 from ..join import shadow_until_all_joined, sync_from_last_joiner
 from ..optimizer import DistributedOptimizer as _HpcddpOptimizer
-from .basics import Average, check_process_set, global_process_set
+from .basics import Average
 from .compression import OPTIMIZER_COMPRESSION, Compression
 from .ops import resolve_op
+from .process_sets import communicator_of, global_process_set
 
 __all__ = ["DistributedOptimizer", "join"]
 
@@ -23,13 +26,65 @@ _optimizers: weakref.WeakSet = weakref.WeakSet()
 class _HorovodOptimizer(_HpcddpOptimizer):
     """hpcddp's DistributedOptimizer with Horovod's extras and its zero gradients for unused parameters."""
 
+    _synchronized = False
+    _skipping = False
+    # parameter -> its bucket view, for parameters whose gradients arrive sparse
+    _sparse: dict | None = None
+
+    @property
+    def _parameter_names(self) -> dict:
+        """Horovod's map of each parameter to its name."""
+        return {param: name for name, param in self.reducer.named}
+
+    def synchronize(self) -> None:
+        """Finish reducing the gradients now (e.g. to clip them before ``step()``)."""
+        super().synchronize()
+        self._synchronized = True
+
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
-        """Let ``step()`` skip the wait inside this block (after an explicit ``synchronize()``).
+        """Mark the ``step()`` in this block as following an explicit ``synchronize()``.
 
-        hpcddp's ``step()`` never reduces twice, so this only documents intent.
+        hpcddp's ``step()`` never reduces twice; Horovod's warning without the block is kept.
         """
-        yield
+        self._skipping = True
+        try:
+            yield
+        finally:
+            self._skipping = False
+
+    def step(self, closure=None):
+        if self._synchronized and not self._skipping:
+            warnings.warn(
+                "optimizer.step() called without optimizer.skip_synchronize() context after optimizer.synchronize(): "
+                "wrap step() in optimizer.skip_synchronize() when you call synchronize() yourself",
+                stacklevel=2,
+            )
+        self._synchronized = False
+        if not self._sparse:
+            return super().step(closure)
+        # Sparse layers' gradients were reduced dense (see _watch_sparse); their optimizer wants them sparse.
+        dense = {p: p.grad for p in self._sparse if p.grad is not None}
+        super().synchronize()
+        for param in dense:
+            param.grad = param.grad.to_sparse()
+        try:
+            return super().step(closure)
+        finally:
+            for param, grad in dense.items():
+                param.grad = grad
+
+    def _watch_sparse(self) -> None:
+        """Note the parameters whose gradients arrive sparse (the buckets take them in dense)."""
+        self._sparse = {}
+
+        def densify(grad, param):
+            if grad.is_sparse:  # the bucket copies it in dense (see step)
+                self._sparse[param] = True
+
+        for _, param in self.reducer.named:
+            if param.requires_grad:
+                param.register_hook(functools.partial(densify, param=param))
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Reduce once every ``passes`` backward passes from now on."""
@@ -57,12 +112,18 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             by ``size() / factor`` after it.
         num_groups: ignored (see above).
         groups: ignored (see above).
-        sparse_as_dense: must be False: hpcddp reduces dense gradients only.
-        process_set: only the global process set is supported.
+        sparse_as_dense: accepted; sparse gradients (``nn.Embedding(sparse=True)``) are
+            always reduced dense, then handed to the optimizer sparse again.
+        process_set: the ranks that reduce their gradients together (a ProcessSet);
+            on ranks outside it the optimizer steps on local gradients.
     """
-    check_process_set(process_set)
-    if sparse_as_dense:
-        raise NotImplementedError("sparse_as_dense=True is not supported: hpcddp reduces dense gradients only")
+    if process_set is not None and process_set.included() is False:
+        # Horovod's rule: a rank outside the set steps on its own gradients.
+        from ..comm.local import LocalCommunicator
+
+        comm = LocalCommunicator()
+    else:
+        comm = communicator_of(process_set)
     if compression not in OPTIMIZER_COMPRESSION:
         raise ValueError(
             f"compression must be hvd.Compression.none, .fp16 or .bf16, got {compression!r}: "
@@ -78,10 +139,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         compression=OPTIMIZER_COMPRESSION[compression],
         op=reduce_op,
         gradient_predivide_factor=gradient_predivide_factor if reduce_op is Average else None,
+        # The default communicator for the global set: only then does it record timelines.
+        communicator=None if process_set is global_process_set else comm,
     )
     # Horovod gives a parameter that no rank used a zero gradient (so momentum and
     # weight decay still move it), where DDP and hpcddp leave it None.
     wrapped.reducer.zero_unused = True
+    wrapped._watch_sparse()
     _optimizers.add(wrapped)
     return wrapped
 
@@ -89,10 +153,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
 def join(device=-1) -> int:
     """Wait for every rank, shadowing the others' gradient reductions; return the rank that joined last.
 
-    Call it on every rank when its data runs out. The last rank is the one that
-    took the most optimizer steps; without a live ``DistributedOptimizer`` it is
-    the one whose clock read latest on arrival (approximate across nodes).
-    ``device`` is accepted for Horovod's signature.
+    Call it on every rank when its data runs out. With a live ``DistributedOptimizer``
+    the last rank is the one that took the most optimizer steps. Without one (mpi
+    backend), a joined rank stands in for the others' ``hvd.allreduce`` calls with
+    zeros (averages still divide by ``size()``) and their allgathers, broadcasts,
+    alltoalls and reducescatters raise RuntimeError, as in Horovod; the last rank
+    is the one that joined last. ``device`` is accepted for Horovod's signature.
     """
     optimizers = [opt for opt in list(_optimizers) if opt.buckets and not opt.reducer.closed]
     if len(optimizers) > 1:
@@ -105,5 +171,9 @@ def join(device=-1) -> int:
         joined_at = optimizer.reducer.num_reductions
         shadow_until_all_joined(optimizer)
         return sync_from_last_joiner(optimizer.reducer, joined_at)
-    arrivals = collectives.allgather_object(time.time())
-    return max(range(len(arrivals)), key=lambda r: (arrivals[r], r))
+    comm = bootstrap.communicator()
+    try:
+        return comm.join()
+    except NotImplementedError:  # gloo/nccl: no stand-in for the others' collectives
+        arrivals = collectives.allgather_object(time.time())
+        return max(range(len(arrivals)), key=lambda r: (arrivals[r], r))
