@@ -91,10 +91,9 @@ def init(
             above; "warn" only reports.
         dist_timeout: torch.distributed's timeout for gloo/nccl collectives.
             Default HPCDDP_DIST_TIMEOUT, else 1800.
-        hierarchical_allreduce: on backend mpi, reduce inside each node, allreduce
-            among one leader per node, broadcast inside the node: True, False, or
-            None (default, or HPCDDP_HIERARCHICAL_ALLREDUCE) for on when the job spans
-            nodes and a node holds several ranks.
+        hierarchical_allreduce: on backend mpi, allreduce in two levels (inside each
+            node, then between nodes). Default HPCDDP_HIERARCHICAL_ALLREDUCE, else off
+            (Open MPI's own allreduce was as node-aware on the tests' virtual nodes).
         timeline: write a Chrome-trace timeline (forward, backward, step, every
             bucket's reduction) to this path at shutdown. Default HPCDDP_TIMELINE.
         check_collectives: compare every collective's shapes, dtypes, roots and ops

@@ -49,10 +49,12 @@ class InitConfig:
     a collective that waits longer fails with the collective's name and this knob.
     Environment: HPCDDP_DIST_TIMEOUT."""
 
-    hierarchical_allreduce: bool | None = None
-    """Reduce inside each node, then among one leader per node, then broadcast inside
-    the node (backend mpi). None (default): on when the job spans nodes and a node holds
-    several ranks. Environment: HPCDDP_HIERARCHICAL_ALLREDUCE (1, 0 or auto)."""
+    hierarchical_allreduce: bool = False
+    """Allreduce in two levels on backend mpi: reduce-scatter inside each node, allreduce
+    between nodes, allgather inside the node (``hpcddp.comm.hierarchy``). Off by default:
+    Open MPI 5's own allreduce already crossed each link with 1x the buffer on the virtual
+    cluster (docs/BENCHMARKS.md), so it only helps where the MPI's is not node-aware.
+    Environment: HPCDDP_HIERARCHICAL_ALLREDUCE (1 or 0)."""
 
     timeline: str | None = None
     """Write a Chrome-trace timeline of forward, backward, step and every bucket's
@@ -83,10 +85,8 @@ class InitConfig:
             raise ValueError(f"interface must be a network interface name such as 'eth0', got {self.interface!r}")
         if self.timeline is not None and (not isinstance(self.timeline, (str, os.PathLike)) or not str(self.timeline)):
             raise ValueError(f"timeline must be a file path, got {self.timeline!r}")
-        if self.hierarchical_allreduce not in (None, True, False):
-            raise ValueError(
-                f"hierarchical_allreduce must be True, False or None (automatic), got {self.hierarchical_allreduce!r}"
-            )
+        if not isinstance(self.hierarchical_allreduce, bool):
+            raise ValueError(f"hierarchical_allreduce must be True or False, got {self.hierarchical_allreduce!r}")
         if not isinstance(self.check_collectives, bool):
             raise ValueError(f"check_collectives must be True or False, got {self.check_collectives!r}")
         if self.stall_action not in STALL_ACTIONS:

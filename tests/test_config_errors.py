@@ -200,7 +200,7 @@ def test_invalid_integer_variable(fresh):
         (
             "HPCDDP_HIERARCHICAL_ALLREDUCE",
             "maybe",
-            "environment variable HPCDDP_HIERARCHICAL_ALLREDUCE must be 1, 0 or auto, got 'maybe'",
+            "environment variable HPCDDP_HIERARCHICAL_ALLREDUCE must be 0 or 1, got 'maybe'",
         ),
     ],
 )
@@ -218,10 +218,8 @@ def test_stall_settings_from_environment_and_arguments(fresh):
     }
     assert read_settings({}) == {}
     assert read_settings({"HPCDDP_HIERARCHICAL_ALLREDUCE": "0"}) == {"hierarchical_allreduce": False}
-    assert read_settings({"HPCDDP_HIERARCHICAL_ALLREDUCE": "auto"}) == {"hierarchical_allreduce": None}
-    with pytest.raises(
-        ValueError, match=r"^hierarchical_allreduce must be True, False or None \(automatic\), got 'yes'$"
-    ):
+    assert read_settings({"HPCDDP_HIERARCHICAL_ALLREDUCE": "on"}) == {"hierarchical_allreduce": True}
+    with pytest.raises(ValueError, match=r"^hierarchical_allreduce must be True or False, got 'yes'$"):
         hpcddp.init(hierarchical_allreduce="yes")
     with pytest.raises(
         ValueError,

@@ -74,7 +74,7 @@ def cluster():
 def test_layout_and_ddp_equivalence_across_nodes(cluster, backend):
     # The rank layout against the hosts, Horovod's cross ranks, a rendezvous without DNS, and
     # hpcddp against torch DDP: the single-host suites, run over 2 nodes.
-    # DDP equivalence runs on the hierarchical allreduce here (the default across nodes).
+    # On mpi, DDP equivalence runs on the two-level allreduce (opt-in) across the nodes.
     suites = ["tests/mpi/test_bootstrap.py", "tests/mpi/test_ddp_equivalence.py", "tests/mpi/test_hierarchy.py"]
     result = cluster.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "--color=no", "-p", "no:cacheprovider", *suites],
@@ -82,6 +82,7 @@ def test_layout_and_ddp_equivalence_across_nodes(cluster, backend):
         HPCDDP_MPI_TESTS="1",
         HPCDDP_EXPECT_NODES="2",
         HPCDDP_BACKEND=backend,
+        HPCDDP_HIERARCHICAL_ALLREDUCE="1",
         PYTHONUNBUFFERED="1",
     )
     assert result.returncode == 0, result.stdout[-20000:]

@@ -87,21 +87,15 @@ class NodeHierarchy:
             self.across.Free()
 
 
-def hierarchy_for(comm, MPI, enabled: bool | None) -> NodeHierarchy | None:
-    """Return the two-level scheme for ``comm``, or None where a flat allreduce is used.
+def hierarchy_for(comm, MPI, enabled: bool) -> NodeHierarchy | None:
+    """Return the two-level scheme for ``comm`` when ``enabled`` (collective over ``comm``),
+    else None: a flat allreduce.
 
     Args:
-        comm: the mpi4py communicator (collective over it).
+        comm: the mpi4py communicator.
         MPI: the mpi4py ``MPI`` module.
-        enabled: True or False forces the choice; None (the default) uses it when the
-            job spans nodes and some node holds more than one rank, where it saves
-            traffic between nodes.
+        enabled: whether to use it (``init(hierarchical_allreduce=)``).
     """
-    if enabled is False or comm.Get_size() == 1:
+    if not enabled or comm.Get_size() == 1:
         return None
-    hierarchy = NodeHierarchy(comm, MPI)
-    spans_nodes = hierarchy.num_nodes > 1 and max(hierarchy.ranks_per_node) > 1
-    if enabled or spans_nodes:
-        return hierarchy
-    hierarchy.free()
-    return None
+    return NodeHierarchy(comm, MPI)

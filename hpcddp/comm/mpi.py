@@ -49,7 +49,7 @@ class MPICommunicator(VectorOps, Communicator):
         stall_action: "abort" or "warn" (see ``hpcddp.stall.StallInspector``).
         stall_abort_after: seconds a stall may last before the job ends; 0 never.
         hierarchical: allreduce in two levels (inside nodes, then between them; see
-            ``hpcddp.comm.hierarchy``): True, False, or None for when the job spans nodes.
+            ``hpcddp.comm.hierarchy``).
     """
 
     name = "mpi"
@@ -61,7 +61,7 @@ class MPICommunicator(VectorOps, Communicator):
         stall_timeout: float = 0,
         stall_action: str = "abort",
         stall_abort_after: float = 0,
-        hierarchical: bool | None = None,
+        hierarchical: bool = False,
     ) -> None:
         MPI = import_mpi()
         self._MPI = MPI

@@ -47,13 +47,10 @@ _SWITCH_VALUES = {
 }
 
 
-def _switch(name: str, raw: str, allow_auto: bool) -> bool | None:
-    """Read an on/off variable; with ``allow_auto``, "auto" means None (hpcddp decides)."""
-    if allow_auto and raw == "auto":
-        return None
+def _switch(name: str, raw: str) -> bool:
+    """Read an on/off variable (1/0, true/false, yes/no, on/off)."""
     if raw not in _SWITCH_VALUES:
-        choices = "1, 0 or auto" if allow_auto else "0 or 1"
-        raise ValueError(f"environment variable {name} must be {choices}, got {raw!r}")
+        raise ValueError(f"environment variable {name} must be 0 or 1, got {raw!r}")
     return _SWITCH_VALUES[raw]
 
 
@@ -64,7 +61,7 @@ def read_settings(environ: Mapping[str, str]) -> dict[str, Any]:
     ``stall_timeout`` (seconds), HPCDDP_STALL_ABORT_AFTER ``stall_abort_after``
     (seconds), HPCDDP_STALL_ACTION ``stall_action``, HPCDDP_DIST_TIMEOUT
     ``dist_timeout`` (seconds), HPCDDP_HIERARCHICAL_ALLREDUCE ``hierarchical_allreduce``
-    (1, 0, auto), HPCDDP_TIMELINE ``timeline`` (a path), HPCDDP_CHECK_COLLECTIVES
+    (0 or 1), HPCDDP_TIMELINE ``timeline`` (a path), HPCDDP_CHECK_COLLECTIVES
     ``check_collectives`` (0 or 1); an explicit
     ``init()`` argument wins over any of them.
 
@@ -94,13 +91,13 @@ def read_settings(environ: Mapping[str, str]) -> dict[str, Any]:
         if action not in ("abort", "warn"):
             raise ValueError(f"environment variable HPCDDP_STALL_ACTION must be 'abort' or 'warn', got {action!r}")
         settings["stall_action"] = action
-    for name, field, allow_auto in (
-        ("HPCDDP_HIERARCHICAL_ALLREDUCE", "hierarchical_allreduce", True),
-        ("HPCDDP_CHECK_COLLECTIVES", "check_collectives", False),
+    for name, field in (
+        ("HPCDDP_HIERARCHICAL_ALLREDUCE", "hierarchical_allreduce"),
+        ("HPCDDP_CHECK_COLLECTIVES", "check_collectives"),
     ):
         raw = environ.get(name, "").strip().lower()
         if raw:
-            settings[field] = _switch(name, raw, allow_auto)
+            settings[field] = _switch(name, raw)
     timeline = environ.get("HPCDDP_TIMELINE", "").strip()
     if timeline:
         settings["timeline"] = timeline
