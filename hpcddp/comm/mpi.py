@@ -209,6 +209,23 @@ class MPICommunicator(Communicator):
             self._queue.put((work, handle, self.collectives.submit(name, shape, dtype)), wake)
         return handle
 
+    def run_async(
+        self, work: Callable[[], Any], name: str, tensor: torch.Tensor | None = None, wake: bool = True
+    ) -> Handle:
+        """Run ``work()`` on the communication thread after the collectives queued before it.
+
+        For callers that make their own MPI calls on ``mpi_comm`` (the torch.distributed
+        backend): they keep the order every rank must follow and the stall inspector sees them.
+
+        Args:
+            work: makes the MPI calls; its return value is the handle's result.
+            name: the collective's name, for the stall inspector.
+            tensor: its shape and dtype go into the stall report.
+            wake: False when the caller waits for the handle at once (it then runs
+                ``work`` itself unless the thread is busy).
+        """
+        return self._submit(work, name, tensor, wake)
+
     def close(self) -> None:
         if self._inspector is not None:
             self._inspector.stop()
