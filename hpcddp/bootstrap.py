@@ -149,10 +149,9 @@ def _init(backend, num_threads, allow_gpu_sharing, explicit) -> None:
     if chosen in ("gloo", "nccl") and layout.world_size > 1:
         # Leave torch.distributed together even when the script never calls shutdown().
         shutdown_at_exit()
-    if mpi_comm is not None or chosen == "mpi":
-        from .torch_backend import install
+    from .torch_backend import install
 
-        install()  # init_process_group("hpcddp"), and "mpi" where torch has none
+    install()  # init_process_group("hpcddp"), and "mpi" where torch has none
     if config.timeline is not None:
         from .timeline import start
 

@@ -179,7 +179,8 @@ def allreduce(min_size, max_size, iters, warmup, paths, json_path, plot_path) ->
     "--variants",
     default="local,ddp,horovod,hpcddp",
     show_default=True,
-    help="Comma-separated among local, ddp, horovod (skipped when it does not import), hpcddp.",
+    help="Comma-separated among local, ddp (torch DDP on gloo/nccl), ddp-hpcddp (torch DDP on the hpcddp "
+    "backend), horovod (skipped when it does not import), hpcddp.",
 )
 @click.option(
     "--bucket-cap-mb",
@@ -224,12 +225,12 @@ def train(model, batch_size, steps, warmup, repeats, threads, variants, bucket_c
     if "horovod" in requested and not horovod_available():
         _echo("# horovod: not importable, skipped")
     results = bench_train(workload, requested, steps, warmup, repeats, options, progress=_echo)
-    _echo(f"{'variant':>8} {'step ms':>9} {'samples/s':>10} {'overhead':>9} {'vs ddp':>7}   runs (ms)")
+    _echo(f"{'variant':>10} {'step ms':>9} {'samples/s':>10} {'overhead':>9} {'vs ddp':>7}   runs (ms)")
     for r in results:
         overhead = "" if r.overhead is None else f"{r.overhead * 100:+.1f}%"
         vs_ddp = "" if r.vs_ddp is None else f"{r.vs_ddp:.2f}"
         runs = " ".join(f"{t:.1f}" for t in r.runs_ms)
-        _echo(f"{r.variant:>8} {r.step_ms:>9.2f} {r.samples_per_s:>10.1f} {overhead:>9} {vs_ddp:>7}   {runs}")
+        _echo(f"{r.variant:>10} {r.step_ms:>9.2f} {r.samples_per_s:>10.1f} {overhead:>9} {vs_ddp:>7}   {runs}")
     timeline = next((r.timeline for r in results if r.timeline), None)
     if timeline:
         spans = ", ".join(

@@ -1,12 +1,13 @@
 """Make ``init_process_group("hpcddp")`` (and ``"mpi"`` on torch builds without MPI) reach hpcddp.
 
-``hpcddp.init()`` calls ``install()`` when MPI connects the ranks:
+``hpcddp.init()`` calls ``install()``:
 
 - ``"hpcddp"`` is registered with ``torch.distributed.Backend.register_backend``.
   With no store and no init_method, ``init_process_group`` would rendezvous at
   ``env://`` (a TCP store on MASTER_ADDR); hpcddp's ranks already know each
-  other through MPI, so the call is given a process-local ``HashStore`` and the
-  rank and world size from MPI instead.
+  other through MPI, so the call gets the rank and world size from MPI and a
+  process-local store. A gloo or NCCL group made beside it needs a store every
+  rank reaches: pass ``init_method="env://"`` (hpcddp.init() exported MASTER_ADDR/PORT).
 - ``"mpi"``: torch sends that name to its own ``ProcessGroupMPI`` before any
   registered backend, and the wheels ship without it ("Distributed package
   doesn't have MPI built in"). When it is missing, ``install()`` puts hpcddp's
@@ -16,6 +17,7 @@
 
 from __future__ import annotations
 
+import datetime
 import functools
 import logging
 
@@ -28,6 +30,8 @@ __all__ = ["BACKEND_NAME", "install", "mpi_routed", "new_group_over"]
 
 #: the name to pass to ``init_process_group``
 BACKEND_NAME = "hpcddp"
+#: seconds a gloo/NCCL group made beside a store-less default group waits for its peers
+STORE_TIMEOUT_S = 10
 
 log = logging.getLogger("hpcddp")
 _installed = False
@@ -51,13 +55,18 @@ def _world_communicator():
     if isinstance(comm, MPICommunicator):
         return comm
     if _world is None:
-        if bootstrap.launcher_comm() is None:
+        mpi_comm = bootstrap.launcher_comm()
+        if mpi_comm is None and bootstrap.size() == 1:
+            from .._mpi import import_mpi
+
+            mpi_comm = import_mpi().COMM_WORLD  # a plain process: MPI's world of one
+        if mpi_comm is None:
             raise RuntimeError(
                 f"torch.distributed backend {BACKEND_NAME!r} needs ranks started by an MPI launcher, but "
                 f"hpcddp.init() found {bootstrap.environment_name()}: launch with mpirun or srun --mpi=pmix, "
                 "or use backend='gloo'"
             )
-        _world = _own(bootstrap.new_mpi_communicator(bootstrap.launcher_comm()))
+        _world = _own(bootstrap.new_mpi_communicator(mpi_comm))
     return _world
 
 
@@ -126,11 +135,19 @@ def _supply_store(init_process_group):
                         f"init_process_group({BACKEND_NAME!r}): {name}={given} but MPI says {value}: drop {name}="
                     )
                 kwargs[name] = value
-            kwargs["store"] = dist.HashStore()
+            kwargs["store"] = _local_store()
         return init_process_group(backend, init_method, *args, **kwargs)
 
     wrapper.__hpcddp__ = True
     return wrapper
+
+
+def _local_store() -> dist.Store:
+    # Nothing in hpcddp's group reads it; a gloo/NCCL group would wait in it for keys
+    # that other processes never set: fail in seconds rather than after 30 minutes.
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
+    return store
 
 
 def install() -> None:
