@@ -32,13 +32,18 @@ from .collectives import (
     allreduce_,
     allreduce_async,
     allreduce_async_,
+    alltoall,
+    alltoall_async,
     barrier,
     broadcast,
     broadcast_,
     broadcast_async,
     broadcast_async_,
     broadcast_object,
+    reducescatter,
+    reducescatter_async,
 )
+from .comm.agreement import CollectiveMismatchError
 from .comm.base import Handle, ReduceOp
 from .config import InitConfig
 from .join import join
@@ -48,6 +53,7 @@ from .preemption import PreemptionHandler
 __version__ = "0.1.0"
 
 __all__ = [
+    "CollectiveMismatchError",
     "DistributedOptimizer",
     "Handle",
     "InitConfig",
@@ -63,6 +69,8 @@ __all__ = [
     "allreduce_",
     "allreduce_async",
     "allreduce_async_",
+    "alltoall",
+    "alltoall_async",
     "backend",
     "barrier",
     "broadcast",
@@ -83,6 +91,8 @@ __all__ = [
     "node_rank",
     "num_nodes",
     "rank",
+    "reducescatter",
+    "reducescatter_async",
     "restore_training_state",
     "save_checkpoint",
     "shutdown",

@@ -63,6 +63,7 @@ def init(
     stall_action: str | None = None,
     dist_timeout: float | None = None,
     timeline: str | os.PathLike | None = None,
+    check_collectives: bool | None = None,
 ) -> None:
     """Join the job: find this rank, pick its device and backend, set its CPU threads.
 
@@ -91,6 +92,10 @@ def init(
             Default HPCDDP_DIST_TIMEOUT, else 1800.
         timeline: write a Chrome-trace timeline (forward, backward, step, every
             bucket's reduction) to this path at shutdown. Default HPCDDP_TIMELINE.
+        check_collectives: compare every collective's shapes, dtypes, roots and ops
+            across ranks before running it (hpcddp.allreduce & co., hpcddp.horovod),
+            raising CollectiveMismatchError on every rank when they differ. Default
+            HPCDDP_CHECK_COLLECTIVES, else True.
 
     Once more than one rank runs, an uncaught exception on any rank prints its
     traceback with the rank and ends the whole job. A configuration error (bad
@@ -107,6 +112,7 @@ def init(
         "stall_action": stall_action,
         "dist_timeout": dist_timeout,
         "timeline": timeline,
+        "check_collectives": check_collectives,
     }
     try:
         _init(backend, num_threads, allow_gpu_sharing, explicit)
@@ -137,6 +143,7 @@ def _init(backend, num_threads, allow_gpu_sharing, explicit) -> None:
     _export_variables(environment, layout)
     _export_rendezvous(environment.rendezvous(config.interface))
     comm = _create_communicator(chosen, environment, layout, device, config)
+    comm.check_collectives = config.check_collectives
     if layout.world_size > 1:
         install_exception_hooks(layout.rank, use_mpi=mpi_comm is not None or chosen == "mpi")
     status = run_status_dir(os.environ)

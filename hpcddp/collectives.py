@@ -9,6 +9,11 @@ import torch
 from .bootstrap import communicator
 from .comm.base import Handle, ReduceOp, parse_op
 
+# Every collective here is checked first: the ranks compare shapes, dtypes, roots and
+# ops (one small message) and raise CollectiveMismatchError alike when they differ
+# (hpcddp.comm.agreement). "" is the check's tensor name: these functions take none.
+_CHECK = ""
+
 __all__ = [
     "allgather",
     "allgather_async",
@@ -17,12 +22,16 @@ __all__ = [
     "allreduce_",
     "allreduce_async",
     "allreduce_async_",
+    "alltoall",
+    "alltoall_async",
     "barrier",
     "broadcast",
     "broadcast_",
     "broadcast_async",
     "broadcast_async_",
     "broadcast_object",
+    "reducescatter",
+    "reducescatter_async",
 ]
 
 
@@ -30,13 +39,14 @@ def allreduce_async_(tensor: torch.Tensor, op: str | ReduceOp = "average") -> Ha
     """Start reducing ``tensor`` in place across ranks; ``wait()`` returns it.
 
     Args:
-        tensor: the tensor to reduce; every rank passes one of the same shape and dtype.
-        op: "average" (default), "sum", "min" or "max".
+        tensor: the tensor to reduce; every rank passes one of the same shape and dtype
+            (else every rank raises CollectiveMismatchError).
+        op: "average" (default), "sum", "min", "max" or "product".
     """
     reduce_op = _check_op(tensor, op)
     # detach(): the same storage, so a parameter (a leaf that requires grad) can be
     # reduced in place too; the caller gets its own tensor back.
-    return communicator().allreduce_async_(tensor.detach(), reduce_op).then(lambda _: tensor)
+    return communicator().allreduce_async_(tensor.detach(), reduce_op, check=_CHECK).then(lambda _: tensor)
 
 
 def allreduce_async(tensor: torch.Tensor, op: str | ReduceOp = "average") -> Handle:
@@ -44,7 +54,7 @@ def allreduce_async(tensor: torch.Tensor, op: str | ReduceOp = "average") -> Han
 
     Args:
         tensor: the tensor to reduce; it is left unchanged.
-        op: "average" (default), "sum", "min" or "max".
+        op: "average" (default), "sum", "min", "max" or "product".
     """
     return allreduce_async_(tensor.detach().clone(), op)
 
@@ -54,10 +64,10 @@ def allreduce_(tensor: torch.Tensor, op: str | ReduceOp = "average") -> torch.Te
 
     Args:
         tensor: the tensor to reduce.
-        op: "average" (default), "sum", "min" or "max".
+        op: "average" (default), "sum", "min", "max" or "product".
     """
     # detach() only where needed: this is the latency path of small allreduces.
-    communicator().allreduce_(tensor.detach() if tensor.requires_grad else tensor, _check_op(tensor, op))
+    communicator().allreduce_(tensor.detach() if tensor.requires_grad else tensor, _check_op(tensor, op), check=_CHECK)
     return tensor
 
 
@@ -66,7 +76,7 @@ def allreduce(tensor: torch.Tensor, op: str | ReduceOp = "average") -> torch.Ten
 
     Args:
         tensor: the tensor to reduce.
-        op: "average" (default), "sum", "min" or "max".
+        op: "average" (default), "sum", "min", "max" or "product".
     """
     return allreduce_async(tensor, op).wait()
 
@@ -79,7 +89,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int = 0) -> Handle:
         root_rank: the rank whose tensor is sent.
     """
     _check_root(root_rank)
-    return communicator().broadcast_async_(tensor.detach(), root_rank).then(lambda _: tensor)
+    return communicator().broadcast_async_(tensor.detach(), root_rank, check=_CHECK).then(lambda _: tensor)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int = 0) -> Handle:
@@ -99,12 +109,50 @@ def broadcast(tensor: torch.Tensor, root_rank: int = 0) -> torch.Tensor:
 
 def allgather_async(tensor: torch.Tensor) -> Handle:
     """Start concatenating every rank's ``tensor`` along dim 0 (first dims may differ)."""
-    return communicator().allgather_async(tensor)
+    return communicator().allgather_async(tensor, check=_CHECK)
 
 
 def allgather(tensor: torch.Tensor) -> torch.Tensor:
     """Return every rank's ``tensor`` concatenated along dim 0, in rank order."""
     return allgather_async(tensor).wait()
+
+
+def reducescatter_async(
+    tensor: torch.Tensor, op: str | ReduceOp = "average", splits: list[int] | None = None
+) -> Handle:
+    """Start reducing ``tensor`` across ranks and keeping this rank's rows; ``wait()`` returns them.
+
+    Args:
+        tensor: the same shape and dtype on every rank; it is left unchanged.
+        op: "average" (default), "sum", "min", "max" or "product".
+        splits: rows of the result for each rank, the same list on every rank; None
+            splits evenly, the first ``rows % size`` ranks getting one more row.
+    """
+    return communicator().reducescatter_async(tensor.detach(), _check_op(tensor, op), splits, check=_CHECK)
+
+
+def reducescatter(
+    tensor: torch.Tensor, op: str | ReduceOp = "average", splits: list[int] | None = None
+) -> torch.Tensor:
+    """Return this rank's rows of the reduction of ``tensor`` across ranks (see ``reducescatter_async``)."""
+    return reducescatter_async(tensor, op, splits).wait()
+
+
+def alltoall_async(tensor: torch.Tensor, splits: list[int] | None = None) -> Handle:
+    """Start sending ``splits[r]`` rows of ``tensor`` to each rank r; ``wait()`` returns
+    ``(received rows in rank order, received splits as an int64 tensor)``.
+
+    Args:
+        tensor: the rows to distribute; dimensions after the first agree across ranks.
+        splits: rows for each rank, summing to ``tensor.shape[0]``; None splits
+            evenly (the first dimension must then be divisible by ``size()``).
+    """
+    return communicator().alltoall_async(tensor.detach(), splits, check=_CHECK)
+
+
+def alltoall(tensor: torch.Tensor, splits: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the rows every rank sent this rank and how many came from each (see ``alltoall_async``)."""
+    return alltoall_async(tensor, splits).wait()
 
 
 def broadcast_object(obj: Any = None, root_rank: int = 0) -> Any:

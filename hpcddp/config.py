@@ -53,6 +53,12 @@ class InitConfig:
     """Write a Chrome-trace timeline of forward, backward, step and every bucket's
     reduction to this path (rank 0, at shutdown). Environment: HPCDDP_TIMELINE."""
 
+    check_collectives: bool = True
+    """Before each collective called through hpcddp's API, let the ranks compare shapes,
+    dtypes, roots and ops (one small message) and raise CollectiveMismatchError on every
+    rank when they differ, instead of aborting or returning garbage; hpcddp's own gradient
+    buckets are never checked. Environment: HPCDDP_CHECK_COLLECTIVES (0 turns it off)."""
+
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {self.backend!r}")
@@ -72,5 +78,7 @@ class InitConfig:
             raise ValueError(f"interface must be a network interface name such as 'eth0', got {self.interface!r}")
         if self.timeline is not None and (not isinstance(self.timeline, (str, os.PathLike)) or not str(self.timeline)):
             raise ValueError(f"timeline must be a file path, got {self.timeline!r}")
+        if not isinstance(self.check_collectives, bool):
+            raise ValueError(f"check_collectives must be True or False, got {self.check_collectives!r}")
         if self.stall_action not in STALL_ACTIONS:
             raise ValueError(f"stall_action must be 'abort' or 'warn', got {self.stall_action!r}")

@@ -208,7 +208,7 @@ def test_state_dict_round_trip_and_param_groups():
         ({"backward_passes_per_step": 0}, "backward_passes_per_step must be an integer >= 1, got 0"),
         ({"backward_passes_per_step": 1.5}, "backward_passes_per_step must be an integer >= 1, got 1.5"),
         ({"compression": "int8"}, "compression must be one of None, 'fp16', 'bf16', got 'int8'"),
-        ({"op": "product"}, "op must be one of"),
+        ({"op": "median"}, "op must be one of"),
         ({"op": "max"}, "op must be 'average' or 'sum' for gradients, got 'max'"),
     ],
 )

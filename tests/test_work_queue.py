@@ -2,7 +2,7 @@
 
 import threading
 
-from hpcddp.comm.mpi import _WorkQueue
+from hpcddp.comm._workqueue import WorkQueue as _WorkQueue
 
 
 def test_steal_takes_the_next_item_only_when_nobody_runs_one():

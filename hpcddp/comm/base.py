@@ -11,7 +11,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["Communicator", "Handle", "ReduceOp", "completed", "parse_op"]
+__all__ = [
+    "Communicator",
+    "Handle",
+    "ReduceOp",
+    "completed",
+    "even_splits",
+    "split_ranks_error",
+    "parse_op",
+    "splits_error",
+]
 
 
 class ReduceOp(enum.Enum):
@@ -21,10 +30,11 @@ class ReduceOp(enum.Enum):
     AVERAGE = "average"
     MIN = "min"
     MAX = "max"
+    PRODUCT = "product"
 
 
 def parse_op(op: str | ReduceOp, argument: str = "op") -> ReduceOp:
-    """Turn ``"average"``/``"sum"``/``"min"``/``"max"`` (or a ReduceOp) into a ReduceOp.
+    """Turn ``"average"``/``"sum"``/``"min"``/``"max"``/``"product"`` (or a ReduceOp) into a ReduceOp.
 
     Args:
         op: the user's value.
@@ -32,7 +42,7 @@ def parse_op(op: str | ReduceOp, argument: str = "op") -> ReduceOp:
     """
     if isinstance(op, ReduceOp):
         return op
-    aliases = {"avg": ReduceOp.AVERAGE, "mean": ReduceOp.AVERAGE}
+    aliases = {"avg": ReduceOp.AVERAGE, "mean": ReduceOp.AVERAGE, "prod": ReduceOp.PRODUCT}
     key = str(op).lower()
     try:
         return aliases.get(key) or ReduceOp(key)
@@ -109,34 +119,77 @@ def completed(result: Any, name: str = "") -> Handle:
     return handle
 
 
+def split_ranks_error(ranks, size: int) -> str | None:
+    """Return what is wrong with ``ranks`` as the members of a sub-communicator, or None."""
+    values = list(ranks)
+    if not values or any(not isinstance(r, int) or not 0 <= r < size for r in values) or len(set(values)) < len(values):
+        return f"ranks must be distinct ranks in [0, {size}), at least one, got {values}"
+    return None
+
+
+def even_splits(rows: int, size: int) -> list[int]:
+    """Split ``rows`` over ``size`` ranks as Horovod does: the first ``rows % size`` ranks get one more."""
+    return [rows // size + (1 if r < rows % size else 0) for r in range(size)]
+
+
+def splits_error(splits, rows: int, size: int) -> str | None:
+    """Return what is wrong with ``splits`` for a tensor of ``rows`` rows on ``size`` ranks, or None.
+
+    Args:
+        splits: one non-negative row count per rank.
+        rows: the tensor's first dimension.
+        size: the number of ranks.
+    """
+    values = list(splits)
+    if len(values) != size or any(int(v) != v or v < 0 for v in values):
+        return f"splits must be {size} non-negative row counts (one per rank), got {values}"
+    if sum(values) != rows:
+        return f"splits must add up to the tensor's first dimension {rows}, got {values} (sum {sum(values)})"
+    return None
+
+
 class Communicator(abc.ABC):
     """Collectives over all ranks on torch tensors; one instance per backend.
 
     In-place methods end in ``_`` and return a Handle whose result is the tensor.
     Every rank must call collectives in the same order.
+
+    Every tensor collective takes a keyword ``check``: a string (the tensor's name,
+    or "") asks the backend to verify first, in order with the collective itself,
+    that every rank passes matching metadata (see ``hpcddp.comm.agreement``); on
+    disagreement every rank's handle raises CollectiveMismatchError and nothing is
+    sent. None (the default, hpcddp's own bucket reductions) skips the check, as
+    does ``check_collectives = False``.
     """
 
     #: backend name: "mpi", "gloo", "nccl" or "local"
     name: str = "abstract"
+    #: run the agreement check where a caller asks for it (``check=``)
+    check_collectives: bool = True
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank = rank
         self.size = size
 
+    def _checking(self, check: str | None) -> bool:
+        return check is not None and self.check_collectives and self.size > 1
+
     @abc.abstractmethod
-    def allreduce_async_(self, tensor: torch.Tensor, op: ReduceOp) -> Handle:
+    def allreduce_async_(self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None) -> Handle:
         """Start reducing ``tensor`` in place across ranks."""
 
-    def allreduce_(self, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+    def allreduce_(self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None) -> torch.Tensor:
         """Reduce ``tensor`` in place across ranks and return it (blocking)."""
-        return self.allreduce_async_(tensor, op).wait()
+        if check is None:
+            return self.allreduce_async_(tensor, op).wait()
+        return self.allreduce_async_(tensor, op, check=check).wait()
 
     @abc.abstractmethod
-    def broadcast_async_(self, tensor: torch.Tensor, root: int) -> Handle:
+    def broadcast_async_(self, tensor: torch.Tensor, root: int, *, check: str | None = None) -> Handle:
         """Start copying root's ``tensor`` into every rank's ``tensor``."""
 
     @abc.abstractmethod
-    def allgather_async(self, tensor: torch.Tensor) -> Handle:
+    def allgather_async(self, tensor: torch.Tensor, *, check: str | None = None) -> Handle:
         """Start concatenating every rank's ``tensor`` along dim 0 (first dims may differ)."""
 
     @abc.abstractmethod
@@ -154,6 +207,69 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def barrier(self) -> None:
         """Block until every rank has reached the barrier."""
+
+    def reduce_async_(self, tensor: torch.Tensor, op: ReduceOp, root: int, *, check: str | None = None) -> Handle:
+        """Start reducing ``tensor`` onto ``root``: root's tensor becomes the reduction, the others' stay."""
+        raise NotImplementedError(f"{self.name} communicator has no reduce")
+
+    def gather_async(self, tensor: torch.Tensor, root: int, *, check: str | None = None) -> Handle:
+        """Start concatenating every rank's ``tensor`` along dim 0 on ``root``; the result is None elsewhere."""
+        raise NotImplementedError(f"{self.name} communicator has no gather")
+
+    def scatter_async_(
+        self, out: torch.Tensor, chunks: list[torch.Tensor] | None, root: int, *, check: str | None = None
+    ) -> Handle:
+        """Start filling every rank's ``out`` with root's ``chunks[rank]`` (``chunks`` only on root)."""
+        raise NotImplementedError(f"{self.name} communicator has no scatter")
+
+    def reducescatter_async(
+        self, tensor: torch.Tensor, op: ReduceOp, splits: list[int] | None = None, *, check: str | None = None
+    ) -> Handle:
+        """Start reducing ``tensor`` and keep this rank's rows of the result.
+
+        Args:
+            tensor: the same shape on every rank.
+            op: the reduction.
+            splits: rows of the result per rank, the same on every rank; None splits
+                evenly, the first ``rows % size`` ranks getting one more (Horovod's rule).
+        """
+        raise NotImplementedError(f"{self.name} communicator has no reducescatter")
+
+    def alltoall_async(
+        self, tensor: torch.Tensor, splits: list[int] | None = None, *, check: str | None = None
+    ) -> Handle:
+        """Start sending ``splits[r]`` rows of ``tensor`` to each rank r; the result is
+        ``(received rows concatenated in rank order, received splits as an int64 tensor)``.
+
+        Args:
+            tensor: rows to distribute; the dimensions after the first agree across ranks.
+            splits: rows for each rank, summing to ``tensor.shape[0]``; None splits evenly
+                (the first dimension must then be divisible by the number of ranks).
+        """
+        raise NotImplementedError(f"{self.name} communicator has no alltoall")
+
+    def send_async(self, tensor: torch.Tensor, dest: int, tag: int = 0) -> Handle:
+        """Start sending ``tensor`` to rank ``dest``; never blocks the collectives."""
+        raise NotImplementedError(f"{self.name} communicator has no send")
+
+    def recv_async_(self, tensor: torch.Tensor, source: int, tag: int = 0) -> Handle:
+        """Start receiving into ``tensor`` from rank ``source``; its result is ``tensor``."""
+        raise NotImplementedError(f"{self.name} communicator has no recv")
+
+    def join(self) -> int:
+        """Take part in the other ranks' checked collectives until every rank joins; return the last to join.
+
+        Horovod's ``join``: sum and average allreduces go on with zeros from the joined
+        ranks, other checked collectives raise CollectiveMismatchError where they were called.
+        """
+        raise NotImplementedError(f"{self.name} communicator has no join: use the mpi backend")
+
+    def split(self, ranks: list[int]) -> Communicator | None:
+        """Return a communicator over ``ranks`` (renumbered in list order), None on other ranks.
+
+        Collective over this communicator: every rank calls it with the same list.
+        """
+        raise NotImplementedError(f"{self.name} communicator cannot split")
 
     def close(self) -> None:  # noqa: B027 - most backends have nothing to release
         """Release threads and communicators; the communicator is unusable afterwards."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from collections.abc import Callable
@@ -13,122 +12,34 @@ import torch
 
 from .._mpi import import_mpi
 from ..stall import CollectiveLog, StallInspector
-from .base import Communicator, Handle, ReduceOp
+from ._mpi_buffers import NUMPY_DTYPE_NAMES, MPIOps, bytes_view, dtype_name, explain_failure, staged
+from ._mpi_ops import VectorOps
+from ._workqueue import QueuedHandle, WorkQueue
+from .agreement import (
+    JOINED,
+    JOINED_VECTOR,
+    Signature,
+    agreement_vector,
+    all_joined,
+    disagrees,
+    mismatch_error,
+    signature,
+    some_joined,
+)
+from .base import Communicator, Handle, ReduceOp, split_ranks_error
 
 __all__ = ["MPICommunicator"]
 
-_TORCH_TO_NUMPY = {
-    torch.float32: np.float32,
-    torch.float64: np.float64,
-    torch.int8: np.int8,
-    torch.uint8: np.uint8,
-    torch.int16: np.int16,
-    torch.int32: np.int32,
-    torch.int64: np.int64,
-}
-_NUMPY_DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in _TORCH_TO_NUMPY}
 
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return _NUMPY_DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
-
-
-# MPI has no standard 16-bit float: these travel as 2-byte integers and are combined
-# by user-defined ops that view the bytes with the right dtype.
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def _bytes_view(tensor: torch.Tensor) -> np.ndarray:
-    return tensor.reshape(-1).view(torch.uint8).numpy()
-
-
-def _explain_failure(err: BaseException, desc) -> BaseException:
-    # MPI reports mismatched counts from deep inside the collective; say what it means.
-    if "MPI_ERR_TRUNCATE" not in str(err):
-        return err
-    explained = RuntimeError(
-        f"{desc} failed with {err}: the ranks passed tensors of different sizes to the same collective "
-        "(different models on different ranks, or data-dependent shapes)"
-    )
-    explained.__cause__ = err
-    return explained
-
-
-class _WorkQueue:
-    """Collectives in submission order, run by one thread at a time.
-
-    The communication thread takes items with ``get``; a thread about to wait for a
-    handle may ``steal`` the next item instead and run it itself, which spares the
-    wake-up of the communication thread (tens of microseconds per collective, far
-    more on a loaded host) whenever that thread has not started the work yet.
-    """
-
-    def __init__(self) -> None:
-        self._items: collections.deque = collections.deque()
-        self._ready = threading.Condition()
-        self._busy = False
-
-    def put(self, item, wake: bool = True) -> None:
-        """Queue ``item``; with ``wake=False`` the caller promises to wait for it (and so run it)."""
-        with self._ready:
-            self._items.append(item)
-            # Every needless wake-up preempts a rank spinning in a collective on a
-            # busy host; release() wakes the thread when the runner finishes.
-            if wake and not self._busy:
-                self._ready.notify()
-
-    def get(self):
-        """Block until an item is next and nobody runs one; the caller must ``release``."""
-        with self._ready:
-            while self._busy or not self._items:
-                self._ready.wait()
-            item = self._items.popleft()
-            self._busy = item is not None
-            return item
-
-    def claim(self) -> bool:
-        """Become the runner if nothing is queued and nobody runs; the caller must ``release``."""
-        with self._ready:
-            if self._busy or self._items:
-                return False
-            self._busy = True
-            return True
-
-    def steal(self):
-        """Return the next item if nobody runs one (the caller must ``release``), else None."""
-        with self._ready:
-            if self._busy or not self._items or self._items[0] is None:
-                return None
-            self._busy = True
-            return self._items.popleft()
-
-    def release(self) -> None:
-        with self._ready:
-            self._busy = False
-            if self._items:
-                self._ready.notify()
-
-
-class _QueuedHandle(Handle):
-    """A Handle whose waiter runs queued collectives itself rather than sleep."""
-
-    def __init__(self, name: str, help_until: Callable[[Handle], None]) -> None:
-        super().__init__(name)
-        self._help_until = help_until
-
-    def _block(self, timeout: float | None) -> bool:
-        if not self._done.is_set():
-            self._help_until(self)
-        return self._done.wait(timeout)
-
-
-class MPICommunicator(Communicator):
+class MPICommunicator(VectorOps, Communicator):
     """Communicator over an MPI communicator (COMM_WORLD by default).
 
     Blocking MPI collectives run on a dedicated thread in submission order: Open
     MPI's blocking Allreduce moved 16 MiB 2.7x faster than its non-blocking
     Iallreduce (libnbc) here, and the thread lets it overlap the caller's compute
     while mpi4py releases the GIL. Tensors on a GPU are staged through host memory.
+    Point-to-point sends and receives bypass the thread (non-blocking requests), so
+    a receive that waits for its peer never holds up the collectives.
 
     Args:
         comm: an mpi4py communicator; it is duplicated, so hpcddp's traffic never
@@ -147,16 +58,17 @@ class MPICommunicator(Communicator):
         MPI = import_mpi()
         self._MPI = MPI
         self._comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
+        self._side = self._comm.Dup()  # for barrier_now, beside the collectives' communicator
         super().__init__(self._comm.Get_rank(), self._comm.Get_size())
-        self._ops: dict[tuple[torch.dtype, ReduceOp], Any] = {}
-        # Sums, minima and maxima of types MPI knows (average is a sum, divided after).
-        self._plain_ops = {
-            ReduceOp.SUM: MPI.SUM,
-            ReduceOp.AVERAGE: MPI.SUM,
-            ReduceOp.MIN: MPI.MIN,
-            ReduceOp.MAX: MPI.MAX,
+        self._ops = MPIOps(MPI)
+        self._plain_ops = self._ops.plain
+        self._stall = {
+            "stall_timeout": stall_timeout,
+            "stall_action": stall_action,
+            "stall_abort_after": stall_abort_after,
         }
-        self._queue = _WorkQueue()
+        self._queue = WorkQueue()
+        self._agreement_vectors: dict[tuple, tuple[Signature, np.ndarray]] = {}
         self._submit_lock = threading.Lock()
         self.collectives = CollectiveLog()
         self._inspector = None
@@ -187,7 +99,7 @@ class MPICommunicator(Communicator):
         try:
             handle.set_result(work())
         except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
-            handle.set_exception(_explain_failure(err, desc))
+            handle.set_exception(explain_failure(err, desc))
         finally:
             self.collectives.finish()
             self._queue.release()
@@ -200,12 +112,77 @@ class MPICommunicator(Communicator):
                 return
             self._execute(item)
 
+    def _agree(self, sig: Signature) -> None:
+        """Compare ``sig`` across ranks (a collective); raise CollectiveMismatchError on every rank if they differ."""
+        self._agree_vector(np.array(agreement_vector(sig), dtype=np.int64), sig)
+
+    def _agree_allreduce(self, tensor: torch.Tensor, op: ReduceOp, check: str) -> None:
+        # The hot path: a training loop reduces the same shapes again and again, and
+        # hashing a signature costs more than the small Allreduce it feeds.
+        key = (tensor.shape, tensor.dtype, op, check)
+        cached = self._agreement_vectors.get(key)
+        if cached is None:
+            if len(self._agreement_vectors) > 1024:
+                self._agreement_vectors.clear()
+            sig = signature("allreduce", tensor, reduce_op=op, name=check)
+            cached = self._agreement_vectors[key] = (sig, np.array(agreement_vector(sig), dtype=np.int64))
+        self._agree_vector(cached[1], cached[0])
+
+    def _agree_vector(self, vector: np.ndarray, sig: Signature) -> None:
+        reduced = np.empty_like(vector)
+        self._comm.Allreduce(vector, reduced, op=self._MPI.MIN)
+        if disagrees(reduced):
+            signatures = self._comm.allgather(sig)
+            if not (some_joined(reduced) and _continues_while_joined(signatures)):
+                raise mismatch_error(signatures)
+
+    def join(self) -> int:
+        """Stand in for this rank in the others' checked collectives until every rank joins (Horovod's join).
+
+        Sum and average allreduces of the others go on with zeros from this rank (an
+        average still divides by ``size``); any other checked collective raises
+        CollectiveMismatchError on the ranks that called it. Collective; returns the
+        rank that joined last, the same on every rank.
+        """
+        comm, MPI = self._comm, self._MPI
+
+        def work():
+            rounds = 0
+            while True:
+                reduced = np.empty(len(JOINED_VECTOR), dtype=np.int64)
+                comm.Allreduce(np.array(JOINED_VECTOR, dtype=np.int64), reduced, op=MPI.MIN)
+                if all_joined(reduced):
+                    break
+                rounds += 1
+                signatures = comm.allgather(JOINED)
+                if _continues_while_joined(signatures):
+                    sig = next(s for s in signatures if s.op != JOINED.op)
+                    zeros = torch.zeros(sig.shape, dtype=getattr(torch, sig.dtype))
+                    op = ReduceOp(sig.reduce_op)
+                    comm.Allreduce(MPI.IN_PLACE, self._ops.buffer(zeros), op=self._ops.op(zeros.dtype, op))
+            waited = comm.allgather(rounds)
+            return min(range(self.size), key=lambda r: (waited[r], -r))
+
+        return self._submit(work, "join").wait()
+
     def _submit(
-        self, work: Callable[[], Any], name: str, tensor: torch.Tensor | None = None, wake: bool = True
+        self,
+        work: Callable[[], Any],
+        name: str,
+        tensor: torch.Tensor | None = None,
+        wake: bool = True,
+        sig: Signature | None = None,
     ) -> Handle:
-        handle = _QueuedHandle(name, self._help_until)
+        if sig is not None:
+            unchecked = work
+
+            def work():
+                self._agree(sig)
+                return unchecked()
+
+        handle = QueuedHandle(name, self._help_until)
         with self._submit_lock:
-            shape, dtype = (None, None) if tensor is None else (tensor.shape, _dtype_name(tensor.dtype))
+            shape, dtype = (None, None) if tensor is None else (tensor.shape, dtype_name(tensor.dtype))
             self._queue.put((work, handle, self.collectives.submit(name, shape, dtype)), wake)
         return handle
 
@@ -226,6 +203,14 @@ class MPICommunicator(Communicator):
         """
         return self._submit(work, name, tensor, wake)
 
+    def _checked(self, check: str | None, op: str, tensor=None, error: str | None = None, **fields) -> Signature | None:
+        """Return the signature to agree on before ``op``, or None; raise ``error`` at once when unchecked."""
+        if not self._checking(check):
+            if error is not None:
+                raise ValueError(error)
+            return None
+        return signature(op, tensor, error=error, name=check, **fields)
+
     def close(self) -> None:
         if self._inspector is not None:
             self._inspector.stop()
@@ -234,35 +219,21 @@ class MPICommunicator(Communicator):
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+            self._side.Free()
             self._comm.Free()
 
     # -- collectives ----------------------------------------------------------------
-    def _mpi_op(self, dtype: torch.dtype, op: ReduceOp):
-        MPI = self._MPI
-        if dtype not in _HALF_DTYPES:
-            return self._plain_ops[op]
-        key = (dtype, op)
-        if key not in self._ops:
-            combine = {ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum}.get(op, torch.add)
+    def allreduce_async_(self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None) -> Handle:
+        return self._allreduce(tensor, op, True, check)
 
-            def reduce_half(inbuf, outbuf, datatype, dtype=dtype, combine=combine):
-                out = torch.frombuffer(outbuf, dtype=dtype)
-                combine(out, torch.frombuffer(inbuf, dtype=dtype), out=out)
-
-            self._ops[key] = MPI.Op.Create(reduce_half, commute=True)
-        return self._ops[key]
-
-    def allreduce_async_(self, tensor: torch.Tensor, op: ReduceOp) -> Handle:
-        return self._allreduce(tensor, op, wake=True)
-
-    def allreduce_(self, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+    def allreduce_(self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None) -> torch.Tensor:
         # The caller waits at once, so it runs the collective itself: no wake-up
-        # of the communication thread (see _WorkQueue.put). With nothing queued it
+        # of the communication thread (see WorkQueue.put). With nothing queued it
         # skips the handle and queue too: that Python costs ~50 us per call once a
         # MiB-sized message has flushed the caches, 15-20% of a 1-2 MiB allreduce.
         # Every line here runs with caches just flushed by the last message: keep it short.
         dtype = tensor.dtype
-        name = _NUMPY_DTYPE_NAMES.get(dtype)
+        name = NUMPY_DTYPE_NAMES.get(dtype)
         if name is not None and self.size > 1 and not tensor.is_cuda and tensor.is_contiguous():
             if op is ReduceOp.AVERAGE and not dtype.is_floating_point:
                 raise TypeError(f"op='average' needs a floating-point tensor, got {dtype}: use op='sum'")
@@ -270,54 +241,51 @@ class MPICommunicator(Communicator):
                 desc = self._queue.claim() and self.collectives.submit("allreduce", tensor.shape, name, start=True)
             if desc:
                 try:
+                    if check is not None and self.check_collectives:
+                        self._agree_allreduce(tensor, op, check)
                     self._comm.Allreduce(self._MPI.IN_PLACE, tensor.numpy(), op=self._plain_ops[op])
                 except BaseException as err:
-                    raise _explain_failure(err, desc) from None
+                    raise explain_failure(err, desc) from None
                 finally:
                     self.collectives.finish()
                     self._queue.release()
                 return tensor.div_(self.size) if op is ReduceOp.AVERAGE else tensor
-        return self._allreduce(tensor, op, wake=False).wait()
+        return self._allreduce(tensor, op, False, check).wait()
 
-    def _allreduce(self, tensor: torch.Tensor, op: ReduceOp, wake: bool) -> Handle:
-        dtype = tensor.dtype
-        if dtype not in _TORCH_TO_NUMPY and dtype not in _HALF_DTYPES:
-            raise TypeError(f"allreduce does not support tensors of dtype {dtype}")
-        if op is ReduceOp.AVERAGE and not (dtype.is_floating_point):
-            raise TypeError(f"op='average' needs a floating-point tensor, got {dtype}: use op='sum'")
-        staged = tensor if tensor.device.type == "cpu" and tensor.is_contiguous() else tensor.cpu().contiguous()
-        if dtype in _HALF_DTYPES:
-            buffer = [staged.view(torch.int16).numpy(), self._MPI.SHORT]
-        else:
-            buffer = staged.numpy()
-        mpi_op = self._mpi_op(dtype, op)
-        comm = self._comm
+    def _allreduce(self, tensor: torch.Tensor, op: ReduceOp, wake: bool, check: str | None) -> Handle:
+        self._ops.check_reducible(tensor.dtype, op)
+        sig = self._checked(check, "allreduce", tensor, reduce_op=op)
+        buf = staged(tensor)
+        spec, mpi_op, comm = self._ops.buffer(buf), self._ops.op(tensor.dtype, op), self._comm
 
         def work():
             if self.size > 1:
-                comm.Allreduce(self._MPI.IN_PLACE, buffer, op=mpi_op)
-            return staged
+                comm.Allreduce(self._MPI.IN_PLACE, spec, op=mpi_op)
+            return buf
 
-        handle = self._submit(work, "allreduce", tensor, wake)
+        handle = self._submit(work, "allreduce", tensor, wake, sig)
         if op is ReduceOp.AVERAGE:
             handle.then(lambda out: out.div_(self.size))
         return handle.then(lambda out: out if out is tensor else tensor.copy_(out))
 
-    def broadcast_async_(self, tensor: torch.Tensor, root: int) -> Handle:
-        staged = tensor if tensor.device.type == "cpu" and tensor.is_contiguous() else tensor.cpu().contiguous()
-        raw = _bytes_view(staged)
-        comm = self._comm
+    def broadcast_async_(self, tensor: torch.Tensor, root: int, *, check: str | None = None) -> Handle:
+        sig = self._checked(check, "broadcast", tensor, root=root)
+        buf = staged(tensor)
+        raw, comm = bytes_view(buf), self._comm
 
         def work():
             comm.Bcast(raw, root=root)
-            return staged
+            return buf
 
-        return self._submit(work, "broadcast", tensor).then(lambda out: out if out is tensor else tensor.copy_(out))
+        return self._submit(work, "broadcast", tensor, sig=sig).then(
+            lambda out: out if out is tensor else tensor.copy_(out)
+        )
 
-    def allgather_async(self, tensor: torch.Tensor) -> Handle:
+    def allgather_async(self, tensor: torch.Tensor, *, check: str | None = None) -> Handle:
         source = tensor.detach().cpu().contiguous()
         if source.dim() == 0:
             source = source.reshape(1)
+        sig = self._checked(check, "allgather", source, rows_may_differ=True)
         comm = self._comm
 
         def work():
@@ -326,10 +294,10 @@ class MPICommunicator(Communicator):
             row_bytes = int(np.prod(source.shape[1:], dtype=np.int64)) * source.element_size()
             counts = [r * row_bytes for r in rows]
             displs = np.cumsum([0, *counts[:-1]]).tolist()
-            comm.Allgatherv(_bytes_view(source), [_bytes_view(out), counts, displs, self._MPI.BYTE])
+            comm.Allgatherv(bytes_view(source), [bytes_view(out), counts, displs, self._MPI.BYTE])
             return out
 
-        return self._submit(work, "allgather", tensor).then(lambda out: out.to(tensor.device))
+        return self._submit(work, "allgather", tensor, sig=sig).then(lambda out: out.to(tensor.device))
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
         return self._submit(lambda: self._comm.bcast(obj, root=root), "broadcast_object").wait()
@@ -342,3 +310,44 @@ class MPICommunicator(Communicator):
 
     def barrier(self) -> None:
         self._submit(self._comm.Barrier, "barrier").wait()
+
+    def barrier_now(self) -> None:
+        """Block until every rank reaches this call, without waiting for this rank's queued collectives.
+
+        Horovod's barrier: a rank may pass it with an allreduce still pending, which
+        the others submit after the barrier.
+        """
+        self._side.Barrier()
+
+    def split(self, ranks: list[int]) -> MPICommunicator | None:
+        members = list(ranks)
+        error = split_ranks_error(members, self.size)
+        sig = self._checked("", "split", error=error, splits=members if error is None else None)
+        MPI, comm = self._MPI, self._comm
+
+        def work():
+            if self.rank in members:
+                return comm.Split(0, members.index(self.rank))
+            return comm.Split(MPI.UNDEFINED, 0)
+
+        sub = self._submit(work, "split", sig=sig).wait()
+        if sub == MPI.COMM_NULL:
+            return None
+        try:
+            child = MPICommunicator(sub, **self._stall)
+        finally:
+            sub.Free()
+        child.check_collectives = self.check_collectives
+        return child
+
+
+def _continues_while_joined(signatures: list[Signature]) -> bool:
+    """Return True when the ranks that have not joined agree on a sum or average allreduce."""
+    active = [s for s in signatures if s.op != JOINED.op]
+    return (
+        bool(active)
+        and len({s.compared() for s in active}) == 1
+        and not any(s.error for s in active)
+        and active[0].op == "allreduce"
+        and active[0].reduce_op in (ReduceOp.SUM.value, ReduceOp.AVERAGE.value)
+    )

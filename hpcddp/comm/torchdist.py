@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import datetime
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,74 +11,24 @@ import torch
 import torch.distributed as dist
 
 from ..stall import CollectiveLog, StallInspector
-from .base import Communicator, Handle, ReduceOp, completed
+from ._torchdist_ops import DIST_OPS, TorchDistOps, WorkHandle, explain_timeout
+from .base import Communicator, Handle, ReduceOp, completed, split_ranks_error
 
 __all__ = ["TorchDistCommunicator"]
 
 # Far more than can be in flight at once (one per bucket), so a dropped Work is long done.
 _KEPT_WORKS = 1024
 
-_DIST_OPS = {
-    ReduceOp.SUM: dist.ReduceOp.SUM,
-    ReduceOp.AVERAGE: dist.ReduceOp.SUM,
-    ReduceOp.MIN: dist.ReduceOp.MIN,
-    ReduceOp.MAX: dist.ReduceOp.MAX,
-}
+_DIST_OPS = DIST_OPS
 
 
-class _WorkHandle(Handle):
-    """A Handle over a torch.distributed Work; waiting on it yields ``result``."""
-
-    def __init__(self, work, result: Any, name: str) -> None:
-        super().__init__(name)
-        self._work = work
-        self._pending_result = result
-        # Stamp the completion when the backend reaches it, not when someone waits
-        # (the timeline's allreduce spans would otherwise last until step()).
-        try:
-            work.get_future().add_done_callback(self._stamp_completion)
-        except (AttributeError, RuntimeError):  # a backend without futures: stamped at wait()
-            pass
-
-    def _stamp_completion(self, _future) -> None:
-        if self.completed_at is None:
-            self.completed_at = time.perf_counter()
-
-    def poll(self) -> bool:
-        return self._done.is_set() or self._work.is_completed()
-
-    def _block(self, timeout: float | None) -> bool:
-        if not self._done.is_set():
-            try:
-                if timeout is None:
-                    self._work.wait()
-                elif not self._work.wait(timeout=datetime.timedelta(seconds=timeout)):
-                    return False
-            except RuntimeError as err:
-                raise _explain_timeout(err, self.name) from None
-            self.set_result(self._pending_result)
-        return True
-
-
-def _explain_timeout(err: RuntimeError, collective: str) -> RuntimeError:
-    """Name the collective and the knob when torch.distributed's timeout ended it."""
-    text = str(err)
-    if "timed out" not in text.lower() and "timeout" not in text.lower():
-        return err
-    backend = dist.get_backend() if dist.is_initialized() else "torch.distributed"
-    return RuntimeError(
-        f"{collective} on {backend} timed out ({text.splitlines()[0]}): a rank did not join it in time; "
-        "raise dist_timeout (init(dist_timeout=...) or HPCDDP_DIST_TIMEOUT) if the ranks are only slow, and "
-        "see the stall inspector's report above for which ranks were missing"
-    )
-
-
-class TorchDistCommunicator(Communicator):
-    """Communicator over the default torch.distributed process group.
+class TorchDistCommunicator(TorchDistOps, Communicator):
+    """Communicator over a torch.distributed process group (the default one unless ``group`` is given).
 
     Args:
         backend: "gloo" or "nccl"; the process group must already be initialised.
         device: where the backend wants tensors (a CUDA device for nccl).
+        group: a group from ``dist.new_group`` (see ``split``); None: the default group.
     """
 
     def __init__(
@@ -92,10 +40,12 @@ class TorchDistCommunicator(Communicator):
         stall_timeout: float = 0,
         stall_action: str = "abort",
         stall_abort_after: float = 0,
+        group=None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call hpcddp.init() first")
-        super().__init__(dist.get_rank(), dist.get_world_size())
+        super().__init__(dist.get_rank(group), dist.get_world_size(group))
+        self.group = group
         self.name = backend
         self.device = device
         self._recent_works: collections.deque = collections.deque(maxlen=_KEPT_WORKS)
@@ -130,38 +80,39 @@ class TorchDistCommunicator(Communicator):
             return tensor
         return tensor.to(self.device).contiguous()
 
-    def allreduce_async_(self, tensor: torch.Tensor, op: ReduceOp) -> Handle:
+    def allreduce_async_(self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None) -> Handle:
         if op is ReduceOp.AVERAGE and not tensor.dtype.is_floating_point:
             raise TypeError(f"op='average' needs a floating-point tensor, got {tensor.dtype}: use op='sum'")
+        self._verify(check, "allreduce", tensor, reduce_op=op)
         staged = self._on_device(tensor)
         if self.size == 1:
             handle = completed(staged, "allreduce")
         else:
-            work = self._track(dist.all_reduce(staged, op=_DIST_OPS[op], async_op=True), "allreduce", staged)
-            handle = _WorkHandle(work, staged, "allreduce")
+            work = dist.all_reduce(staged, op=_DIST_OPS[op], group=self.group, async_op=True)
+            handle = WorkHandle(self._track(work, "allreduce", staged), staged, "allreduce")
         if op is ReduceOp.AVERAGE:
             handle.then(lambda out: out.div_(self.size))
         return handle.then(lambda out: out if out is tensor else tensor.copy_(out))
 
-    def broadcast_async_(self, tensor: torch.Tensor, root: int) -> Handle:
+    def broadcast_async_(self, tensor: torch.Tensor, root: int, *, check: str | None = None) -> Handle:
+        self._verify(check, "broadcast", tensor, root=root)
         staged = self._on_device(tensor)
-        work = self._track(dist.broadcast(staged, src=root, async_op=True), "broadcast", staged)
-        handle = _WorkHandle(work, staged, "broadcast")
+        work = dist.broadcast(staged, src=self._global(root), group=self.group, async_op=True)
+        handle = WorkHandle(self._track(work, "broadcast", staged), staged, "broadcast")
         return handle.then(lambda out: out if out is tensor else tensor.copy_(out))
 
-    def allgather_async(self, tensor: torch.Tensor) -> Handle:
+    def allgather_async(self, tensor: torch.Tensor, *, check: str | None = None) -> Handle:
         source = self._on_device(tensor.detach())
         if source.dim() == 0:
             source = source.reshape(1)
+        self._verify(check, "allgather", source, rows_may_differ=True)
         # torch.distributed gathers equal shapes only: pad the first dimension to
         # the longest rank's, then cut each piece back.
         rows = self.allgather_object(source.shape[0])
-        longest = max(rows)
-        padded = torch.zeros((longest, *source.shape[1:]), dtype=source.dtype, device=source.device)
-        padded[: source.shape[0]] = source
+        padded = self._padded(source, max(rows))
         pieces = [torch.empty_like(padded) for _ in rows]
-        work = self._track(dist.all_gather(pieces, padded, async_op=True), "allgather", padded)
-        handle = _WorkHandle(work, pieces, "allgather")
+        work = dist.all_gather(pieces, padded, group=self.group, async_op=True)
+        handle = WorkHandle(self._track(work, "allgather", padded), pieces, "allgather")
         return handle.then(lambda out: torch.cat([p[:n] for p, n in zip(out, rows)]).to(tensor.device))
 
     @contextlib.contextmanager
@@ -171,7 +122,7 @@ class TorchDistCommunicator(Communicator):
         try:
             yield
         except RuntimeError as err:
-            raise _explain_timeout(err, name) from None
+            raise explain_timeout(err, name) from None
         finally:
             if desc is not None:
                 self.collectives.finish(desc)
@@ -179,29 +130,54 @@ class TorchDistCommunicator(Communicator):
     def broadcast_object(self, obj: Any, root: int) -> Any:
         holder = [obj]
         with self._blocking("broadcast_object"):
-            dist.broadcast_object_list(holder, src=root, device=self._object_device())
+            dist.broadcast_object_list(holder, src=self._global(root), group=self.group, device=self._object_device())
         return holder[0]
 
     def allgather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.size
         with self._blocking("allgather_object"):
-            dist.all_gather_object(out, obj)
+            dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def gather_object(self, obj: Any, root: int) -> list[Any] | None:
         out: list[Any] | None = [None] * self.size if self.rank == root else None
         with self._blocking("gather_object"):
-            dist.gather_object(obj, out, dst=root)
+            dist.gather_object(obj, out, dst=self._global(root), group=self.group)
         return out
 
     def barrier(self) -> None:
         with self._blocking("barrier"):
-            dist.barrier()
+            dist.barrier(group=self.group)
 
     def _object_device(self):
         return self.device if self.name == "nccl" else None
 
+    def split(self, ranks: list[int]) -> TorchDistCommunicator | None:
+        members = list(ranks)
+        error = split_ranks_error(members, self.size)
+        if error is None and members != sorted(members):
+            # torch.distributed numbers a group's ranks in ascending order of their global ranks.
+            error = f"ranks must be in ascending order for a {self.name} sub-communicator, got {members}: sort them"
+        self._verify("" if self.check_collectives else None, "split", error=error, splits=None if error else members)
+        global_members = [self._global(r) for r in members]
+        if self.group is None:  # every rank of the default group must create every group
+            group = dist.new_group(global_members)
+        elif self.rank in members:
+            group = dist.new_group(global_members, use_local_synchronization=True)
+        else:
+            group = None
+        if self.rank not in members:
+            return None
+        child = TorchDistCommunicator(self.name, self.device, group=group)
+        child.check_collectives = self.check_collectives
+        return child
+
     def close(self) -> None:
+        if self.group is not None:  # a sub-communicator: the default group stays
+            if dist.is_initialized():
+                dist.destroy_process_group(self.group)
+            self._recent_works.clear()
+            return
         if self._inspector is not None:
             self._inspector.stop()
             self._inspector._comm.Free()

@@ -41,7 +41,8 @@ def read_settings(environ: Mapping[str, str]) -> dict[str, Any]:
     HPCDDP_BACKEND sets ``backend``, HPCDDP_IFACE ``interface``, HPCDDP_STALL_TIMEOUT
     ``stall_timeout`` (seconds), HPCDDP_STALL_ABORT_AFTER ``stall_abort_after``
     (seconds), HPCDDP_STALL_ACTION ``stall_action``, HPCDDP_DIST_TIMEOUT
-    ``dist_timeout`` (seconds), HPCDDP_TIMELINE ``timeline`` (a path); an explicit
+    ``dist_timeout`` (seconds), HPCDDP_TIMELINE ``timeline`` (a path),
+    HPCDDP_CHECK_COLLECTIVES ``check_collectives`` (0 or 1); an explicit
     ``init()`` argument wins over any of them.
 
     Args:
@@ -70,6 +71,11 @@ def read_settings(environ: Mapping[str, str]) -> dict[str, Any]:
         if action not in ("abort", "warn"):
             raise ValueError(f"environment variable HPCDDP_STALL_ACTION must be 'abort' or 'warn', got {action!r}")
         settings["stall_action"] = action
+    check = environ.get("HPCDDP_CHECK_COLLECTIVES", "").strip().lower()
+    if check:
+        if check not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+            raise ValueError(f"environment variable HPCDDP_CHECK_COLLECTIVES must be 0 or 1, got {check!r}")
+        settings["check_collectives"] = check in ("1", "true", "yes", "on")
     timeline = environ.get("HPCDDP_TIMELINE", "").strip()
     if timeline:
         settings["timeline"] = timeline

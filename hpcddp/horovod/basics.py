@@ -8,48 +8,49 @@ from .. import bootstrap
 from ..comm.base import ReduceOp
 
 __all__ = [
-    "Adasum", "Average", "Max", "Min", "Sum", "cross_rank", "cross_size", "cuda_built", "global_process_set",
-    "gloo_built", "gloo_enabled", "init", "is_initialized", "local_rank", "local_size", "mpi_built", "mpi_enabled",
-    "mpi_threads_supported", "nccl_built", "rank", "rocm_built", "shutdown", "size", "start_timeline",
-    "stop_timeline",
+    "Adasum", "Average", "HorovodInternalError", "Max", "Min", "Product", "Sum", "ccl_built", "cross_rank",
+    "cross_size", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "init", "is_initialized", "local_rank",
+    "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "rocm_built",
+    "shutdown", "size", "start_timeline", "stop_timeline",
 ]  # fmt: skip
 
 Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM
 Min = ReduceOp.MIN
 Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
 #: accepted as a name so scripts import; using it raises NotImplementedError
 Adasum = "adasum"
 
-#: Horovod's default process set: all ranks (the only one hpcddp supports)
-global_process_set = "global"
+
+class HorovodInternalError(RuntimeError):
+    """Horovod's error for a failed collective; hpcddp raises CollectiveMismatchError (also a RuntimeError)."""
+
 
 # (cross_rank, cross_size), computed collectively by init() (or the first call).
 _cross: tuple[int, int] | None = None
 
 
-def check_process_set(process_set) -> None:
-    """Refuse any process set but the global one."""
-    if process_set is not global_process_set and process_set is not None:
-        raise NotImplementedError(
-            f"hpcddp.horovod supports only the global process set, got process_set={process_set!r}: drop it"
-        )
-
-
 def init(comm=None, process_sets=None) -> None:
-    """Start hpcddp (``hpcddp.init()``); collective. ``comm`` and ``process_sets`` must stay None.
+    """Start hpcddp (``hpcddp.init()``) and register ``process_sets``; collective. Again after ``shutdown()``.
 
     Args:
-        comm: Horovod's sub-communicator option; only all ranks are supported.
-        process_sets: Horovod's process sets; not supported.
+        comm: Horovod's sub-communicator option (a list of ranks or an mpi4py
+            communicator); only all ranks are supported.
+        process_sets: ProcessSets (or rank lists) to register at once, or "dynamic".
     """
-    if comm is not None or process_sets not in (None, "dynamic"):
+    if comm is not None:
         raise NotImplementedError(
-            f"hpcddp.horovod.init supports only the global communicator, got comm={comm!r}, "
-            f"process_sets={process_sets!r}: drop both"
+            f"hpcddp.horovod.init supports only the global communicator, got comm={comm!r}: "
+            "drop it and use process_sets= (hvd.add_process_set) for subsets of ranks"
         )
     bootstrap.init()
     _compute_cross()
+    if process_sets not in (None, "dynamic"):
+        from .process_sets import add_process_set
+
+        for process_set in process_sets:
+            add_process_set(process_set)
 
 
 def _compute_cross() -> tuple[int, int]:
@@ -78,9 +79,13 @@ def cross_size() -> int:
 
 
 def shutdown() -> None:
-    """Leave the job (``hpcddp.shutdown()``)."""
+    """Leave the job (``hpcddp.shutdown()``); ``init()`` may be called again afterwards."""
     global _cross
+    from .process_sets import forget_process_sets
+
     _cross = None
+    if bootstrap.is_initialized():
+        forget_process_sets()
     bootstrap.shutdown()
 
 
@@ -134,6 +139,16 @@ def nccl_built() -> int:
     return major * 10000 + minor * 100 + patch
 
 
+def ccl_built() -> bool:
+    """Return False: hpcddp has no oneCCL backend."""
+    return False
+
+
+def ddl_built() -> bool:
+    """Return False: hpcddp has no IBM DDL backend."""
+    return False
+
+
 def cuda_built() -> bool:
     """Return True when torch was built with CUDA."""
     return torch.version.cuda is not None
@@ -145,7 +160,10 @@ def rocm_built() -> bool:
 
 
 def start_timeline(file_path, mark_cycles=False) -> None:
-    """Start recording hpcddp's timeline to ``file_path`` (see ``hpcddp.timeline``); collective."""
+    """Start recording hpcddp's timeline to ``file_path`` (see ``hpcddp.timeline``); collective.
+
+    ``mark_cycles`` is accepted for Horovod's signature (hpcddp has no cycles).
+    """
     from ..timeline import start
 
     start(file_path)

@@ -1,4 +1,4 @@
-"""Horovod's collectives: allreduce, allgather and broadcast (differentiable, as Horovod's), objects, handles."""
+"""Horovod's allreduce family (plain, in place, grouped, sparse; differentiable as Horovod's) and its handles."""
 
 from __future__ import annotations
 
@@ -6,19 +6,37 @@ from typing import Any
 
 import torch
 
-from .. import bootstrap, collectives
-from ..broadcast import broadcast_optimizer_state as _broadcast_optimizer_state
-from ..broadcast import broadcast_parameters as _broadcast_parameters
 from ..comm.base import Handle, ReduceOp, parse_op
 from ..stall import collective_tag
-from .basics import Adasum, Average, Sum, check_process_set, global_process_set
+from .basics import Adasum, Average, Sum
 from .compression import Compression
+from .process_sets import communicator_of, global_process_set
 
 __all__ = [
-    "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
-    "allreduce_async_", "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
-    "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "poll", "synchronize",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_",
+    "grouped_allreduce_async", "grouped_allreduce_async_", "poll", "sparse_allreduce_async", "synchronize",
 ]  # fmt: skip
+
+# Names of the operations in flight: Horovod refuses a second one under the same name.
+_in_flight: dict[str, Handle] = {}
+
+
+def start(name: str | None, launch) -> Handle:
+    """Run ``launch()`` (which starts a collective and returns its handle) under ``name``.
+
+    Raises ValueError, as Horovod does, while another operation of that name is in flight.
+    """
+    if name is not None:
+        previous = _in_flight.get(name)
+        if previous is not None and not previous.poll():
+            raise ValueError(
+                f"a collective named {name!r} is still in flight: synchronize it first or give this one another name"
+            )
+    with collective_tag(name or ""):
+        handle = launch()
+    if name is not None:
+        _in_flight[name] = handle
+    return handle
 
 
 def resolve_op(op, average=None) -> ReduceOp:
@@ -32,21 +50,23 @@ def resolve_op(op, average=None) -> ReduceOp:
     return Average if op is None else parse_op(op)
 
 
-def _allreduce_handle(tensor, op: ReduceOp, name, compression, prescale_factor, postscale_factor, in_place) -> Handle:
+def allreduce_handle(tensor, op: ReduceOp, name, prescale_factor, postscale_factor, in_place, process_set,
+                     compression=Compression.none) -> Handle:  # fmt: skip
+    """Start one allreduce as Horovod's: scaling, integer averages, compression; the handle yields the output."""
+    comm = communicator_of(process_set)
     # detach(): in place on a parameter (a leaf that requires grad) writes its data, as Horovod does.
     source = tensor.detach() if in_place else tensor.detach().clone()
     if prescale_factor != 1.0:
         source.mul_(prescale_factor)
-    # Horovod divides an integer average in place, rounding down; MPI sums, we divide after.
+    # Horovod's integer average truncates a sum; MPI sums, we divide after.
     integer_average = op is Average and not source.dtype.is_floating_point
     wire, ctx = compression.compress(source)
-    with collective_tag(name or ""):
-        handle = collectives.allreduce_async_(wire, Sum if integer_average else op)
+    handle = start(name, lambda: comm.allreduce_async_(wire, Sum if integer_average else op, check=name or ""))
 
     def finish(out: torch.Tensor) -> torch.Tensor:
         out = compression.decompress(out, ctx)
         if integer_average:
-            out.floor_divide_(bootstrap.size())
+            out.div_(comm.size, rounding_mode="trunc")
         if postscale_factor != 1.0:
             out.mul_(postscale_factor)
         if out is not source:
@@ -60,23 +80,22 @@ class _Allreduce(torch.autograd.Function):
     """Allreduce whose gradient is the same allreduce of the incoming gradient (Horovod's rule)."""
 
     @staticmethod
-    def forward(ctx, tensor, op, name, prescale_factor, postscale_factor):
-        ctx.args = (op, prescale_factor, postscale_factor)
-        return _allreduce_handle(tensor, op, name, Compression.none, prescale_factor, postscale_factor, False).wait()
+    def forward(ctx, tensor, op, name, prescale_factor, postscale_factor, process_set):
+        ctx.args = (op, prescale_factor, postscale_factor, process_set)
+        return allreduce_handle(tensor, op, name, prescale_factor, postscale_factor, False, process_set).wait()
 
     @staticmethod
     def backward(ctx, grad):
-        op, prescale, postscale = ctx.args
-        reduced = _allreduce_handle(grad, op, None, Compression.none, prescale, postscale, False).wait()
-        return reduced, None, None, None, None
+        op, prescale, postscale, process_set = ctx.args
+        reduced = allreduce_handle(grad, op, None, prescale, postscale, False, process_set).wait()
+        return reduced, None, None, None, None, None
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=global_process_set) -> Handle:  # fmt: skip
     """Start reducing a copy of ``tensor`` (Average by default); ``synchronize`` returns it."""
-    check_process_set(process_set)
-    return _allreduce_handle(
-        tensor, resolve_op(op, average), name, Compression.none, prescale_factor, postscale_factor, False
+    return allreduce_handle(
+        tensor, resolve_op(op, average), name, prescale_factor, postscale_factor, False, process_set
     )
 
 
@@ -86,22 +105,20 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 
     Differentiable: the gradient is the same allreduce of the incoming gradient.
     """
-    check_process_set(process_set)
     reduce_op = resolve_op(op, average)
     if tensor.requires_grad and torch.is_grad_enabled():
         wire, ctx = compression.compress(tensor)
-        reduced = _Allreduce.apply(wire, reduce_op, name, prescale_factor, postscale_factor)
+        reduced = _Allreduce.apply(wire, reduce_op, name, prescale_factor, postscale_factor, process_set)
         return compression.decompress(reduced, ctx)
-    return _allreduce_handle(tensor, reduce_op, name, compression, prescale_factor, postscale_factor, False).wait()
+    return allreduce_handle(
+        tensor, reduce_op, name, prescale_factor, postscale_factor, False, process_set, compression
+    ).wait()
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=global_process_set) -> Handle:  # fmt: skip
     """Start reducing ``tensor`` in place; ``synchronize`` returns it."""
-    check_process_set(process_set)
-    return _allreduce_handle(
-        tensor, resolve_op(op, average), name, Compression.none, prescale_factor, postscale_factor, True
-    )
+    return allreduce_handle(tensor, resolve_op(op, average), name, prescale_factor, postscale_factor, True, process_set)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -110,84 +127,115 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
     return allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set).wait()
 
 
-class _Allgather(torch.autograd.Function):
-    """Allgather whose gradient is this rank's rows of the summed incoming gradient."""
+def _grouped(tensors, op, name, prescale, postscale, in_place, process_set) -> Handle:
+    """Start one allreduce per tensor; the handle yields the list of outputs."""
+    tensors = list(tensors)
+    handles = [
+        allreduce_handle(t, op, None if name is None else f"{name}.{i}", prescale, postscale, in_place, process_set)
+        for i, t in enumerate(tensors)
+    ]
+    return start(name, lambda: GroupHandle(handles, "grouped_allreduce"))
+
+
+class GroupHandle(Handle):
+    """One handle over several: done when all are, its result the list of theirs."""
+
+    def __init__(self, handles: list[Handle], name: str) -> None:
+        super().__init__(name)
+        self._handles = handles
+
+    def poll(self) -> bool:
+        return all(h.poll() for h in self._handles)
+
+    def _block(self, timeout: float | None) -> bool:
+        if not self._done.is_set():
+            try:
+                self.set_result([h.wait(timeout) for h in self._handles])
+            except TimeoutError:
+                return False
+            except BaseException as err:  # noqa: BLE001 - raised by wait(), in the caller's thread
+                self.set_exception(err)
+        return True
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, op, name, prescale, postscale, process_set, *tensors):
+        ctx.args = (op, prescale, postscale, process_set)
+        return tuple(_grouped(tensors, op, name, prescale, postscale, False, process_set).wait())
 
     @staticmethod
-    def forward(ctx, tensor, name):
-        ctx.rows = tensor.shape[0] if tensor.dim() else 1
-        with collective_tag(name or ""):
-            return collectives.allgather(tensor.detach())
-
-    @staticmethod
-    def backward(ctx, grad):
-        summed = collectives.allreduce(grad, op="sum")
-        rows = collectives.allgather_object(ctx.rows)
-        offset = sum(rows[: bootstrap.rank()])
-        return summed.narrow(0, offset, ctx.rows), None
-
-
-def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle:
-    """Start concatenating every rank's ``tensor`` along dim 0 (first dims may differ)."""
-    check_process_set(process_set)
-    with collective_tag(name or ""):
-        return collectives.allgather_async(tensor)
+    def backward(ctx, *grads):
+        op, prescale, postscale, process_set = ctx.args
+        return (
+            None,
+            None,
+            None,
+            None,
+            None,
+            *_grouped(grads, op, None, prescale, postscale, False, process_set).wait(),
+        )
 
 
-def allgather(tensor, name=None, process_set=global_process_set) -> torch.Tensor:
-    """Return every rank's ``tensor`` concatenated along dim 0, in rank order; differentiable."""
-    check_process_set(process_set)
-    if tensor.requires_grad and torch.is_grad_enabled():
-        return _Allgather.apply(tensor, name)
-    return allgather_async(tensor, name).wait()
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                            process_set=global_process_set) -> Handle:  # fmt: skip
+    """Start reducing copies of ``tensors``; ``synchronize`` returns the list of reductions."""
+    return _grouped(tensors, resolve_op(op, average), name, prescale_factor, postscale_factor, False, process_set)
 
 
-class _Broadcast(torch.autograd.Function):
-    """Broadcast whose gradient, on the root, is the sum of every rank's incoming gradient."""
-
-    @staticmethod
-    def forward(ctx, tensor, root_rank, name):
-        ctx.root_rank = root_rank
-        with collective_tag(name or ""):
-            return collectives.broadcast(tensor.detach(), root_rank)
-
-    @staticmethod
-    def backward(ctx, grad):
-        summed = collectives.allreduce(grad, op="sum")
-        if bootstrap.rank() != ctx.root_rank:
-            summed.zero_()
-        return summed, None, None
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set) -> list:  # fmt: skip
+    """Return the reduction of each tensor in ``tensors``; differentiable."""
+    reduce_op = resolve_op(op, average)
+    pairs = [compression.compress(t) for t in tensors]
+    wires = [wire for wire, _ in pairs]
+    if any(t.requires_grad for t in wires) and torch.is_grad_enabled():
+        reduced = _GroupedAllreduce.apply(reduce_op, name, prescale_factor, postscale_factor, process_set, *wires)
+    else:
+        reduced = _grouped(wires, reduce_op, name, prescale_factor, postscale_factor, False, process_set).wait()
+    return [compression.decompress(t, ctx) for t, (_, ctx) in zip(reduced, pairs)]
 
 
-def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
-    """Start broadcasting root's ``tensor`` into a copy; ``synchronize`` returns it."""
-    check_process_set(process_set)
-    with collective_tag(name or ""):
-        return collectives.broadcast_async(tensor, root_rank)
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                             process_set=global_process_set) -> Handle:  # fmt: skip
+    """Start reducing every tensor of ``tensors`` in place."""
+    return _grouped(tensors, resolve_op(op, average), name, prescale_factor, postscale_factor, True, process_set)
 
 
-def broadcast(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
-    """Return root's ``tensor`` on every rank, leaving the argument unchanged; differentiable."""
-    check_process_set(process_set)
-    if tensor.requires_grad and torch.is_grad_enabled():
-        return _Broadcast.apply(tensor, root_rank, name)
-    return broadcast_async(tensor, root_rank, name).wait()
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                       process_set=global_process_set) -> list:  # fmt: skip
+    """Reduce every tensor of ``tensors`` in place and return them."""
+    return grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set).wait()
 
 
-def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
-    """Start overwriting ``tensor`` with root's in place."""
-    check_process_set(process_set)
-    with collective_tag(name or ""):
-        return collectives.broadcast_async_(tensor, root_rank)
+def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
+    """Start reducing a sparse COO tensor as Horovod does: allgather its indices and values.
 
+    Returns a function; calling it waits and returns the sparse result (duplicate
+    indices summed when coalesced; divided by the set's size for Average).
+    """
+    from .vector_ops import allgather_async
 
-def broadcast_(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
-    """Overwrite ``tensor`` with root's on every rank and return it."""
-    return broadcast_async_(tensor, root_rank, name, process_set).wait()
+    sparse = tensor.coalesce() if not tensor.is_coalesced() else tensor
+    # allgather concatenates rows: indices travel transposed, one row per nonzero.
+    indices = allgather_async(sparse.indices().t().contiguous(), name=f"{name}.indices", process_set=process_set)
+    values = allgather_async(sparse.values(), name=f"{name}.values", process_set=process_set)
+    size = communicator_of(process_set).size
+
+    def finish() -> torch.Tensor:
+        gathered_values = synchronize(values)
+        gathered_indices = synchronize(indices)
+        if parse_op(op) is Average:
+            gathered_values = gathered_values / size
+        return torch.sparse_coo_tensor(gathered_indices.t(), gathered_values, tensor.shape)
+
+    return finish
 
 
 def synchronize(handle: Handle) -> Any:
-    """Wait for an ``*_async`` operation and return its output tensor."""
+    """Wait for an ``*_async`` operation and return its output."""
+    if callable(handle) and not isinstance(handle, Handle):
+        return handle()
     if not isinstance(handle, Handle):
         raise TypeError(f"synchronize takes a handle from an *_async function, got {type(handle).__name__}")
     return handle.wait()
@@ -196,41 +244,3 @@ def synchronize(handle: Handle) -> Any:
 def poll(handle: Handle) -> bool:
     """Return True if the ``*_async`` operation behind ``handle`` has finished."""
     return handle.poll()
-
-
-def barrier(process_set=global_process_set) -> None:
-    """Block until every rank has reached the barrier."""
-    check_process_set(process_set)
-    collectives.barrier()
-
-
-def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set) -> Any:
-    """Return root's picklable ``obj`` on every rank."""
-    check_process_set(process_set)
-    return collectives.broadcast_object(obj, root_rank)
-
-
-def allgather_object(obj, name=None, process_set=global_process_set) -> list[Any]:
-    """Return the list of every rank's picklable ``obj``, in rank order."""
-    check_process_set(process_set)
-    return collectives.allgather_object(obj)
-
-
-def broadcast_parameters(params, root_rank, process_set=global_process_set) -> None:
-    """Overwrite every rank's parameters with root's, in place.
-
-    Args:
-        params: ``model.state_dict()``, ``model.named_parameters()`` or a list of tensors.
-        root_rank: the rank whose values everyone takes.
-        process_set: only the global process set is supported.
-    """
-    check_process_set(process_set)
-    items = list(params.items()) if isinstance(params, dict) else list(params)
-    named = [item if isinstance(item, tuple) else (f"tensor.{i}", item) for i, item in enumerate(items)]
-    _broadcast_parameters(named, root_rank)
-
-
-def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=global_process_set) -> None:
-    """Give every rank root's optimizer state (``model`` is accepted for Horovod's signature)."""
-    check_process_set(process_set)
-    _broadcast_optimizer_state(optimizer, root_rank)

@@ -7,13 +7,14 @@ import time
 import weakref
 from collections.abc import Iterator
 
-from .. import collectives
+from .. import bootstrap, collectives
 from .._optimizer_args import check_backward_passes
 from ..join import shadow_until_all_joined, sync_from_last_joiner
 from ..optimizer import DistributedOptimizer as _HpcddpOptimizer
-from .basics import Average, check_process_set, global_process_set
+from .basics import Average
 from .compression import OPTIMIZER_COMPRESSION, Compression
 from .ops import resolve_op
+from .process_sets import communicator_of, global_process_set
 
 __all__ = ["DistributedOptimizer", "join"]
 
@@ -58,9 +59,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         num_groups: ignored (see above).
         groups: ignored (see above).
         sparse_as_dense: must be False: hpcddp reduces dense gradients only.
-        process_set: only the global process set is supported.
+        process_set: the ranks that reduce their gradients together (a ProcessSet).
     """
-    check_process_set(process_set)
+    comm = communicator_of(process_set)
     if sparse_as_dense:
         raise NotImplementedError("sparse_as_dense=True is not supported: hpcddp reduces dense gradients only")
     if compression not in OPTIMIZER_COMPRESSION:
@@ -78,6 +79,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         compression=OPTIMIZER_COMPRESSION[compression],
         op=reduce_op,
         gradient_predivide_factor=gradient_predivide_factor if reduce_op is Average else None,
+        # The default communicator for the global set: only then does it record timelines.
+        communicator=None if process_set is global_process_set else comm,
     )
     # Horovod gives a parameter that no rank used a zero gradient (so momentum and
     # weight decay still move it), where DDP and hpcddp leave it None.
@@ -89,10 +92,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
 def join(device=-1) -> int:
     """Wait for every rank, shadowing the others' gradient reductions; return the rank that joined last.
 
-    Call it on every rank when its data runs out. The last rank is the one that
-    took the most optimizer steps; without a live ``DistributedOptimizer`` it is
-    the one whose clock read latest on arrival (approximate across nodes).
-    ``device`` is accepted for Horovod's signature.
+    Call it on every rank when its data runs out. With a live ``DistributedOptimizer``
+    the last rank is the one that took the most optimizer steps. Without one (mpi
+    backend), a joined rank stands in for the others' ``hvd.allreduce`` calls with
+    zeros (averages still divide by ``size()``) and their allgathers, broadcasts,
+    alltoalls and reducescatters raise RuntimeError, as in Horovod; the last rank
+    is the one that joined last. ``device`` is accepted for Horovod's signature.
     """
     optimizers = [opt for opt in list(_optimizers) if opt.buckets and not opt.reducer.closed]
     if len(optimizers) > 1:
@@ -105,5 +110,9 @@ def join(device=-1) -> int:
         joined_at = optimizer.reducer.num_reductions
         shadow_until_all_joined(optimizer)
         return sync_from_last_joiner(optimizer.reducer, joined_at)
-    arrivals = collectives.allgather_object(time.time())
-    return max(range(len(arrivals)), key=lambda r: (arrivals[r], r))
+    comm = bootstrap.communicator()
+    try:
+        return comm.join()
+    except NotImplementedError:  # gloo/nccl: no stand-in for the others' collectives
+        arrivals = collectives.allgather_object(time.time())
+        return max(range(len(arrivals)), key=lambda r: (arrivals[r], r))

@@ -101,7 +101,7 @@ def test_build_queries_barrier_and_unsupported_options():
     hvd.barrier()
     with pytest.raises(NotImplementedError, match="Adasum"):
         hvd.allreduce(torch.ones(1), op=hvd.Adasum)
-    with pytest.raises(NotImplementedError, match="global process set, got process_set='other'"):
+    with pytest.raises(TypeError, match="process_set must be a ProcessSet"):
         hvd.allreduce(torch.ones(1), process_set="other")
 
 

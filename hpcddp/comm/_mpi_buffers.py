@@ -1,0 +1,111 @@
+"""Torch tensors as MPI buffers: dtypes, staging through host memory, reduction ops for 16-bit floats."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .base import ReduceOp
+
+__all__ = ["HALF_DTYPES", "NUMPY_DTYPE_NAMES", "MPIOps", "bytes_view", "dtype_name", "explain_failure", "staged"]
+
+_TORCH_TO_NUMPY = {
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+    torch.int16: np.int16,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+}
+#: dtypes MPI reduces natively, by name (the hot path looks names up here)
+NUMPY_DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in _TORCH_TO_NUMPY}
+
+# MPI has no standard 16-bit float: these travel as 2-byte integers and are combined
+# by user-defined ops that view the bytes with the right dtype.
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Return ``dtype``'s name without the ``torch.`` prefix."""
+    return NUMPY_DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
+
+
+def bytes_view(tensor: torch.Tensor) -> np.ndarray:
+    """Return a contiguous CPU tensor's memory as a flat uint8 array (no copy)."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+def staged(tensor: torch.Tensor) -> torch.Tensor:
+    """Return ``tensor`` itself when MPI can use its memory, else a contiguous CPU copy."""
+    if tensor.device.type == "cpu" and tensor.is_contiguous():
+        return tensor
+    return tensor.detach().cpu().contiguous()
+
+
+def explain_failure(err: BaseException, desc) -> BaseException:
+    """Say what MPI's mismatched-count error means, naming the collective ``desc``."""
+    if "MPI_ERR_TRUNCATE" not in str(err):
+        return err
+    explained = RuntimeError(
+        f"{desc} failed with {err}: the ranks passed tensors of different sizes to the same collective "
+        "(different models on different ranks, or data-dependent shapes)"
+    )
+    explained.__cause__ = err
+    return explained
+
+
+class MPIOps:
+    """MPI reduction ops and buffer specs for every dtype hpcddp reduces."""
+
+    def __init__(self, MPI) -> None:
+        self._MPI = MPI
+        self._created: dict[tuple[torch.dtype, ReduceOp], Any] = {}
+        # Averages are sums, divided after.
+        self.plain = {
+            ReduceOp.SUM: MPI.SUM,
+            ReduceOp.AVERAGE: MPI.SUM,
+            ReduceOp.MIN: MPI.MIN,
+            ReduceOp.MAX: MPI.MAX,
+            ReduceOp.PRODUCT: MPI.PROD,
+        }
+
+    def check_reducible(self, dtype: torch.dtype, op: ReduceOp, what: str = "allreduce") -> None:
+        """Raise TypeError for a dtype or op MPI cannot reduce."""
+        if dtype not in _TORCH_TO_NUMPY and dtype not in HALF_DTYPES:
+            raise TypeError(f"{what} does not support tensors of dtype {dtype}")
+        if op is ReduceOp.AVERAGE and not dtype.is_floating_point:
+            raise TypeError(f"op='average' needs a floating-point tensor, got {dtype}: use op='sum'")
+
+    def op(self, dtype: torch.dtype, op: ReduceOp):
+        """Return the MPI op reducing ``dtype`` with ``op``."""
+        if dtype not in HALF_DTYPES:
+            return self.plain[op]
+        key = (dtype, op)
+        if key not in self._created:
+            combine = {ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum, ReduceOp.PRODUCT: torch.mul}.get(
+                op, torch.add
+            )
+
+            def reduce_half(inbuf, outbuf, datatype, dtype=dtype, combine=combine):
+                out = torch.frombuffer(outbuf, dtype=dtype)
+                combine(out, torch.frombuffer(inbuf, dtype=dtype), out=out)
+
+            self._created[key] = self._MPI.Op.Create(reduce_half, commute=True)
+        return self._created[key]
+
+    def buffer(self, tensor: torch.Tensor, counts=None, displs=None):
+        """Return an mpi4py buffer spec for a contiguous CPU tensor (element counts, if given)."""
+        if tensor.dtype in HALF_DTYPES:
+            data, datatype = tensor.view(torch.int16).reshape(-1).numpy(), self._MPI.SHORT
+        else:
+            data, datatype = tensor.reshape(-1).numpy(), None
+        if counts is None:
+            return data if datatype is None else [data, datatype]
+        if datatype is None:
+            from mpi4py.util.dtlib import from_numpy_dtype
+
+            datatype = from_numpy_dtype(data.dtype)
+        return [data, counts, displs, datatype] if displs is not None else [data, counts, datatype]

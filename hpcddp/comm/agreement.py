@@ -1,0 +1,191 @@
+"""Metadata agreement: every rank describes the collective it is about to run, and they compare.
+
+As Horovod's negotiation, but one small reduction instead of a coordinator: each rank
+hashes its collective's signature (op, shape, dtype, root, reduce op, splits) and the
+ranks reduce ``[hash, -hash, -error]`` with MIN, which yields the smallest and the
+largest hash and whether any rank found its own arguments bad. Every rank gets the same
+three numbers, so on disagreement all of them take the slow path together: gather the
+signatures, build one message, skip the collective and raise CollectiveMismatchError.
+The communicator is then still in step on every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = [
+    "CollectiveArgumentError",
+    "CollectiveMismatchError",
+    "Signature",
+    "JOINED",
+    "JOINED_VECTOR",
+    "agreement_vector",
+    "all_joined",
+    "disagrees",
+    "mismatch_error",
+    "mismatch_message",
+    "signature",
+    "some_joined",
+]
+
+
+class CollectiveMismatchError(RuntimeError):
+    """The ranks called the same collective with arguments that do not match.
+
+    Raised on every rank alike; the collective was not run and the communicator
+    stays usable.
+    """
+
+
+class CollectiveArgumentError(CollectiveMismatchError, ValueError):
+    """A rank passed arguments the collective cannot take (splits that do not add up, ...).
+
+    Raised on every rank alike, as CollectiveMismatchError; also a ValueError, as the
+    same mistake raises when the check is off.
+    """
+
+
+class Signature(NamedTuple):
+    """What one rank says about the collective it is about to run."""
+
+    op: str
+    #: the shape that must agree (allgather/gather/alltoall: without the first dimension)
+    shape: tuple[int, ...] | None = None
+    dtype: str | None = None
+    root: int | None = None
+    reduce_op: str | None = None
+    splits: tuple[int, ...] | None = None
+    #: a problem this rank found with its own arguments (compared as "some rank has one")
+    error: str | None = None
+    #: the user's name for the tensor, reported but not compared
+    name: str = ""
+
+    def compared(self) -> tuple:
+        return (self.op, self.shape, self.dtype, self.root, self.reduce_op, self.splits)
+
+
+def signature(
+    op: str,
+    tensor: torch.Tensor | None = None,
+    *,
+    rows_may_differ: bool = False,
+    root: int | None = None,
+    reduce_op: Any = None,
+    splits: Sequence[int] | None = None,
+    error: str | None = None,
+    name: str = "",
+) -> Signature:
+    """Describe a collective for the agreement check.
+
+    Args:
+        op: the collective's name ("allreduce", ...).
+        tensor: its tensor, if any.
+        rows_may_differ: the first dimension may differ between ranks (allgather).
+        root: the root rank, for rooted collectives.
+        reduce_op: the reduction (a ReduceOp or its name).
+        splits: splits that must be the same on every rank.
+        error: what is wrong with this rank's own arguments, if anything.
+        name: the tensor's name, for the message.
+    """
+    shape = dtype = None
+    if tensor is not None:
+        shape = tuple(tensor.shape[1:]) if rows_may_differ else tuple(tensor.shape)
+        dtype = str(tensor.dtype).removeprefix("torch.")
+    reduce_name = getattr(reduce_op, "value", reduce_op)
+    return Signature(op, shape, dtype, root, reduce_name, None if splits is None else tuple(splits), error, name)
+
+
+def _fingerprint(sig: Signature) -> int:
+    digest = hashlib.blake2b(repr(sig.compared()).encode(), digest_size=8).digest()
+    # 62 bits: the negation below must stay within int64.
+    return int.from_bytes(digest, "little") >> 2
+
+
+# A joined rank (Horovod's join) takes part in every check with this vector: it never
+# wins the MIN over a real hash, and its last two entries say "some/all ranks joined".
+_ABOVE_ANY_HASH = 1 << 62
+JOINED_VECTOR = (_ABOVE_ANY_HASH, _ABOVE_ANY_HASH, 0, 1, -1)
+#: the signature a joined rank contributes when the ranks compare signatures
+JOINED = Signature("join")
+
+
+def agreement_vector(sig: Signature) -> list[int]:
+    """Return this rank's ``[hash, -hash, -error, joined, -joined]``, to be reduced with MIN across ranks."""
+    fingerprint = _fingerprint(sig)
+    return [fingerprint, -fingerprint, -int(sig.error is not None), 0, 0]
+
+
+def disagrees(reduced: Sequence[int]) -> bool:
+    """Return True when the MIN-reduced agreement vectors show a mismatch, a rank's error, or joined ranks."""
+    return int(reduced[0]) != -int(reduced[1]) or int(reduced[2]) != 0 or int(reduced[4]) != 0
+
+
+def some_joined(reduced: Sequence[int]) -> bool:
+    """Return True when the reduced vectors show a rank that has joined (Horovod's join)."""
+    return len(reduced) > 4 and int(reduced[4]) != 0
+
+
+def all_joined(reduced: Sequence[int]) -> bool:
+    """Return True when every rank has joined."""
+    return len(reduced) > 4 and int(reduced[3]) == 1
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def mismatch_error(signatures: Sequence[Signature]) -> CollectiveMismatchError:
+    """Return the exception every rank raises for these gathered signatures."""
+    if any(s.error is not None for s in signatures):
+        return CollectiveArgumentError(mismatch_message(signatures))
+    return CollectiveMismatchError(mismatch_message(signatures))
+
+
+def mismatch_message(all_signatures: Sequence[Signature]) -> str:
+    """Return the one message every rank raises, from every rank's signature (in rank order).
+
+    Args:
+        signatures: every rank's Signature, gathered.
+    """
+    joined = [r for r, s in enumerate(all_signatures) if s.op == JOINED.op]
+    signatures = [s for s in all_signatures if s.op != JOINED.op]
+    if joined and signatures and len({s.compared() for s in signatures}) == 1 and not any(s.error for s in signatures):
+        return (
+            f"{signatures[0].op} cannot run while {_ranks(joined)} {'has' if len(joined) == 1 else 'have'} joined "
+            "(hvd.join): only sum and average allreduces continue until every rank joins"
+        )
+    first = signatures[0]
+    names = sorted({s.name for s in signatures if s.name})
+    what = first.op + (f" of tensor {', '.join(map(repr, names))}" if names else "")
+    ranked = [(r, s) for r, s in enumerate(all_signatures) if s.op != JOINED.op]
+    errors = [(r, s.error) for r, s in ranked if s.error is not None]
+    if errors:
+        details = "; ".join(f"rank {r}: {error}" for r, error in errors)
+        return f"{what} was not run: {details}"
+    fields = ("op", "shape", "dtype", "root", "reduce_op", "splits")
+    differences = []
+    for index, field in enumerate(fields):
+        groups: dict[Any, list[int]] = {}
+        for r, sig in ranked:
+            groups.setdefault(sig.compared()[index], []).append(r)
+        if len(groups) > 1:
+            label = {"shape": "shape" if first.op not in _ROWS_MAY_DIFFER else "shape after the first dimension"}.get(
+                field, field.replace("_", " ")
+            )
+            parts = ", ".join(f"{_ranks(ranks)} {_show(value)}" for value, ranks in groups.items())
+            differences.append(f"{label} differs ({parts})")
+    fix = "every rank must call the same collectives in the same order with matching arguments"
+    return f"{what}: the ranks disagree: {'; '.join(differences)}; {fix}"
+
+
+_ROWS_MAY_DIFFER = ("allgather", "gather", "alltoall")
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, tuple):
+        return str(list(value))
+    return "none" if value is None else str(value)

@@ -1,0 +1,75 @@
+"""Horovod's object collectives, barrier, and parameter and optimizer-state broadcasts, per process set."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+
+from .. import bootstrap
+from .process_sets import communicator_of, global_process_set
+from .vector_ops import broadcast_async_
+
+__all__ = ["allgather_object", "barrier", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters"]
+
+
+def barrier(process_set=global_process_set) -> None:
+    """Block until every rank of the set has reached the barrier.
+
+    As Horovod's, it does not wait for this rank's collectives still in flight.
+    """
+    comm = communicator_of(process_set)
+    wait_here = getattr(comm, "barrier_now", comm.barrier)
+    wait_here()
+
+
+def broadcast_object(obj=None, root_rank=0, name=None, process_set=global_process_set) -> Any:
+    """Return root's picklable ``obj`` on every rank of the set."""
+    comm = communicator_of(process_set)
+    if not 0 <= root_rank < comm.size:
+        raise ValueError(f"root_rank must be in [0, {comm.size}), got {root_rank}")
+    return comm.broadcast_object(obj, root_rank)
+
+
+def allgather_object(obj, name=None, process_set=global_process_set) -> list[Any]:
+    """Return the list of every rank's picklable ``obj``, in rank order."""
+    return communicator_of(process_set).allgather_object(obj)
+
+
+def broadcast_parameters(params, root_rank, process_set=global_process_set) -> None:
+    """Overwrite every rank's parameters with root's, in place.
+
+    Args:
+        params: ``model.state_dict()``, ``model.named_parameters()`` or a list of tensors.
+        root_rank: the rank whose values everyone takes.
+        process_set: the ranks that take part.
+    """
+    items = list(params.items()) if isinstance(params, dict) else list(params)
+    tensors = [item[1] if isinstance(item, tuple) else item for item in items]
+    handles = [broadcast_async_(t, root_rank, process_set=process_set) for t in tensors if torch.is_tensor(t)]
+    for handle in handles:
+        handle.wait()
+
+
+def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=global_process_set) -> None:
+    """Give every rank of the set root's optimizer state and options (lr, betas, ...), keeping their types.
+
+    Args:
+        optimizer: a torch optimizer or a DistributedOptimizer.
+        root_rank: the rank whose state everyone takes.
+        model: accepted for Horovod's signature.
+        process_set: the ranks that take part.
+    """
+    comm = communicator_of(process_set)
+    if comm.size == 1:
+        return
+    payload = None
+    if comm.rank == root_rank:
+        buffer = io.BytesIO()
+        torch.save(optimizer.state_dict(), buffer)
+        payload = buffer.getvalue()
+    payload = broadcast_object(payload, root_rank, process_set=process_set)
+    if comm.rank != root_rank:
+        state = torch.load(io.BytesIO(payload), map_location=bootstrap.device(), weights_only=False)
+        optimizer.load_state_dict(state)

@@ -1,0 +1,80 @@
+"""The single-process communicator's newer operations and the collective-check switch, without MPI."""
+
+import pytest
+import torch
+
+from hpcddp.comm.agreement import Signature, agreement_vector, disagrees, mismatch_message, signature
+from hpcddp.comm.base import ReduceOp, even_splits, parse_op, splits_error
+from hpcddp.comm.local import LocalCommunicator
+from hpcddp.config import InitConfig
+from hpcddp.env.settings import read_settings
+
+
+def test_local_operations_are_the_identity_with_checked_arguments():
+    comm = LocalCommunicator()
+    t = torch.arange(6.0).reshape(3, 2)
+    assert comm.reduce_async_(t, ReduceOp.PRODUCT, 0).wait() is t
+    torch.testing.assert_close(comm.gather_async(t, 0).wait(), t)
+    torch.testing.assert_close(comm.reducescatter_async(t, ReduceOp.SUM).wait(), t)
+    out, received = comm.alltoall_async(t, [3]).wait()
+    torch.testing.assert_close(out, t)
+    assert received.tolist() == [3]
+    target = torch.empty(3, 2)
+    assert comm.scatter_async_(target, [t], 0).wait() is target
+    torch.testing.assert_close(target, t)
+    with pytest.raises(ValueError, match="splits must add up"):
+        comm.alltoall_async(t, [2])
+    with pytest.raises(ValueError, match="root must be a rank in"):
+        comm.gather_async(t, 1)
+
+
+def test_local_send_to_self_in_either_order():
+    comm = LocalCommunicator()
+    got = torch.empty(2)
+    pending = comm.recv_async_(got, 0, tag=3)
+    assert not pending.poll()
+    comm.send_async(torch.tensor([1.0, 2.0]), 0, tag=3)
+    assert pending.wait() is got and got.tolist() == [1.0, 2.0]
+    comm.send_async(torch.tensor([5.0]), 0)
+    with pytest.raises(ValueError, match="does not fit"):
+        comm.recv_async_(torch.empty(2), 0).wait()
+
+
+def test_local_split():
+    comm = LocalCommunicator()
+    assert comm.split([0]).size == 1
+    with pytest.raises(ValueError, match="ranks must be distinct ranks in"):
+        comm.split([1])
+
+
+def test_even_splits_follow_horovod():
+    assert even_splits(7, 3) == [3, 2, 2]
+    assert even_splits(2, 3) == [1, 1, 0]
+    assert splits_error([1, 2], 3, 2) is None
+    assert "one per rank" in splits_error([3], 3, 2)
+    assert parse_op("prod") is ReduceOp.PRODUCT
+
+
+def test_agreement_vectors_and_message():
+    a = signature("allreduce", torch.ones(2, 3), reduce_op=ReduceOp.SUM, name="grad")
+    b = signature("allreduce", torch.ones(2, 4), reduce_op=ReduceOp.SUM, name="grad")
+    combined = [min(x, y) for x, y in zip(agreement_vector(a), agreement_vector(a))]
+    assert not disagrees(combined)
+    combined = [min(x, y) for x, y in zip(agreement_vector(a), agreement_vector(b))]
+    assert disagrees(combined)
+    message = mismatch_message([a, b])
+    assert message.startswith(
+        "allreduce of tensor 'grad': the ranks disagree: shape differs (rank 0 [2, 3], rank 1 [2, 4])"
+    )
+    bad = Signature("alltoall", error="splits must add up")
+    assert disagrees(agreement_vector(bad))
+    assert "rank 1: splits must add up" in mismatch_message([Signature("alltoall"), bad])
+
+
+def test_check_collectives_from_the_environment():
+    assert read_settings({"HPCDDP_CHECK_COLLECTIVES": "0"}) == {"check_collectives": False}
+    assert read_settings({"HPCDDP_CHECK_COLLECTIVES": "1"}) == {"check_collectives": True}
+    with pytest.raises(ValueError, match="HPCDDP_CHECK_COLLECTIVES must be 0 or 1, got 'maybe'"):
+        read_settings({"HPCDDP_CHECK_COLLECTIVES": "maybe"})
+    with pytest.raises(ValueError, match="check_collectives must be True or False"):
+        InitConfig(check_collectives="no")
