@@ -116,6 +116,15 @@ class MPICommunicator(VectorOps, Communicator):
         """Compare ``sig`` across ranks (a collective); raise CollectiveMismatchError on every rank if they differ."""
         self._agree_vector(np.array(agreement_vector(sig), dtype=np.int64), sig)
 
+    def agree(self, sig: Signature) -> None:
+        """Check now that every rank describes its next collective as ``sig`` (unless checks are off).
+
+        For ``run_async`` work that makes its own MPI calls: call it first, on the
+        communication thread. Raises CollectiveMismatchError on every rank alike.
+        """
+        if self.check_collectives and self.size > 1:
+            self._agree(sig)
+
     def _agree_allreduce(self, tensor: torch.Tensor, op: ReduceOp, check: str) -> None:
         # The hot path: a training loop reduces the same shapes again and again, and
         # hashing a signature costs more than the small Allreduce it feeds.

@@ -7,12 +7,12 @@ After ``hpcddp.init()`` under mpirun or ``srun --mpi=pmix``::
 
 and torch's own DistributedDataParallel, FSDP2, SyncBatchNorm, DistributedSampler and
 torch.distributed.checkpoint run over MPI. Modules: ``group`` (the ProcessGroup and its
-Work), ``_exchange`` and ``_p2p`` (the rest of its collectives), ``_agree`` (the metadata
-check before each collective), ``_buffers`` (tensors as MPI buffers), ``install``
-(registration with torch).
+Work), ``_exchange`` and ``_p2p`` (the rest of its collectives), ``_buffers`` (tensors as
+MPI buffers and torch's reduce ops as MPI ops), ``install`` (registration with torch). The
+metadata check before each collective is the communicator's (``hpcddp.comm.agreement``).
 """
 
-from ._agree import CollectiveMismatchError
+from ..comm.agreement import CollectiveMismatchError
 from .group import ProcessGroupHPCDDP
 from .install import BACKEND_NAME, install, mpi_routed, new_group_over
 

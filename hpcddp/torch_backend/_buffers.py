@@ -6,7 +6,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["ReduceSpec", "bytes_view", "reduce_spec", "reduction_buffer", "stage", "unstage"]
+__all__ = ["ReduceSpec", "bytes_view", "describe", "reduce_spec", "reduction_buffer", "stage", "unstage"]
 
 _NUMPY = {
     torch.float32: np.float32,
@@ -78,6 +78,11 @@ def reduction_buffer(MPI, tensor: torch.Tensor):
     if tensor.dtype in _HALF:
         return [tensor.view(torch.int16).numpy(), MPI.SHORT]
     return tensor.numpy()
+
+
+def describe(tensors) -> str:
+    """Return ``float32[4, 2]`` for one tensor, a comma-separated list for several (for messages)."""
+    return ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors)
 
 
 def bytes_view(tensor: torch.Tensor) -> np.ndarray:

@@ -6,8 +6,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ._agree import CollectiveMismatchError, describe
-from ._buffers import bytes_view, reduction_buffer, stage, unstage
+from ..comm.agreement import CollectiveMismatchError
+from ._buffers import bytes_view, describe, reduction_buffer, stage, unstage
 
 __all__ = ["ExchangeCollectives"]
 
@@ -34,15 +34,14 @@ class ExchangeCollectives:
         error = _like("gather_list", outputs, source, self.size()) if self.rank() == root else None
         staged, comm, rank = stage(source), self._mpi, self.rank()
 
-        def body(_):
+        def body():
             flat = torch.empty((self.size(), *staged.shape), dtype=staged.dtype) if rank == root else None
             comm.Gather(bytes_view(staged), None if flat is None else bytes_view(flat), root=root)
             for out, part in zip(outputs, flat if flat is not None else []):
                 unstage(out, part)
             return output_lists
 
-        desc = {"tensor": describe([source]), "root": root, "_error": error}
-        return self._start("gather", desc, body, source, opts)
+        return self._start("gather", body, [source], opts, root=root, error=error)
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None):
         root, target = opts.rootRank if opts is not None else 0, outputs[0]
@@ -50,13 +49,12 @@ class ExchangeCollectives:
         error = _like("scatter_list", chunks, target, self.size()) if self.rank() == root else None
         staged, comm, rank = stage(target), self._mpi, self.rank()
 
-        def body(_):
+        def body():
             flat = torch.stack([c.detach().cpu() for c in chunks]) if rank == root else None
             comm.Scatter(None if flat is None else bytes_view(flat), bytes_view(staged), root=root)
             return [unstage(target, staged)]
 
-        desc = {"tensor": describe([target]), "root": root, "_error": error}
-        return self._start("scatter", desc, body, target, opts)
+        return self._start("scatter", body, [target], opts, root=root, error=error)
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None):
         target, chunks = outputs[0], input_lists[0]
@@ -84,13 +82,12 @@ class ExchangeCollectives:
         spec = self._reduce_spec(target.dtype, opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         staged, comm, MPI, size = stage(target), self._mpi, self._MPI, self.size()
 
-        def body(_):
+        def body():
             send = reduction_buffer(MPI, flat.contiguous())
             comm.Reduce_scatter_block(send, reduction_buffer(MPI, staged), op=spec.mpi_op)
             return [unstage(target, spec.finish_(staged, size))]
 
-        desc = {"tensor": describe([target]), "op": spec.name, "_error": error}
-        return self._start(collective, desc, body, target, opts)
+        return self._start(collective, body, [target], opts, reduce_op=spec.name, error=error)
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None):
         error = None
@@ -139,20 +136,22 @@ class ExchangeCollectives:
 
     def _alltoallv(self, collective, model, send, send_counts, recv_counts, unpack, opts, error):
         comm, MPI, ranks = self._mpi, self._MPI, self._global_ranks
-        dtype = None if model is None else str(model.dtype).removeprefix("torch.")
+        checking = self._comm.check_collectives and self.size() > 1
 
-        def body(every):
-            # What rank i sends to rank j must be what rank j expects from rank i.
-            wrong = [
-                f"rank {ranks[i]} sends {d['_send'][j]} bytes to rank {ranks[j]}, which expects {e['_recv'][i]}"
-                for i, d in enumerate(every)
-                for j, e in enumerate(every)
-                if len(every) > 1 and d["_send"][j] != e["_recv"][i]
-            ]
-            if wrong:
-                raise CollectiveMismatchError(
-                    f"{collective}: split sizes disagree ({'; '.join(wrong)}); nothing was transferred"
-                )
+        def body():
+            if checking:
+                # What rank i sends to rank j must be what rank j expects from rank i.
+                every = comm.allgather((send_counts, recv_counts))
+                wrong = [
+                    f"rank {ranks[i]} sends {sends[j]} bytes to rank {ranks[j]}, which expects {every[j][1][i]}"
+                    for i, (sends, _) in enumerate(every)
+                    for j in range(len(every))
+                    if sends[j] != every[j][1][i]
+                ]
+                if wrong:
+                    raise CollectiveMismatchError(
+                        f"{collective}: split sizes disagree ({'; '.join(wrong)}); nothing was transferred"
+                    )
             recv = torch.empty(sum(recv_counts), dtype=torch.uint8)
             comm.Alltoallv(
                 [send.numpy(), send_counts, _displacements(send_counts), MPI.BYTE],
@@ -160,5 +159,6 @@ class ExchangeCollectives:
             )
             return unpack(recv)
 
-        desc = {"dtype": dtype, "_send": send_counts, "_recv": recv_counts, "_error": error}
-        return self._start(collective, desc, body, model, opts)
+        # Rows may differ between ranks: the agreement compares dtype and row shape only.
+        rows = [] if model is None else [model.reshape(1, -1) if model.dim() == 0 else model]
+        return self._start(collective, body, rows, opts, rows_may_differ=True, error=error)

@@ -15,8 +15,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from ._agree import CollectiveMismatchError, describe
-from ._buffers import bytes_view, stage, unstage
+from ..comm.agreement import CollectiveMismatchError
+from ._buffers import bytes_view, describe, stage, unstage
 
 __all__ = ["PointToPoint"]
 

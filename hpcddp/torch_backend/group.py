@@ -9,8 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._agree import agree, describe
-from ._buffers import bytes_view, reduce_spec, reduction_buffer, stage, unstage
+from ..comm.agreement import signature
+from ._buffers import bytes_view, describe, reduce_spec, reduction_buffer, stage, unstage
 from ._exchange import ExchangeCollectives
 from ._p2p import PointToPoint
 
@@ -58,15 +58,15 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
     """torch.distributed's collectives over one hpcddp MPI communicator.
 
     Each collective first agrees with the other ranks on shapes, dtypes, root
-    and op (a mismatch raises ``CollectiveMismatchError`` on every rank, with
-    nothing transferred), then runs on the communicator's thread in call order.
+    and op (``hpcddp.comm.agreement``: one small MIN-allreduce; a mismatch raises
+    ``CollectiveMismatchError`` on every rank, with nothing transferred; off with
+    HPCDDP_CHECK_COLLECTIVES=0), then runs on the communicator's thread in call order.
 
     Args:
         comm: an ``hpcddp.comm.mpi.MPICommunicator`` over the group's ranks.
         global_ranks: the group's members as ranks of the default group (for messages).
         backend_name: what ``dist.get_backend`` reports ("hpcddp", or "mpi" when
             torch's MPI name was routed here).
-        check: agree on metadata before each collective (one small allgather).
     """
 
     def __init__(
@@ -74,7 +74,6 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
         comm,
         global_ranks: Sequence[int] | None = None,
         backend_name: str = "hpcddp",
-        check: bool = True,
     ) -> None:
         super().__init__(comm.rank, comm.size)
         self._comm = comm
@@ -84,7 +83,6 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
         self._MPI = import_mpi()
         self._global_ranks = list(global_ranks) if global_ranks is not None else list(range(comm.size))
         self._backend_name = backend_name
-        self._check = check
         self._name = ""
 
     # -- identity ---------------------------------------------------------------------
@@ -113,19 +111,30 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
     def _start(
         self,
         collective: str,
-        desc: dict[str, Any],
-        body: Callable[[list[dict]], Any],
-        tensor: torch.Tensor | None,
+        body: Callable[[], Any],
+        tensors: Sequence[torch.Tensor] = (),
         opts=None,
+        **fields: Any,
     ) -> _Work:
-        """Queue ``body(every_rank_desc)`` after the metadata agreement; return its Work."""
+        """Queue ``body()`` after the metadata agreement on ``tensors`` and ``fields``; return its Work.
+
+        Args:
+            collective: torch's name for it, for messages and the stall inspector.
+            body: makes the MPI calls (on the communication thread); returns the future's value.
+            tensors: what every rank must pass alike (shapes and dtypes).
+            opts: torch's options; ``asyncOp`` False means the caller waits at once.
+            fields: more for ``hpcddp.comm.agreement.signature`` (root, reduce_op, error, ...).
+        """
         future = torch.futures.Future()
-        comm, check, ranks = self._mpi, self._check and self.size() > 1, self._global_ranks
+        sig = signature(collective, tensors[0] if tensors else None, **fields)
+        if len(tensors) > 1:
+            sig = sig._replace(shape=tuple(tuple(t.shape) for t in tensors))
+        comm = self._comm
 
         def work():
             try:
-                every = agree(comm, collective, desc, ranks) if check else [desc]
-                result = body(every)
+                comm.agree(sig)
+                result = body()
             except BaseException as err:
                 future.set_exception(err)
                 raise
@@ -134,7 +143,7 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
 
         # A blocking call from Python waits at once: it runs the work itself, no thread wake-up.
         wake = True if opts is None else bool(opts.asyncOp)
-        handle = self._comm.run_async(work, collective, tensor, wake=wake)
+        handle = comm.run_async(work, collective, tensors[0] if tensors else None, wake=wake)
         return _Work(handle, future)
 
     def _reduce_spec(self, dtype: torch.dtype, op):
@@ -147,14 +156,14 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
         staged = [stage(t) for t in tensors]
         comm, MPI, size = self._mpi, self._MPI, self.size()
 
-        def body(_):
+        def body():
             for tensor, buffer in zip(tensors, staged):
                 if size > 1:
                     comm.Allreduce(MPI.IN_PLACE, reduction_buffer(MPI, buffer), op=spec.mpi_op)
                 unstage(tensor, spec.finish_(buffer, size))
             return tensors
 
-        return self._start("all_reduce", {"tensor": describe(tensors), "op": spec.name}, body, tensors[0], opts)
+        return self._start("all_reduce", body, tensors, opts, reduce_op=spec.name)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> _Work:
         reduce_op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
@@ -167,13 +176,13 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
         staged = [stage(t) for t in tensors]
         comm = self._mpi
 
-        def body(_):
+        def body():
             for tensor, buffer in zip(tensors, staged):
                 comm.Bcast(bytes_view(buffer), root=root)
                 unstage(tensor, buffer)
             return tensors
 
-        return self._start("broadcast", {"tensor": describe(tensors), "root": root}, body, tensors[0], opts)
+        return self._start("broadcast", body, tensors, opts, root=root)
 
     def reduce(self, tensors: list[torch.Tensor], opts=None) -> _Work:
         opts = opts if opts is not None else dist.ReduceOptions()
@@ -181,7 +190,7 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
         staged = [stage(t) for t in tensors]
         comm, MPI, size, rank = self._mpi, self._MPI, self.size(), self.rank()
 
-        def body(_):
+        def body():
             for tensor, buffer in zip(tensors, staged):
                 if rank == root:
                     comm.Reduce(MPI.IN_PLACE, reduction_buffer(MPI, buffer), op=spec.mpi_op, root=root)
@@ -190,27 +199,25 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
                     comm.Reduce(reduction_buffer(MPI, buffer), None, op=spec.mpi_op, root=root)
             return tensors
 
-        desc = {"tensor": describe(tensors), "op": spec.name, "root": root}
-        return self._start("reduce", desc, body, tensors[0], opts)
+        return self._start("reduce", body, tensors, opts, root=root, reduce_op=spec.name)
 
     def barrier(self, opts=None) -> _Work:
         comm = self._mpi
-        return self._start("barrier", {}, lambda _: comm.Barrier(), None, opts)
+        return self._start("barrier", lambda: comm.Barrier(), (), opts)
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> _Work:
         outputs, source = output_lists[0], inputs[0]
         error = _same_shapes("output_tensor_list", outputs, source, self.size())
         staged, comm = stage(source), self._mpi
 
-        def body(_):
+        def body():
             flat = torch.empty((self.size(), *staged.shape), dtype=staged.dtype)
             comm.Allgather(bytes_view(staged), bytes_view(flat))
             for out, part in zip(outputs, flat):
                 unstage(out, part)
             return output_lists
 
-        desc = {"tensor": describe([source]), "_error": error}
-        return self._start("all_gather", desc, body, source, opts)
+        return self._start("all_gather", body, [source], opts, error=error)
 
     def all_gather_single(self, output: torch.Tensor, source: torch.Tensor, opts=None) -> _Work:
         error = None
@@ -218,12 +225,11 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
             error = f"output_tensor must hold world_size x input ({self.size()} x {describe([source])}), got {describe([output])}"
         staged_in, staged_out, comm = stage(source), stage(output), self._mpi
 
-        def body(_):
+        def body():
             comm.Allgather(bytes_view(staged_in), bytes_view(staged_out))
             return [unstage(output, staged_out)]
 
-        desc = {"tensor": describe([source]), "_error": error}
-        return self._start("all_gather_into_tensor", desc, body, source, opts)
+        return self._start("all_gather_into_tensor", body, [source], opts, error=error)
 
     def _allgather_base(self, output, source, opts=None) -> _Work:
         return self.all_gather_single(output, source, opts)

@@ -105,6 +105,7 @@ def new_group_over(global_ranks: list[int] | None, backend_name: str = BACKEND_N
     sub = world.run_async(create, "new_group").wait()
     try:
         comm = _own(bootstrap.new_mpi_communicator(sub))
+        comm.check_collectives = world.check_collectives
     finally:
         sub.Free()
     return ProcessGroupHPCDDP(comm, ranks, backend_name)
