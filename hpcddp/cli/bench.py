@@ -177,7 +177,7 @@ def allreduce(min_size, max_size, iters, warmup, paths, json_path, plot_path) ->
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1), help="torch threads per rank.")
 @click.option(
     "--variants",
-    default="local,ddp,horovod,hpcddp",
+    default="local,ddp,ddp-hpcddp,horovod,hpcddp",
     show_default=True,
     help="Comma-separated among local, ddp (torch DDP on gloo/nccl), ddp-hpcddp (torch DDP on the hpcddp "
     "backend), horovod (skipped when it does not import), hpcddp.",
