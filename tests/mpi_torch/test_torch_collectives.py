@@ -183,6 +183,11 @@ def test_send_recv_isend_irecv_ring():
     for work in works:
         work.wait()
     exact(inbox, torch.full((1000,), float(left), dtype=torch.float64))
+    batched = torch.empty(1000, dtype=torch.float64)
+    ops = [dist.P2POp(dist.isend, message * 2, right, tag=4), dist.P2POp(dist.irecv, batched, left, tag=4)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    exact(batched, torch.full((1000,), 2.0 * left, dtype=torch.float64))
     # Blocking pairs: even ranks send first.
     inbox2 = torch.empty(3, dtype=torch.int64)
     for phase in (0, 1):
