@@ -36,7 +36,7 @@ class _Work(dist.Work):
             self._handle.wait(seconds or None)
         except TimeoutError:
             raise
-        except BaseException:  # noqa: BLE001 - the future carries the error torch expects
+        except Exception:  # noqa: BLE001 - the future holds the same error, raised below
             pass
         self._future.wait()
         return True
@@ -44,14 +44,8 @@ class _Work(dist.Work):
     def is_completed(self) -> bool:
         return self._future.done()
 
-    def is_success(self) -> bool:
-        return self._future.done() and self._handle._error is None
-
     def get_future(self) -> torch.futures.Future:
         return self._future
-
-    def exception(self):
-        return self._handle._error
 
 
 class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
