@@ -1,5 +1,8 @@
 """Every torch.distributed collective on the hpcddp backend against the same call on gloo (or exact arithmetic)."""
 
+import threading
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -63,6 +66,20 @@ def test_all_reduce_async_future_and_non_contiguous(gloo, op):
     reference = on_gloo(lambda t, o, g: dist.all_reduce(t, op=o, group=g) or t, reference, op, gloo)
     exact(tensor, reference)
     exact(result, reference)
+
+
+def test_async_future_completes_on_the_communication_thread():
+    # Rank 1 starts first and registers its callback while rank 0 still sleeps, so the
+    # collective cannot have finished: the callback runs where the future completes.
+    rank, _ = rank_size()
+    if rank == 0:
+        time.sleep(0.3)
+    threads = []
+    work = dist.all_reduce(torch.ones(1000), async_op=True)
+    done = work.get_future().then(lambda fut: threads.append(threading.current_thread().name) or fut.value())
+    done.wait()
+    if rank == 1:
+        assert threads == ["hpcddp-mpi"]
 
 
 @pytest.mark.parametrize("op", OPS, ids=str)
