@@ -116,14 +116,22 @@ class MPICommunicator(VectorOps, Communicator):
         """Compare ``sig`` across ranks (a collective); raise CollectiveMismatchError on every rank if they differ."""
         self._agree_vector(np.array(agreement_vector(sig), dtype=np.int64), sig)
 
-    def agree(self, sig: Signature) -> None:
+    def agree(self, sig: Signature, *, sleep_while_waiting: bool = False) -> None:
         """Check now that every rank describes its next collective as ``sig`` (unless checks are off).
 
         For ``run_async`` work that makes its own MPI calls: call it first, on the
         communication thread. Raises CollectiveMismatchError on every rank alike.
+
+        Args:
+            sig: this rank's description of the collective.
+            sleep_while_waiting: wait for late ranks in short sleeps instead of
+                MPI's busy polling, which takes half of a core that this thread
+                shares with the training thread (torch DDP launches a bucket, then
+                goes on with backward while the other ranks catch up).
         """
         if self.check_collectives and self.size > 1:
-            self._agree(sig)
+            vector = np.array(agreement_vector(sig), dtype=np.int64)
+            self._agree_vector(vector, sig, sleep_while_waiting)
 
     def _agree_allreduce(self, tensor: torch.Tensor, op: ReduceOp, check: str) -> None:
         # The hot path: a training loop reduces the same shapes again and again, and
@@ -137,9 +145,12 @@ class MPICommunicator(VectorOps, Communicator):
             cached = self._agreement_vectors[key] = (sig, np.array(agreement_vector(sig), dtype=np.int64))
         self._agree_vector(cached[1], cached[0])
 
-    def _agree_vector(self, vector: np.ndarray, sig: Signature) -> None:
+    def _agree_vector(self, vector: np.ndarray, sig: Signature, sleep_while_waiting: bool = False) -> None:
         reduced = np.empty_like(vector)
-        self._comm.Allreduce(vector, reduced, op=self._MPI.MIN)
+        if sleep_while_waiting:
+            _wait_sleeping(self._comm.Iallreduce(vector, reduced, op=self._MPI.MIN))
+        else:
+            self._comm.Allreduce(vector, reduced, op=self._MPI.MIN)
         if disagrees(reduced):
             signatures = self._comm.allgather(sig)
             if not (some_joined(reduced) and _continues_while_joined(signatures)):
@@ -348,6 +359,14 @@ class MPICommunicator(VectorOps, Communicator):
             sub.Free()
         child.check_collectives = self.check_collectives
         return child
+
+
+def _wait_sleeping(request, longest_sleep: float = 0.001) -> None:
+    """Complete ``request``, sleeping between tests: 20 us at first, doubling to ``longest_sleep``."""
+    pause = 20e-6
+    while not request.Test():
+        time.sleep(pause)
+        pause = min(pause * 2, longest_sleep)
 
 
 def _continues_while_joined(signatures: list[Signature]) -> bool:

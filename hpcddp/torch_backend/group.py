@@ -127,7 +127,7 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
 
         def work():
             try:
-                comm.agree(sig)
+                comm.agree(sig, sleep_while_waiting=True)
                 result = body()
             except BaseException as err:
                 future.set_exception(err)
