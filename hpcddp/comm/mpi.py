@@ -361,9 +361,13 @@ class MPICommunicator(VectorOps, Communicator):
         return child
 
 
-def _wait_sleeping(request, longest_sleep: float = 0.001) -> None:
-    """Complete ``request``, sleeping between tests: 20 us at first, doubling to ``longest_sleep``."""
-    pause = 20e-6
+def _wait_sleeping(request, longest_sleep: float = 250e-6) -> None:
+    """Complete ``request``, sleeping between tests: 10 us at first, doubling to ``longest_sleep``.
+
+    The cap bounds the delay after the last rank arrives; waking 4000 times a second
+    costs a few percent of a core, far less than MPI's polling.
+    """
+    pause = 10e-6
     while not request.Test():
         time.sleep(pause)
         pause = min(pause * 2, longest_sleep)
