@@ -221,6 +221,11 @@ class MPICommunicator(VectorOps, Communicator):
             wake: False when the caller waits for the handle at once (it then runs
                 ``work`` itself unless the thread is busy).
         """
+        if not self._thread.is_alive():
+            raise RuntimeError(
+                f"{name}: hpcddp.shutdown() closed this communicator: call dist.destroy_process_group() "
+                "before hpcddp.shutdown(), not torch.distributed collectives after it"
+            )
         return self._submit(work, name, tensor, wake)
 
     def _checked(self, check: str | None, op: str, tensor=None, error: str | None = None, **fields) -> Signature | None:

@@ -147,6 +147,8 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> _Work:
         opts = opts if opts is not None else dist.AllreduceOptions()
         spec = self._reduce_spec(tensors[0].dtype, opts.reduceOp)
+        mixed = len({t.dtype for t in tensors}) > 1
+        error = f"tensors of one dtype are reduced together, got {describe(tensors)}" if mixed else None
         staged = [stage(t) for t in tensors]
         comm, MPI, size = self._mpi, self._MPI, self.size()
 
@@ -157,7 +159,7 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
                 unstage(tensor, spec.finish_(buffer, size))
             return tensors
 
-        return self._start("all_reduce", body, tensors, opts, reduce_op=spec.name)
+        return self._start("all_reduce", body, tensors, opts, reduce_op=spec.name, error=error)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> _Work:
         reduce_op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
