@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import datetime
 import functools
 import logging
 
@@ -30,8 +29,6 @@ __all__ = ["BACKEND_NAME", "install", "mpi_routed", "new_group_over"]
 
 #: the name to pass to ``init_process_group``
 BACKEND_NAME = "hpcddp"
-#: seconds a gloo/NCCL group made beside a store-less default group waits for its peers
-STORE_TIMEOUT_S = 10
 
 log = logging.getLogger("hpcddp")
 _installed = False
@@ -144,11 +141,9 @@ def _supply_store(init_process_group):
 
 
 def _local_store() -> dist.Store:
-    # Nothing in hpcddp's group reads it; a gloo/NCCL group would wait in it for keys
-    # that other processes never set: fail in seconds rather than after 30 minutes.
-    store = dist.HashStore()
-    store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
-    return store
+    # Nothing in hpcddp's groups reads it. A gloo/NCCL group made beside them would wait
+    # in it, until its timeout, for keys that other processes never set (README).
+    return dist.HashStore()
 
 
 def install() -> None:
