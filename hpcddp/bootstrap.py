@@ -161,6 +161,9 @@ def _init(backend, num_threads, allow_gpu_sharing, explicit) -> None:
     if chosen in ("gloo", "nccl") and layout.world_size > 1:
         # Leave torch.distributed together even when the script never calls shutdown().
         shutdown_at_exit()
+    from .torch_backend import install
+
+    install()  # init_process_group("hpcddp"), and "mpi" where torch has none
     if config.timeline is not None:
         from .timeline import start
 
@@ -367,6 +370,22 @@ def backend() -> str:
 def launcher_comm():
     """Return the launcher's MPI communicator over all ranks, or None (srun without MPI, torchrun)."""
     return _require().environment.mpi_comm
+
+
+def environment_name() -> str:
+    """Return the name of the launch environment init() detected (e.g. "mpirun", "slurm")."""
+    return _require().environment.name
+
+
+def new_mpi_communicator(mpi_comm):
+    """Return an ``MPICommunicator`` over ``mpi_comm`` with init()'s stall settings (collective over it).
+
+    Args:
+        mpi_comm: an mpi4py communicator; it is duplicated.
+    """
+    from .comm.mpi import MPICommunicator
+
+    return MPICommunicator(mpi_comm, **_stall_settings(_require().config))
 
 
 def communicator() -> Communicator:

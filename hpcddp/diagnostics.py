@@ -19,6 +19,7 @@ __all__ = [
     "gpu_facts",
     "mpi_facts",
     "software_versions",
+    "torch_backend_facts",
     "try_backends",
 ]
 
@@ -93,6 +94,25 @@ def mpi_facts() -> dict[str, str]:
     }
     facts["cuda_aware"] = _cuda_aware_open_mpi() if "Open MPI" in library else "unknown (not Open MPI)"
     return facts
+
+
+def torch_backend_facts(mpi: dict[str, str]) -> dict[str, str]:
+    """Return what torch.distributed's ``hpcddp`` backend offers here: its names and how CUDA tensors travel.
+
+    Args:
+        mpi: ``mpi_facts()``.
+    """
+    from .torch_backend import mpi_routed
+
+    if mpi["library"].startswith("not available"):
+        return {"backend": "hpcddp: not available (needs mpi4py)"}
+    return {
+        "backend": 'init_process_group("hpcddp")',
+        "mpi_name": 'init_process_group("mpi") reaches hpcddp (torch has no MPI of its own)'
+        if mpi_routed()
+        else "torch's own MPI backend",
+        "cuda_tensors": f"staged through host memory (MPI CUDA-aware: {mpi.get('cuda_aware', 'unknown')})",
+    }
 
 
 def gpu_facts() -> dict[str, Any]:

@@ -8,7 +8,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The tests/mpi modules assume they run on every rank of an mpirun job; the
 # single-process session launches them through test_multirank.py instead.
-collect_ignore = [] if os.environ.get("HPCDDP_MPI_TESTS") else ["mpi"]
+collect_ignore = [] if os.environ.get("HPCDDP_MPI_TESTS") else ["mpi", "mpi_torch"]
 
 
 @pytest.fixture(autouse=True)

@@ -98,7 +98,10 @@ def test_workload_rejects_unknown_models():
         (["allreduce", "--max", "lots"], "--max must be a byte count"),
         (["allreduce", "--iters", "0"], "--iters"),
         (["allreduce", "--paths", "hpcddp,nccl2"], "--paths must list names among hpcddp, mpi4py, torch"),
-        (["train", "--variants", "local,fsdp"], "--variants must list names among local, ddp, horovod, hpcddp"),
+        (
+            ["train", "--variants", "local,fsdp"],
+            "--variants must list names among local, ddp, ddp-hpcddp, horovod, hpcddp",
+        ),
         (["train", "--model", "resnet"], "'resnet' is not one of"),
         (["train", "--bucket-cap-mb", "0"], "--bucket-cap-mb"),
     ],

@@ -58,6 +58,35 @@ def test_srun_ranks_are_distinct_with_every_mpi_plugin(slurm_env, mpi, backend):
     assert lines == [f"rank 0 2 {backend}", f"rank 1 2 {backend}"], result.stdout + result.stderr
 
 
+TORCH_DDP_UNDER_SRUN = """
+import torch, torch.distributed as dist, hpcddp
+hpcddp.init()
+dist.init_process_group("mpi")  # the tutorials' line, on hpcddp's backend
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2).double())
+x = torch.full((3, 4), float(dist.get_rank() + 1), dtype=torch.float64)
+model(x).sum().backward()
+grad = model.module.weight.grad.clone()
+dist.broadcast(grad, src=0)
+assert torch.equal(grad, model.module.weight.grad), "ranks hold different averaged gradients"
+print("ddp", dist.get_backend(), dist.get_rank(), dist.get_world_size(), grad[0, 0].item(), flush=True)
+"""
+
+
+def test_torch_ddp_on_the_mpi_backend_under_srun_pmix(slurm_env):
+    result = subprocess.run(
+        ["srun", "-n", "2", "--mpi=pmix", "--kill-on-bad-exit=1", sys.executable, "-c", TORCH_DDP_UNDER_SRUN],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=slurm_env,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("ddp "))
+    # Rows of x are 1 on rank 0 and 2 on rank 1: d(sum)/dW averages to 3 rows x 1.5.
+    assert lines == ["ddp mpi 0 2 4.5", "ddp mpi 1 2 4.5"], result.stdout + result.stderr
+
+
 @pytest.fixture(scope="session")
 def uninterrupted():
     """Final parameters of each launcher's uninterrupted run (filled by the sbatch --wait test)."""

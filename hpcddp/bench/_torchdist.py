@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hpcddp
 
-__all__ = ["ensure_process_group"]
+__all__ = ["ensure_process_group", "hpcddp_process_group"]
 
 
 def ensure_process_group():
@@ -26,3 +26,11 @@ def ensure_process_group():
         backend, hpcddp.rank(), hpcddp.size(), timeout_s=600, device=hpcddp.device(), mpi_comm=launcher_comm()
     )
     return dist
+
+
+def hpcddp_process_group():
+    """Return a torch.distributed group over every rank on the ``hpcddp`` backend (hpcddp's MPI communicator)."""
+    dist = ensure_process_group()
+    if dist.get_backend() == "hpcddp":
+        return dist.group.WORLD
+    return dist.new_group(backend="hpcddp")

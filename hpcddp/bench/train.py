@@ -1,5 +1,6 @@
-"""Time training steps: local compute, torch DDP, Horovod (when importable), hpcddp, hpcddp
-with fp16 gradients, and local SGD (parameters averaged every ``LOCAL_SGD_PERIOD`` steps)."""
+"""Time training steps: local compute, torch DDP (gloo/nccl, or over hpcddp's MPI backend), Horovod
+(when importable), hpcddp, hpcddp with fp16 gradients, and local SGD (parameters averaged every
+``LOCAL_SGD_PERIOD`` steps)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from .models import Workload
 
 __all__ = ["VARIANTS", "TrainResult", "bench_train", "horovod_available"]
 
-#: every variant, in the order each round runs them
-VARIANTS = ("local", "ddp", "horovod", "hpcddp", "hpcddp-fp16", "local-sgd")
+#: every variant, in the order each round runs them; "ddp-hpcddp" is torch DDP on the
+#: ``hpcddp`` torch.distributed backend (hpcddp's MPI communicator)
+VARIANTS = ("local", "ddp", "ddp-hpcddp", "horovod", "hpcddp", "hpcddp-fp16", "local-sgd")
 
 #: steps between parameter averages of the local-sgd variant
 LOCAL_SGD_PERIOD = 4
@@ -66,6 +68,13 @@ def _make_step(variant: str, workload: Workload, hpcddp_options: dict) -> tuple[
         ensure_process_group()
         device = next(model.parameters()).device
         runner = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        optimizer = _optimizer(runner)
+    elif variant == "ddp-hpcddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        from ._torchdist import hpcddp_process_group
+
+        runner = DistributedDataParallel(model, process_group=hpcddp_process_group())
         optimizer = _optimizer(runner)
     elif variant == "horovod":
         import horovod.torch as hvd

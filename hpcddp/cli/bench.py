@@ -216,10 +216,11 @@ def allreduce(min_size, max_size, iters, warmup, paths, span, out_of_place, json
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1), help="torch threads per rank.")
 @click.option(
     "--variants",
-    default="local,ddp,horovod,hpcddp",
+    default="local,ddp,ddp-hpcddp,horovod,hpcddp",
     show_default=True,
-    help="Comma-separated among local, ddp, horovod (skipped when it does not import), hpcddp, "
-    "hpcddp-fp16 (fp16 gradients on the wire), local-sgd (local steps, parameters averaged every 4).",
+    help="Comma-separated among local, ddp (torch DDP on gloo/nccl), ddp-hpcddp (torch DDP on the hpcddp "
+    "backend), horovod (skipped when it does not import), hpcddp, hpcddp-fp16 (fp16 gradients on the wire), "
+    "local-sgd (local steps, parameters averaged every 4).",
 )
 @click.option(
     "--bucket-cap-mb",

@@ -26,7 +26,15 @@ def info(as_json: bool) -> None:
     """
     import hpcddp
 
-    from ..diagnostics import check_backends, describe_rank, gpu_facts, mpi_facts, software_versions, try_backends
+    from ..diagnostics import (
+        check_backends,
+        describe_rank,
+        gpu_facts,
+        mpi_facts,
+        software_versions,
+        torch_backend_facts,
+        try_backends,
+    )
 
     hpcddp.init()
     try:
@@ -37,6 +45,7 @@ def info(as_json: bool) -> None:
             "versions": software_versions(),
             "mpi": mpi,
             "gpu": gpu_facts(),
+            "torch_distributed": torch_backend_facts(mpi),
             "backends": [check.as_dict() for check in checks],
             "job": {"size": hpcddp.size(), "backend": hpcddp.backend()},
             "ranks": hpcddp.allgather_object(describe_rank()),
@@ -70,6 +79,9 @@ def _print_report(report: dict) -> None:
             click.echo(f"    cuda:{index}  {name}")
     else:
         click.echo("    none (torch sees no CUDA device)")
+    click.echo("torch.distributed backend:")
+    for key, value in report["torch_distributed"].items():
+        click.echo(f"    {key.replace('_', ' '):<13} {value}")
     click.echo("")
     click.echo("Backends ([X] works here, [ ] not available, [!] available but failed):")
     for check in report["backends"]:

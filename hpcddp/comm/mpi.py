@@ -126,6 +126,23 @@ class MPICommunicator(VectorOps, Communicator):
         """Compare ``sig`` across ranks (a collective); raise CollectiveMismatchError on every rank if they differ."""
         self._agree_vector(np.array(agreement_vector(sig), dtype=np.int64), sig)
 
+    def agree(self, sig: Signature, *, sleep_while_waiting: bool = False) -> None:
+        """Check now that every rank describes its next collective as ``sig`` (unless checks are off).
+
+        For ``run_async`` work that makes its own MPI calls: call it first, on the
+        communication thread. Raises CollectiveMismatchError on every rank alike.
+
+        Args:
+            sig: this rank's description of the collective.
+            sleep_while_waiting: wait for late ranks in short sleeps instead of
+                MPI's busy polling, which takes half of a core that this thread
+                shares with the training thread (torch DDP launches a bucket, then
+                goes on with backward while the other ranks catch up).
+        """
+        if self.check_collectives and self.size > 1:
+            vector = np.array(agreement_vector(sig), dtype=np.int64)
+            self._agree_vector(vector, sig, sleep_while_waiting)
+
     def _agree_allreduce(self, tensor: torch.Tensor, op: ReduceOp, check: str) -> None:
         # The hot path: a training loop reduces the same shapes again and again, and
         # hashing a signature costs more than the small Allreduce it feeds.
@@ -138,9 +155,12 @@ class MPICommunicator(VectorOps, Communicator):
             cached = self._agreement_vectors[key] = (sig, np.array(agreement_vector(sig), dtype=np.int64))
         self._agree_vector(cached[1], cached[0])
 
-    def _agree_vector(self, vector: np.ndarray, sig: Signature) -> None:
+    def _agree_vector(self, vector: np.ndarray, sig: Signature, sleep_while_waiting: bool = False) -> None:
         reduced = self._reduced
-        self._comm.Allreduce(vector, reduced, op=self._MPI.MIN)
+        if sleep_while_waiting:
+            _wait_sleeping(self._comm.Iallreduce(vector, reduced, op=self._MPI.MIN))
+        else:
+            self._comm.Allreduce(vector, reduced, op=self._MPI.MIN)
         low, minus_high, minus_error, _, minus_joined = reduced.tolist()
         if low != -minus_high or minus_error or minus_joined:
             signatures = self._comm.allgather(sig)
@@ -197,6 +217,28 @@ class MPICommunicator(VectorOps, Communicator):
             shape, dtype = (None, None) if tensor is None else (tensor.shape, dtype_name(tensor.dtype))
             self._queue.put((work, handle, self.collectives.submit(name, shape, dtype)), wake)
         return handle
+
+    def run_async(
+        self, work: Callable[[], Any], name: str, tensor: torch.Tensor | None = None, wake: bool = True
+    ) -> Handle:
+        """Run ``work()`` on the communication thread after the collectives queued before it.
+
+        For callers that make their own MPI calls on ``mpi_comm`` (the torch.distributed
+        backend): they keep the order every rank must follow and the stall inspector sees them.
+
+        Args:
+            work: makes the MPI calls; its return value is the handle's result.
+            name: the collective's name, for the stall inspector.
+            tensor: its shape and dtype go into the stall report.
+            wake: False when the caller waits for the handle at once (it then runs
+                ``work`` itself unless the thread is busy).
+        """
+        if not self._thread.is_alive():
+            raise RuntimeError(
+                f"{name}: hpcddp.shutdown() closed this communicator: call dist.destroy_process_group() "
+                "before hpcddp.shutdown(), not torch.distributed collectives after it"
+            )
+        return self._submit(work, name, tensor, wake)
 
     def _checked(self, check: str | None, op: str, tensor=None, error: str | None = None, **fields) -> Signature | None:
         """Return the signature to agree on before ``op``, or None; raise ``error`` at once when unchecked."""
@@ -362,6 +404,18 @@ class MPICommunicator(VectorOps, Communicator):
             sub.Free()
         child.check_collectives = self.check_collectives
         return child
+
+
+def _wait_sleeping(request, longest_sleep: float = 250e-6) -> None:
+    """Complete ``request``, sleeping between tests: 10 us at first, doubling to ``longest_sleep``.
+
+    The cap bounds the delay after the last rank arrives; waking 4000 times a second
+    costs a few percent of a core, far less than MPI's polling.
+    """
+    pause = 10e-6
+    while not request.Test():
+        time.sleep(pause)
+        pause = min(pause * 2, longest_sleep)
 
 
 def _continues_while_joined(signatures: list[Signature]) -> bool:

@@ -67,7 +67,7 @@ def test_train_two_steps_reports_every_variant(tmp_path):
     payload = json.loads(out.read_text())
     assert payload["num_parameters"] == 8_396_800
     results = {r["variant"]: r for r in payload["results"]}
-    assert {"local", "ddp", "hpcddp"} <= set(results)  # horovod only where it imports
+    assert {"local", "ddp", "ddp-hpcddp", "hpcddp"} <= set(results)  # horovod only where it imports
     for r in results.values():
         assert r["step_ms"] > 0 and len(r["runs_ms"]) == 1
         assert r["samples_per_s"] > 0

@@ -1,0 +1,19 @@
+"""torch.distributed on hpcddp's MPI communicator: the ``hpcddp`` process-group backend.
+
+After ``hpcddp.init()`` under mpirun or ``srun --mpi=pmix``::
+
+    import torch.distributed as dist
+    dist.init_process_group("hpcddp")   # or "mpi": torch's wheels have no MPI, hpcddp serves it
+
+and torch's own DistributedDataParallel, FSDP2, SyncBatchNorm, DistributedSampler and
+torch.distributed.checkpoint run over MPI. Modules: ``group`` (the ProcessGroup and its
+Work), ``_exchange`` and ``_p2p`` (the rest of its collectives), ``_buffers`` (tensors as
+MPI buffers and torch's reduce ops as MPI ops), ``install`` (registration with torch). The
+metadata check before each collective is the communicator's (``hpcddp.comm.agreement``).
+"""
+
+from ..comm.agreement import CollectiveMismatchError
+from .group import ProcessGroupHPCDDP
+from .install import BACKEND_NAME, install, mpi_routed, new_group_over
+
+__all__ = ["BACKEND_NAME", "CollectiveMismatchError", "ProcessGroupHPCDDP", "install", "mpi_routed", "new_group_over"]

@@ -1,0 +1,173 @@
+"""Make ``init_process_group("hpcddp")`` (and ``"mpi"`` on torch builds without MPI) reach hpcddp.
+
+``hpcddp.init()`` calls ``install()``:
+
+- ``"hpcddp"`` is registered with ``torch.distributed.Backend.register_backend``.
+  With no store and no init_method, ``init_process_group`` would rendezvous at
+  ``env://`` (a TCP store on MASTER_ADDR); hpcddp's ranks already know each
+  other through MPI, so the call gets the rank and world size from MPI and a
+  process-local store. A gloo or NCCL group made beside it needs a store every
+  rank reaches: pass ``init_method="env://"`` (hpcddp.init() exported MASTER_ADDR/PORT).
+- ``"mpi"``: torch sends that name to its own ``ProcessGroupMPI`` before any
+  registered backend, and the wheels ship without it ("Distributed package
+  doesn't have MPI built in"). When it is missing, ``install()`` puts hpcddp's
+  group where torch looks for it, so ``init_process_group("mpi")`` and
+  ``new_group(..., backend="mpi")`` from the tutorials run unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from .group import ProcessGroupHPCDDP
+
+__all__ = ["BACKEND_NAME", "install", "mpi_routed", "new_group_over"]
+
+#: the name to pass to ``init_process_group``
+BACKEND_NAME = "hpcddp"
+
+log = logging.getLogger("hpcddp")
+_installed = False
+_mpi_routed = False
+_world = None  # the MPICommunicator all ranks' groups split from
+_owned: list = []  # communicators this module made (subgroups), closed at hpcddp.shutdown()
+
+
+def mpi_routed() -> bool:
+    """Return True when ``init_process_group("mpi")`` creates hpcddp's group (torch has no MPI of its own)."""
+    return _mpi_routed
+
+
+def _world_communicator():
+    """hpcddp's MPI communicator when init() chose MPI, else one over the launcher's ranks."""
+    global _world
+    from .. import bootstrap
+    from ..comm.mpi import MPICommunicator
+
+    comm = bootstrap.communicator()
+    if isinstance(comm, MPICommunicator):
+        return comm
+    if _world is None:
+        mpi_comm = bootstrap.launcher_comm()
+        if mpi_comm is None and bootstrap.size() == 1:
+            from .._mpi import import_mpi
+
+            mpi_comm = import_mpi().COMM_WORLD  # a plain process: MPI's world of one
+        if mpi_comm is None:
+            raise RuntimeError(
+                f"torch.distributed backend {BACKEND_NAME!r} needs ranks started by an MPI launcher, but "
+                f"hpcddp.init() found {bootstrap.environment_name()}: launch with mpirun or srun --mpi=pmix, "
+                "or use backend='gloo'"
+            )
+        _world = _own(bootstrap.new_mpi_communicator(mpi_comm))
+    return _world
+
+
+def _own(comm):
+    if not _owned:
+        from ..bootstrap import at_shutdown
+
+        at_shutdown(_close)
+    _owned.append(comm)
+    return comm
+
+
+def new_group_over(global_ranks: list[int] | None, backend_name: str = BACKEND_NAME) -> ProcessGroupHPCDDP | None:
+    """Return a process group over ``global_ranks`` (all ranks when None or all listed); None on other ranks.
+
+    Collective over the listed ranks only (``MPI_Comm_create_group``), in the order
+    torch creates groups.
+
+    Args:
+        global_ranks: members, as ranks of the whole job; the group numbers them in list order.
+        backend_name: the name the group reports ("hpcddp" or "mpi").
+    """
+    world = _world_communicator()
+    if not global_ranks or list(global_ranks) == list(range(world.size)):
+        return ProcessGroupHPCDDP(world, None, backend_name)
+    ranks = list(global_ranks)
+    if world.rank not in ranks:
+        return None
+    from .. import bootstrap
+
+    parent = world.mpi_comm
+
+    def create():
+        return parent.Create_group(parent.Get_group().Incl(ranks))
+
+    sub = world.run_async(create, "new_group").wait()
+    try:
+        comm = _own(bootstrap.new_mpi_communicator(sub))
+        comm.check_collectives = world.check_collectives
+    finally:
+        sub.Free()
+    return ProcessGroupHPCDDP(comm, ranks, backend_name)
+
+
+def _create(options, _backend_options) -> ProcessGroupHPCDDP:
+    return new_group_over(list(options.global_ranks_in_group))
+
+
+class _MPIGroups:
+    """Stands in for torch's missing ``ProcessGroupMPI``: ``create(ranks)`` is all torch asks of it."""
+
+    @staticmethod
+    def create(ranks: list[int]) -> ProcessGroupHPCDDP | None:
+        return new_group_over(list(ranks), "mpi")
+
+
+def _supply_store(init_process_group):
+    @functools.wraps(init_process_group)
+    def wrapper(backend=None, init_method=None, *args, **kwargs):
+        # Only positional use of backend/init_method is shifted here; the rest passes through.
+        if str(backend).lower() == BACKEND_NAME and init_method is None and kwargs.get("store") is None and not args:
+            world = _world_communicator()
+            for name, value in (("rank", world.rank), ("world_size", world.size)):
+                given = kwargs.get(name, -1)
+                if given not in (-1, None, value):
+                    raise ValueError(
+                        f"init_process_group({BACKEND_NAME!r}): {name}={given} but MPI says {value}: drop {name}="
+                    )
+                kwargs[name] = value
+            kwargs["store"] = _local_store()
+        return init_process_group(backend, init_method, *args, **kwargs)
+
+    wrapper.__hpcddp__ = True
+    return wrapper
+
+
+def _local_store() -> dist.Store:
+    # Nothing in hpcddp's groups reads it. A gloo/NCCL group made beside them would wait
+    # in it, until its timeout, for keys that other processes never set (README).
+    return dist.HashStore()
+
+
+def install() -> None:
+    """Register the ``hpcddp`` backend and, on torch builds without MPI, route ``"mpi"`` to it (idempotent)."""
+    global _installed, _mpi_routed
+    if _installed:
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+    if not getattr(c10d.init_process_group, "__hpcddp__", False):
+        c10d.init_process_group = dist.init_process_group = _supply_store(c10d.init_process_group)
+    if not c10d.is_mpi_available():
+        c10d.ProcessGroupMPI = _MPIGroups
+        c10d.is_mpi_available = dist.is_mpi_available = _mpi_available
+        _mpi_routed = True
+    _installed = True
+
+
+def _mpi_available() -> bool:
+    """True: hpcddp serves torch.distributed's "mpi" backend (torch itself was built without MPI)."""
+    return True
+
+
+def _close() -> None:
+    global _world
+    while _owned:
+        _owned.pop().close()
+    _world = None

@@ -1,0 +1,287 @@
+"""Every torch.distributed collective on the hpcddp backend against the same call on gloo (or exact arithmetic)."""
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hpcddp.torch_backend import CollectiveMismatchError
+
+OPS = [dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.PRODUCT, dist.ReduceOp.MIN, dist.ReduceOp.MAX]
+DTYPES = [torch.float64, torch.float32, torch.int64, torch.bfloat16]
+
+
+def rank_size():
+    return dist.get_rank(), dist.get_world_size()
+
+
+def values(shape, dtype, salt=0):
+    """Rank-dependent values, small enough that products of 3 stay exact in every dtype."""
+    rank, _ = rank_size()
+    n = int(torch.tensor(shape).prod())
+    raw = (torch.arange(n) * 7 + rank * 3 + salt) % 5 - 2
+    return raw.reshape(shape).to(dtype)
+
+
+def on_gloo(fn, tensor, op, gloo):
+    """Run a reducing collective on gloo; AVG (which gloo lacks) as SUM / world size."""
+    if op == dist.ReduceOp.AVG:
+        out = fn(tensor, dist.ReduceOp.SUM, gloo)
+        return out / dist.get_world_size() if out is not None else None
+    return fn(tensor, op, gloo)
+
+
+def skip_unsupported(op, dtype):
+    if op == dist.ReduceOp.AVG and not dtype.is_floating_point:
+        pytest.skip("AVG needs a floating-point tensor")
+
+
+def exact(actual, expected):
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", OPS, ids=str)
+def test_all_reduce(gloo, op, dtype):
+    skip_unsupported(op, dtype)
+
+    def all_reduce(tensor, op, group):
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, op=op, group=group)
+        return tensor
+
+    mine = all_reduce(values((4, 3), dtype), op, None)
+    exact(mine, on_gloo(all_reduce, values((4, 3), dtype), op, gloo).to(dtype))
+
+
+@pytest.mark.parametrize("op", OPS, ids=str)
+def test_all_reduce_async_future_and_non_contiguous(gloo, op):
+    tensor = values((6, 4), torch.float64).t()  # non-contiguous: staged and copied back
+    work = dist.all_reduce(tensor, op=op, async_op=True)
+    (result,) = work.get_future().wait()
+    work.wait()
+    reference = values((6, 4), torch.float64).t().contiguous()
+    reference = on_gloo(lambda t, o, g: dist.all_reduce(t, op=o, group=g) or t, reference, op, gloo)
+    exact(tensor, reference)
+    exact(result, reference)
+
+
+def test_async_future_completes_on_the_communication_thread(gloo):
+    # Rank 1 starts first and registers its callback while rank 0 still sleeps, so the
+    # collective cannot have finished: the callback runs where the future completes.
+    rank, _ = rank_size()
+    if rank == 0:
+        time.sleep(0.3)
+    threads = []
+    work = dist.all_reduce(torch.ones(1000), async_op=True)
+    done = work.get_future().then(lambda fut: threads.append(threading.current_thread().name) or fut.value())
+    done.wait()
+    if rank == 1:
+        assert threads == ["hpcddp-mpi"]
+
+
+@pytest.mark.parametrize("op", OPS, ids=str)
+def test_reduce(gloo, op):
+    rank, size = rank_size()
+    root = size - 1
+
+    def reduce(tensor, op, group):
+        tensor = tensor.clone()
+        dist.reduce(tensor, dst=root, op=op, group=group)
+        return tensor
+
+    mine = reduce(values((5,), torch.float64), op, None)
+    reference = on_gloo(reduce, values((5,), torch.float64), op, gloo)
+    if rank == root:
+        exact(mine, reference)
+    else:
+        exact(mine, values((5,), torch.float64))  # untouched, as with gloo for non-roots
+
+
+@pytest.mark.parametrize("op", OPS, ids=str)
+def test_reduce_scatter_tensor_and_list(gloo, op):
+    rank, size = rank_size()
+    full = values((size * 2, 3), torch.float64)
+    reference = full.clone()
+    dist.all_reduce(reference, op=dist.ReduceOp.SUM if op == dist.ReduceOp.AVG else op, group=gloo)
+    if op == dist.ReduceOp.AVG:
+        reference /= size
+    out = torch.empty(2, 3, dtype=torch.float64)
+    dist.reduce_scatter_tensor(out, full, op=op)
+    exact(out, reference[2 * rank : 2 * rank + 2])
+    out_list = torch.empty(2, 3, dtype=torch.float64)
+    dist.reduce_scatter(out_list, list(full.chunk(size)), op=op)
+    exact(out_list, reference[2 * rank : 2 * rank + 2])
+
+
+def test_broadcast_from_every_root(gloo):
+    _, size = rank_size()
+    for root in range(size):
+        mine, reference = values((3, 2), torch.float32, salt=root), values((3, 2), torch.float32, salt=root)
+        dist.broadcast(mine, src=root)
+        dist.broadcast(reference, src=root, group=gloo)
+        exact(mine, reference)
+
+
+def test_all_gather_and_into_tensor(gloo):
+    _, size = rank_size()
+    source = values((2, 3), torch.int64)
+    mine, reference = [torch.empty_like(source) for _ in range(size)], [torch.empty_like(source) for _ in range(size)]
+    dist.all_gather(mine, source)
+    dist.all_gather(reference, source, group=gloo)
+    for a, b in zip(mine, reference):
+        exact(a, b)
+    flat = torch.empty(size * 2, 3, dtype=torch.int64)
+    dist.all_gather_into_tensor(flat, source)
+    exact(flat, torch.cat(reference))
+
+
+def test_gather_and_scatter(gloo):
+    rank, size = rank_size()
+    root = size - 1
+    source = values((4,), torch.float64)
+    mine = [torch.empty(4, dtype=torch.float64) for _ in range(size)] if rank == root else None
+    reference = [torch.empty(4, dtype=torch.float64) for _ in range(size)] if rank == root else None
+    dist.gather(source, mine, dst=root)
+    dist.gather(source, reference, dst=root, group=gloo)
+    if rank == root:
+        for a, b in zip(mine, reference):
+            exact(a, b)
+    chunks = [torch.full((2, 2), float(10 * j + 1)) for j in range(size)] if rank == root else None
+    out, out_gloo = torch.empty(2, 2), torch.empty(2, 2)
+    dist.scatter(out, chunks, src=root)
+    dist.scatter(out_gloo, chunks, src=root, group=gloo)
+    exact(out, out_gloo)
+
+
+def sent(sender, receiver, rows):
+    """What ``sender`` sends ``receiver`` in the all-to-all tests: ``rows`` x 2 values naming both."""
+    return torch.arange(rows * 2, dtype=torch.float64).reshape(rows, 2) + 100 * sender + 10 * receiver
+
+
+def rows(sender, receiver):
+    return (sender + 2 * receiver) % 3  # uneven, and sometimes 0
+
+
+def test_all_to_all_single_uneven_splits(gloo):
+    rank, size = rank_size()
+    source = torch.cat([sent(rank, j, rows(rank, j)) for j in range(size)])
+    in_splits, out_splits = [rows(rank, j) for j in range(size)], [rows(i, rank) for i in range(size)]
+    out = torch.empty(sum(out_splits), 2, dtype=torch.float64)
+    dist.all_to_all_single(out, source, out_splits, in_splits)
+    expected = torch.cat([sent(i, rank, rows(i, rank)) for i in range(size)])
+    exact(out, expected)
+    out_gloo = torch.empty_like(out)
+    dist.all_to_all_single(out_gloo, source, out_splits, in_splits, group=gloo)
+    exact(out, out_gloo)
+    even_in = torch.cat([sent(rank, j, 2) for j in range(size)])
+    even_out = torch.empty_like(even_in)
+    dist.all_to_all_single(even_out, even_in)
+    exact(even_out, torch.cat([sent(i, rank, 2) for i in range(size)]))
+
+
+def test_all_to_all_lists(gloo):
+    rank, size = rank_size()
+    inputs = [sent(rank, j, rows(rank, j) + 1) for j in range(size)]
+    outputs = [torch.empty(rows(i, rank) + 1, 2, dtype=torch.float64) for i in range(size)]
+    dist.all_to_all(outputs, inputs)
+    for i, out in enumerate(outputs):
+        exact(out, sent(i, rank, rows(i, rank) + 1))
+
+
+def test_send_recv_isend_irecv_ring(gloo):
+    rank, size = rank_size()
+    right, left = (rank + 1) % size, (rank - 1) % size
+    message = torch.full((1000,), float(rank), dtype=torch.float64)
+    inbox = torch.empty(1000, dtype=torch.float64)
+    works = [dist.isend(message, right, tag=3), dist.irecv(inbox, left, tag=3)]
+    for work in works:
+        work.wait()
+    exact(inbox, torch.full((1000,), float(left), dtype=torch.float64))
+    batched = torch.empty(1000, dtype=torch.float64)
+    ops = [dist.P2POp(dist.isend, message * 2, right, tag=4), dist.P2POp(dist.irecv, batched, left, tag=4)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    exact(batched, torch.full((1000,), 2.0 * left, dtype=torch.float64))
+    # Blocking pairs: even ranks send first.
+    inbox2 = torch.empty(3, dtype=torch.int64)
+    for phase in (0, 1):
+        if rank % 2 == phase:
+            dist.send(torch.tensor([rank, 7, 8]), dst=right)
+        else:
+            dist.recv(inbox2, src=left)
+    exact(inbox2, torch.tensor([left, 7, 8]))
+
+
+def test_barrier_and_object_collectives(gloo):
+    rank, size = rank_size()
+    dist.barrier()
+    mine, reference = [None] * size, [None] * size
+    dist.all_gather_object(mine, {"rank": rank, "text": "x" * rank})
+    dist.all_gather_object(reference, {"rank": rank, "text": "x" * rank}, group=gloo)
+    assert mine == reference
+    gathered = [None] * size if rank == 0 else None
+    dist.gather_object(("r", rank), gathered, dst=0)
+    if rank == 0:
+        assert gathered == [("r", r) for r in range(size)]
+    listed = [rank, {"k": rank}] if rank == 1 else [None, None]
+    dist.broadcast_object_list(listed, src=1)
+    assert listed == [1, {"k": 1}]
+    received = [None]
+    dist.scatter_object_list(received, [f"to {r}" for r in range(size)] if rank == 0 else None, src=0)
+    assert received == [f"to {rank}"]
+
+
+def test_subgroups_match_gloo_subgroups(gloo):
+    rank, size = rank_size()
+    for ranks in (list(range(0, size, 2)), [size - 1, 0], [0, 1], sorted({1, size - 1})):
+        group = dist.new_group(ranks)
+        gloo_group = dist.new_group(ranks, backend="gloo")
+        if rank not in ranks:
+            assert group == dist.GroupMember.NON_GROUP_MEMBER
+            continue
+        assert dist.get_backend(group) == "hpcddp"
+        assert dist.get_rank(group) == sorted(ranks).index(rank)
+        mine, reference = values((3,), torch.float64), values((3,), torch.float64)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(reference, op=dist.ReduceOp.MAX, group=gloo_group)
+        exact(mine, reference)
+        objects = [None] * len(ranks)
+        dist.all_gather_object(objects, rank, group=group)
+        assert objects == sorted(ranks)
+
+
+def test_mismatched_shapes_and_dtypes_raise_on_every_rank(gloo):
+    rank, size = rank_size()
+    with pytest.raises(
+        CollectiveMismatchError,
+        match=r"all_reduce: the ranks disagree: shape differs \(rank 0 \[2\], ranks? 1[, 2]* \[3\]\)",
+    ):
+        dist.all_reduce(torch.ones(2 + min(rank, 1)))
+    dtype = torch.float32 if rank == 0 else torch.float64
+    with pytest.raises(
+        CollectiveMismatchError,
+        match=r"broadcast: the ranks disagree: dtype differs \(rank 0 float32, ranks? 1[, 2]* float64\)",
+    ):
+        dist.broadcast(torch.ones(4, dtype=dtype), src=0)
+    with pytest.raises(CollectiveMismatchError, match=r"all_gather"):
+        outputs = [torch.empty(2 + min(rank, 1)) for _ in range(size)]
+        dist.all_gather(outputs, torch.ones(2 + min(rank, 1)))
+    with pytest.raises(CollectiveMismatchError, match=r"all_to_all_single: split sizes disagree"):
+        splits = [1] * size
+        out_splits = [2 if (i == 0 and rank == 1) else 1 for i in range(size)]
+        dist.all_to_all_single(torch.empty(sum(out_splits)), torch.ones(size), out_splits, splits)
+    if rank in (0, 1):
+        with pytest.raises(
+            CollectiveMismatchError, match=r"recv: rank 0 sent float32\[5\], rank 1 expected float32\[4\]"
+        ):
+            if rank == 0:
+                dist.send(torch.ones(5), dst=1)
+                raise CollectiveMismatchError("recv: rank 0 sent float32[5], rank 1 expected float32[4]")
+            dist.recv(torch.empty(4), src=0)
+    # Nothing moved and the group still works.
+    tensor = torch.ones(2)
+    dist.all_reduce(tensor)
+    exact(tensor, torch.full((2,), float(size)))
