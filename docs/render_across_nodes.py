@@ -18,6 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 LABELS = {
     "ddp": "torch DDP (gloo)",
+    "ddp-hpcddp": "torch DDP (hpcddp backend)",
     "horovod": "Horovod",
     "hpcddp": "hpcddp (default)",
     "hpcddp-fp16": "hpcddp, fp16 gradients",
