@@ -41,6 +41,10 @@ def temporary_files(directory):
     return [name for name in os.listdir(directory) if name.endswith(".tmp")]
 
 
+def kill_session(session_id: int) -> None:
+    subprocess.run(["pkill", "-KILL", "-s", str(session_id)])
+
+
 def kill_mid_write(directory, num_ranks, deadline_s=120):
     """Start the writer, SIGKILL it while a temporary file is being written; return its output."""
     command = [sys.executable, "-c", WRITER, str(directory)]
@@ -59,12 +63,13 @@ def kill_mid_write(directory, num_ranks, deadline_s=120):
         while time.monotonic() < deadline and proc.poll() is None:
             # Wait for one complete checkpoint, then for the next save's temporary file.
             if len(ckpt.find_checkpoints(directory)) >= 1 and temporary_files(directory):
-                os.killpg(proc.pid, signal.SIGKILL)
+                kill_session(proc.pid)
                 break
             time.sleep(0.001)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        # The whole session: mpirun's ranks sit in process groups of their own, and a
+        # rank that lived on would go on saving (and clearing temporaries) in the directory.
+        kill_session(proc.pid)
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL, f"the writer was not killed (exit {proc.returncode}):\n{out}"
     return out

@@ -5,6 +5,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from hpcddp.testing import run_mpi
 
 from .conftest import ROOT
@@ -272,12 +274,13 @@ def test_exception_under_torchrun_variables_ends_the_rank(tmp_path):
     assert "[hpcddp rank 0] uncaught exception" in outputs[0] and "UNREACHABLE" not in outputs[0]
 
 
-def test_different_tensor_sizes_end_the_job_with_the_cause(tmp_path):
+@pytest.mark.parametrize("check", [True, False])
+def test_different_tensor_sizes_end_the_job_with_the_cause(tmp_path, check):
     result, _ = launch(
         tmp_path,
-        """
+        f"""
         import torch, hpcddp
-        hpcddp.init(stall_timeout=3)
+        hpcddp.init(stall_timeout=3, check_collectives={check})
         hpcddp.allreduce(torch.ones(10 if hpcddp.rank() == 0 else 12))
         hpcddp.barrier()
         print("UNREACHABLE", flush=True)
@@ -285,7 +288,11 @@ def test_different_tensor_sizes_end_the_job_with_the_cause(tmp_path):
     )
     out = result.stdout
     assert result.returncode != 0 and "UNREACHABLE" not in out, out
-    # Open MPI either detects the truncation (small messages) or the ranks stall.
+    if check:
+        # The agreement before the collective: every rank names the cause, nothing is sent.
+        assert "CollectiveMismatchError: allreduce: the ranks disagree: shape differs (rank 0 [10], rank 1 [12])" in out
+        return
+    # Unchecked, Open MPI either detects the truncation (small messages) or the ranks stall.
     truncated = re.search(
         r"RuntimeError: allreduce #\d+ of shape \[(10|12)\] float32 failed with MPI_ERR_TRUNCATE", out
     )
