@@ -222,7 +222,11 @@ def test_lost_node_ends_every_rank_and_keeps_the_last_checkpoint(cluster, tmp_pa
     try:
         deadline = time.monotonic() + 180
         while not list(checkpoints.glob("checkpoint-*.pt")):
-            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint within 180 s"
+            if proc.poll() is not None:
+                raise AssertionError(
+                    f"the job ended (exit {proc.returncode}) before a checkpoint:\n{proc.stdout.read()[-5000:]}"
+                )
+            assert time.monotonic() < deadline, "no checkpoint within 180 s"
             time.sleep(0.2)
         assert len(ranks_alive(marker)) == 4
         cut = time.monotonic()
