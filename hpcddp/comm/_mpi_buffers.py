@@ -9,9 +9,19 @@ import torch
 
 from .base import ReduceOp
 
-__all__ = ["HALF_DTYPES", "NUMPY_DTYPE_NAMES", "MPIOps", "bytes_view", "dtype_name", "explain_failure", "staged"]
+__all__ = [
+    "HALF_DTYPES",
+    "NUMPY_DTYPE_NAMES",
+    "TORCH_TO_NUMPY",
+    "MPIOps",
+    "bytes_view",
+    "dtype_name",
+    "explain_failure",
+    "staged",
+]
 
-_TORCH_TO_NUMPY = {
+#: dtypes MPI reduces natively, and their numpy types
+TORCH_TO_NUMPY = {
     torch.float32: np.float32,
     torch.float64: np.float64,
     torch.int8: np.int8,
@@ -21,7 +31,7 @@ _TORCH_TO_NUMPY = {
     torch.int64: np.int64,
 }
 #: dtypes MPI reduces natively, by name (the hot path looks names up here)
-NUMPY_DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in _TORCH_TO_NUMPY}
+NUMPY_DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in TORCH_TO_NUMPY}
 
 # MPI has no standard 16-bit float: these travel as 2-byte integers and are combined
 # by user-defined ops that view the bytes with the right dtype.
@@ -48,7 +58,7 @@ def staged(tensor: torch.Tensor) -> torch.Tensor:
 def empty_like(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor like ``tensor``; on the CPU from numpy, which asks Linux for
     transparent huge pages: a fresh 64 MiB torch buffer took 2x as long to fill from MPI."""
-    numpy_dtype = _TORCH_TO_NUMPY.get(tensor.dtype)
+    numpy_dtype = TORCH_TO_NUMPY.get(tensor.dtype)
     if tensor.device.type != "cpu" or numpy_dtype is None:
         return torch.empty_like(tensor, memory_format=torch.contiguous_format)
     return torch.from_numpy(np.empty(tuple(tensor.shape), dtype=numpy_dtype))
@@ -83,7 +93,7 @@ class MPIOps:
 
     def check_reducible(self, dtype: torch.dtype, op: ReduceOp, what: str = "allreduce") -> None:
         """Raise TypeError for a dtype or op MPI cannot reduce."""
-        if dtype not in _TORCH_TO_NUMPY and dtype not in HALF_DTYPES:
+        if dtype not in TORCH_TO_NUMPY and dtype not in HALF_DTYPES:
             raise TypeError(f"{what} does not support tensors of dtype {dtype}")
         if op is ReduceOp.AVERAGE and not dtype.is_floating_point:
             raise TypeError(f"op='average' needs a floating-point tensor, got {dtype}: use op='sum'")

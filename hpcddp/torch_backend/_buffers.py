@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..comm._mpi_buffers import HALF_DTYPES as _HALF
+from ..comm._mpi_buffers import TORCH_TO_NUMPY as _NUMPY
+from ..comm._mpi_buffers import bytes_view
+
 __all__ = ["ReduceSpec", "bytes_view", "describe", "reduce_spec", "reduction_buffer", "stage", "unstage"]
 
-_NUMPY = {
-    torch.float32: np.float32,
-    torch.float64: np.float64,
-    torch.int8: np.int8,
-    torch.uint8: np.uint8,
-    torch.int16: np.int16,
-    torch.int32: np.int32,
-    torch.int64: np.int64,
-}
-# MPI has no 16-bit float: these travel as 2-byte integers, combined by user-defined ops
-# that view the bytes with the right dtype.
-_HALF = (torch.float16, torch.bfloat16)
 _RED = dist.ReduceOp.RedOpType
 _BITWISE = (_RED.BAND, _RED.BOR, _RED.BXOR)
 _HALF_COMBINE = {_RED.SUM: torch.add, _RED.AVG: torch.add, _RED.PRODUCT: torch.mul}
@@ -83,11 +74,6 @@ def reduction_buffer(MPI, tensor: torch.Tensor):
 def describe(tensors) -> str:
     """Return ``float32[4, 2]`` for one tensor, a comma-separated list for several (for messages)."""
     return ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors)
-
-
-def bytes_view(tensor: torch.Tensor) -> np.ndarray:
-    """Return a CPU contiguous tensor's bytes as a numpy array (for data that is moved, not combined)."""
-    return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
 def stage(tensor: torch.Tensor) -> torch.Tensor:
