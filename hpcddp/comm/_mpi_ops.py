@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ._mpi_buffers import bytes_view, staged
-from .base import Handle, ReduceOp, even_splits, splits_error
+from .base import Handle, ReduceOp, alltoall_splits, as_splits, even_splits, splits_error
 
 __all__ = ["RequestHandle", "VectorOps"]
 
@@ -20,12 +20,6 @@ def _row_bytes(tensor: torch.Tensor) -> int:
 
 def _displacements(counts: list[int]) -> list[int]:
     return np.cumsum([0, *counts[:-1]]).tolist()
-
-
-def _as_list(splits) -> list | None:
-    if splits is None:
-        return None
-    return splits.tolist() if isinstance(splits, torch.Tensor) else list(splits)
 
 
 class RequestHandle(Handle):
@@ -179,7 +173,7 @@ class VectorOps:
             raise ValueError("reducescatter needs a tensor with at least one dimension, got a scalar")
         self._ops.check_reducible(tensor.dtype, op, "reducescatter")
         rows = tensor.shape[0]
-        splits = even_splits(rows, self.size) if splits is None else _as_list(splits)
+        splits = even_splits(rows, self.size) if splits is None else as_splits(splits)
         error = splits_error(splits, rows, self.size)
         sig = self._checked(check, "reducescatter", tensor, reduce_op=op, splits=splits, error=error)
         buf = staged(tensor)
@@ -204,14 +198,7 @@ class VectorOps:
             raise ValueError("alltoall needs a tensor with at least one dimension, got a scalar")
         source = tensor.detach().cpu().contiguous()
         rows = source.shape[0]
-        splits = _as_list(splits)
-        if splits is None:
-            error = None if rows % self.size == 0 else (
-                f"alltoall without splits needs a first dimension divisible by {self.size} ranks, got {rows}: pass splits"
-            )  # fmt: skip
-            splits = even_splits(rows, self.size)
-        else:
-            error = splits_error(splits, rows, self.size)
+        splits, error = alltoall_splits(splits, rows, self.size)
         sig = self._checked(check, "alltoall", source, rows_may_differ=True, error=error)
         comm, MPI = self._comm, self._MPI
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .agreement import agreement_vector, disagrees, mismatch_error, signature
-from .base import Handle, ReduceOp, even_splits, splits_error
+from .base import Handle, ReduceOp, alltoall_splits, as_splits, even_splits, splits_error
 
 __all__ = ["DIST_OPS", "TorchDistOps", "WorkHandle", "explain_timeout"]
 
@@ -69,12 +69,6 @@ def explain_timeout(err: RuntimeError, collective: str) -> RuntimeError:
         "raise dist_timeout (init(dist_timeout=...) or HPCDDP_DIST_TIMEOUT) if the ranks are only slow, and "
         "see the stall inspector's report above for which ranks were missing"
     )
-
-
-def _as_list(splits) -> list | None:
-    if splits is None:
-        return None
-    return splits.tolist() if isinstance(splits, torch.Tensor) else list(splits)
 
 
 class TorchDistOps:
@@ -187,7 +181,7 @@ class TorchDistOps:
             raise ValueError("reducescatter needs a tensor with at least one dimension, got a scalar")
         if op is ReduceOp.AVERAGE and not tensor.dtype.is_floating_point:
             raise TypeError(f"op='average' needs a floating-point tensor, got {tensor.dtype}: use op='sum'")
-        splits = even_splits(tensor.shape[0], self.size) if splits is None else _as_list(splits)
+        splits = even_splits(tensor.shape[0], self.size) if splits is None else as_splits(splits)
         error = splits_error(splits, tensor.shape[0], self.size)
         self._verify(check, "reducescatter", tensor, reduce_op=op, splits=splits, error=error)
         # gloo has no reduce_scatter and NCCL's wants equal pieces: reduce all, keep this rank's rows.
@@ -206,14 +200,7 @@ class TorchDistOps:
             raise ValueError("alltoall needs a tensor with at least one dimension, got a scalar")
         source = self._on_device(tensor.detach())
         rows = source.shape[0]
-        splits = _as_list(splits)
-        if splits is None:
-            error = None if rows % self.size == 0 else (
-                f"alltoall without splits needs a first dimension divisible by {self.size} ranks, got {rows}: pass splits"
-            )  # fmt: skip
-            splits = even_splits(rows, self.size)
-        else:
-            error = splits_error(splits, rows, self.size)
+        splits, error = alltoall_splits(splits, rows, self.size)
         self._verify(check, "alltoall", source, rows_may_differ=True, error=error)
         sent = torch.tensor(splits, dtype=torch.int64, device=self.device)
         received = torch.empty_like(sent)

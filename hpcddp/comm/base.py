@@ -132,6 +132,24 @@ def even_splits(rows: int, size: int) -> list[int]:
     return [rows // size + (1 if r < rows % size else 0) for r in range(size)]
 
 
+def as_splits(splits) -> list | None:
+    """Return ``splits`` (a list, tuple or tensor of row counts, or None) as a list, or None."""
+    if splits is None:
+        return None
+    return splits.tolist() if isinstance(splits, torch.Tensor) else list(splits)
+
+
+def alltoall_splits(splits, rows: int, size: int) -> tuple[list[int], str | None]:
+    """Return alltoall's row counts per rank (even when ``splits`` is None) and what is wrong with them, or None."""
+    values = as_splits(splits)
+    if values is None:
+        error = None if rows % size == 0 else (
+            f"alltoall without splits needs a first dimension divisible by {size} ranks, got {rows}: pass splits"
+        )  # fmt: skip
+        return even_splits(rows, size), error
+    return values, splits_error(values, rows, size)
+
+
 def splits_error(splits, rows: int, size: int) -> str | None:
     """Return what is wrong with ``splits`` for a tensor of ``rows`` rows on ``size`` ranks, or None.
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .base import Communicator, Handle, ReduceOp, completed, even_splits, split_ranks_error, splits_error
+from .base import Communicator, Handle, ReduceOp, as_splits, completed, even_splits, split_ranks_error, splits_error
 
 __all__ = ["LocalCommunicator"]
 
@@ -63,7 +63,7 @@ class LocalCommunicator(Communicator):
     ) -> Handle:
         if tensor.dim() == 0:
             raise ValueError("reducescatter needs a tensor with at least one dimension, got a scalar")
-        splits = even_splits(tensor.shape[0], 1) if splits is None else _as_list(splits)
+        splits = even_splits(tensor.shape[0], 1) if splits is None else as_splits(splits)
         error = splits_error(splits, tensor.shape[0], 1)
         if error is not None:
             raise ValueError(error)
@@ -75,7 +75,7 @@ class LocalCommunicator(Communicator):
         if tensor.dim() == 0:
             raise ValueError("alltoall needs a tensor with at least one dimension, got a scalar")
         if splits is not None:
-            error = splits_error(_as_list(splits), tensor.shape[0], 1)
+            error = splits_error(as_splits(splits), tensor.shape[0], 1)
             if error is not None:
                 raise ValueError(error)
         received = torch.tensor([tensor.shape[0]], dtype=torch.int64)
@@ -123,10 +123,6 @@ class LocalCommunicator(Communicator):
     def _check_rank(self, value: int, argument: str) -> None:
         if value != 0:
             raise ValueError(f"{argument} must be a rank in [0, 1), got {value}")
-
-
-def _as_list(splits) -> list:
-    return splits.tolist() if isinstance(splits, torch.Tensor) else list(splits)
 
 
 def _deliver(message: torch.Tensor, target: torch.Tensor, handle: Handle) -> None:
