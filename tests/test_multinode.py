@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcddp.testing import run_mpi
+from hpcddp.testing import run_mpi, run_pytest_on_ranks
 
 from .cluster_jobs import (
     TRAIN_PY,
@@ -76,14 +76,9 @@ def test_layout_and_ddp_equivalence_across_nodes(cluster, backend):
     # hpcddp against torch DDP: the single-host suites, run over 2 nodes.
     # On mpi, DDP equivalence runs on the two-level allreduce (opt-in) across the nodes.
     suites = ["tests/mpi/test_bootstrap.py", "tests/mpi/test_ddp_equivalence.py", "tests/mpi/test_hierarchy.py"]
-    result = cluster.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "--color=no", "-p", "no:cacheprovider", *suites],
-        timeout=400,
-        HPCDDP_MPI_TESTS="1",
-        HPCDDP_EXPECT_NODES="2",
-        HPCDDP_BACKEND=backend,
-        HPCDDP_HIERARCHICAL_ALLREDUCE="1",
-        PYTHONUNBUFFERED="1",
+    env = {"HPCDDP_EXPECT_NODES": "2", "HPCDDP_BACKEND": backend, "HPCDDP_HIERARCHICAL_ALLREDUCE": "1"}
+    result = run_pytest_on_ranks(
+        4, suites, timeout=400, cwd=ROOT, hostfile=cluster.hostfile, env={**cluster.env, **env}
     )
     assert result.returncode == 0, result.stdout[-20000:]
     assert re.search(r"\d+ passed", result.stdout), result.stdout[-5000:]

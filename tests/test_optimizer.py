@@ -149,14 +149,23 @@ def test_step_reduces_what_accumulated_even_before_k_passes():
     assert len(comm.calls) == len(optimizer.buckets)
 
 
-def test_second_backward_before_step_is_a_clear_error():
+def test_second_backward_before_step_accumulates_onto_the_averaged_gradients_as_ddp():
+    # DDP's rule: a second pass without zero_grad adds its average to the first one's
+    # (GradScaler skipping a step, then model.zero_grad() or a second loss).
     model, x, y = model_and_data()
-    optimizer = wrap(model)
-    F.cross_entropy(model(x), y).backward()
-    with pytest.raises(RuntimeError, match="backward_passes_per_step"):
-        F.cross_entropy(model(x), y).backward()
-    optimizer.zero_grad()  # a new step: allowed again
-    F.cross_entropy(model(x), y).backward()
+    reference, _, _ = model_and_data()
+    wrap(model)
+    for net in (model, reference):
+        F.cross_entropy(net(x), y).backward()
+        F.cross_entropy(net(x[:8]), y[:8]).backward()
+    for a, b in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7)
+    model.zero_grad()  # set to None behind the optimizer's back: the next pass starts afresh
+    reference.zero_grad()
+    for net in (model, reference):
+        F.cross_entropy(net(x), y).backward()
+    for a, b in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7)
 
 
 def test_gradients_are_averaged_when_backward_returns():

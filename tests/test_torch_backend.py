@@ -4,30 +4,20 @@ One launch per world size runs every collective, DDP, FSDP2, DistributedSampler 
 distributed checkpoints against gloo in the same processes (see tests/mpi_torch).
 """
 
-import sys
-
 import pytest
 
-from hpcddp.testing import run_mpi
+from hpcddp.testing import run_pytest_on_ranks
 
 from .conftest import ROOT
+from .test_multirank import assert_suite_passed
 
 TIME_LIMIT_S = 300
 
 
 @pytest.mark.parametrize("num_ranks", [2, 3])
 def test_torch_backend_suite(num_ranks):
-    result = run_mpi(
-        num_ranks,
-        [sys.executable, "-m", "pytest", "-q", "-x", "--color=no", "-p", "no:cacheprovider", "tests/mpi_torch"],
-        timeout=TIME_LIMIT_S,
-        env={"HPCDDP_MPI_TESTS": "1", "PYTHONUNBUFFERED": "1"},
-        cwd=ROOT,
-    )
-    assert result.returncode == 0, (
-        f"mpirun -np {num_ranks} failed (exit {result.returncode}):\n{result.stdout[-20000:]}"
-    )
-    assert "passed" in result.stdout, result.stdout[-5000:]
+    result = run_pytest_on_ranks(num_ranks, ["tests/mpi_torch"], timeout=TIME_LIMIT_S, cwd=ROOT)
+    assert_suite_passed(result, num_ranks)
 
 
 def test_init_process_group_hpcddp_in_a_world_of_one(world_of_one):
@@ -48,9 +38,9 @@ def test_init_process_group_hpcddp_in_a_world_of_one(world_of_one):
     ("dtype", "op", "error", "message"),
     [
         ("float32", "PREMUL_SUM", ValueError, "PREMUL_SUM is NCCL-only"),
-        ("int64", "AVG", TypeError, "AVG needs a floating-point tensor, got torch.int64"),
-        ("float32", "BAND", TypeError, "BAND needs an integer tensor"),
-        ("bool", "SUM", TypeError, "cannot reduce tensors of dtype torch.bool"),
+        ("int64", "AVG", TypeError, "op='average' needs a floating-point tensor, got torch.int64"),
+        ("float32", "BAND", TypeError, "op='band' needs an integer tensor"),
+        ("bool", "SUM", TypeError, "does not support tensors of dtype torch.bool"),
     ],
 )
 def test_reductions_mpi_cannot_do_are_refused(dtype, op, error, message):
@@ -58,7 +48,8 @@ def test_reductions_mpi_cannot_do_are_refused(dtype, op, error, message):
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from hpcddp.torch_backend._buffers import reduce_spec
+    from hpcddp.comm._mpi_buffers import MPIOps
+    from hpcddp.torch_backend._buffers import reduce_op_of
 
     with pytest.raises(error, match=message):
-        reduce_spec(MPI, getattr(torch, dtype), getattr(dist.ReduceOp, op))
+        MPIOps(MPI).check_reducible(getattr(torch, dtype), reduce_op_of(getattr(dist.ReduceOp, op)))

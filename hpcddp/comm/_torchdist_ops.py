@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..stall import oplog
 from .agreement import agreement_vector, disagrees, mismatch_error, signature
 from .base import Handle, ReduceOp, alltoall_splits, as_splits, even_splits, splits_error
 
@@ -21,6 +22,9 @@ DIST_OPS = {
     ReduceOp.MIN: dist.ReduceOp.MIN,
     ReduceOp.MAX: dist.ReduceOp.MAX,
     ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+    ReduceOp.BAND: dist.ReduceOp.BAND,
+    ReduceOp.BOR: dist.ReduceOp.BOR,
+    ReduceOp.BXOR: dist.ReduceOp.BXOR,
 }
 
 
@@ -48,10 +52,11 @@ class WorkHandle(Handle):
     def _block(self, timeout: float | None) -> bool:
         if not self._done.is_set():
             try:
-                if timeout is None:
-                    self._work.wait()
-                elif not self._work.wait(timeout=datetime.timedelta(seconds=timeout)):
-                    return False
+                with oplog.waiting(None, self.name):
+                    if timeout is None:
+                        self._work.wait()
+                    elif not self._work.wait(timeout=datetime.timedelta(seconds=timeout)):
+                        return False
             except RuntimeError as err:
                 raise explain_timeout(err, self.name) from None
             self.set_result(self._pending_result)

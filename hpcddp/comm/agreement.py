@@ -59,13 +59,16 @@ class Signature(NamedTuple):
     root: int | None = None
     reduce_op: str | None = None
     splits: tuple[int, ...] | None = None
+    #: the optimizer's step, for its gradient buckets (a rank that skipped a backward
+    #: pass but stepped is one step ahead, with buckets of the same shapes)
+    step: int | None = None
     #: a problem this rank found with its own arguments (compared as "some rank has one")
     error: str | None = None
-    #: the user's name for the tensor, reported but not compared
+    #: the user's name for the tensor (or the bucket's tag), reported but not compared
     name: str = ""
 
     def compared(self) -> tuple:
-        return (self.op, self.shape, self.dtype, self.root, self.reduce_op, self.splits)
+        return (self.op, self.shape, self.dtype, self.root, self.reduce_op, self.splits, self.step)
 
 
 def signature(
@@ -76,6 +79,7 @@ def signature(
     root: int | None = None,
     reduce_op: Any = None,
     splits: Sequence[int] | None = None,
+    step: int | None = None,
     error: str | None = None,
     name: str = "",
 ) -> Signature:
@@ -88,6 +92,7 @@ def signature(
         root: the root rank, for rooted collectives.
         reduce_op: the reduction (a ReduceOp or its name).
         splits: splits that must be the same on every rank.
+        step: the optimizer's step (gradient buckets only).
         error: what is wrong with this rank's own arguments, if anything.
         name: the tensor's name, for the message.
     """
@@ -96,7 +101,8 @@ def signature(
         shape = tuple(tensor.shape[1:]) if rows_may_differ else tuple(tensor.shape)
         dtype = str(tensor.dtype).removeprefix("torch.")
     reduce_name = getattr(reduce_op, "value", reduce_op)
-    return Signature(op, shape, dtype, root, reduce_name, None if splits is None else tuple(splits), error, name)
+    splits = None if splits is None else tuple(splits)
+    return Signature(op, shape, dtype, root, reduce_name, splits, step, error, name)
 
 
 def _fingerprint(sig: Signature) -> int:
@@ -159,27 +165,63 @@ def mismatch_message(all_signatures: Sequence[Signature]) -> str:
             "(hvd.join): only sum and average allreduces continue until every rank joins"
         )
     first = signatures[0]
-    names = sorted({s.name for s in signatures if s.name})
-    what = first.op + (f" of tensor {', '.join(map(repr, names))}" if names else "")
     ranked = [(r, s) for r, s in enumerate(all_signatures) if s.op != JOINED.op]
     errors = [(r, s.error) for r, s in ranked if s.error is not None]
+    what = first.op + _named(signatures)
     if errors:
         details = "; ".join(f"rank {r}: {error}" for r, error in errors)
         return f"{what} was not run: {details}"
-    fields = ("op", "shape", "dtype", "root", "reduce_op", "splits")
+    buckets = [r for r, s in ranked if _is_bucket(s)]
+    others = [r for r, s in ranked if not _is_bucket(s)]
+    if buckets and others:
+        bucket, other = all_signatures[buckets[0]], all_signatures[others[0]]
+        return (
+            f"{_ranks(buckets)} {'was' if len(buckets) == 1 else 'were'} reducing gradients ({bucket.name}: "
+            f"{_describe(bucket)}) while {_ranks(others)} called {_describe(other)}: {_ranks(others)} skipped a "
+            "backward pass or called step() without one, or ran out of data; every rank must run the same number "
+            "of backward passes (wrap uneven data in hpcddp.join(optimizer))"
+        )
+    fields = ("op", "shape", "dtype", "root", "reduce_op", "splits", "step")
     differences = []
     for index, field in enumerate(fields):
         groups: dict[Any, list[int]] = {}
         for r, sig in ranked:
             groups.setdefault(sig.compared()[index], []).append(r)
         if len(groups) > 1:
-            label = {"shape": "shape" if first.op not in _ROWS_MAY_DIFFER else "shape after the first dimension"}.get(
-                field, field.replace("_", " ")
-            )
+            label = {
+                "shape": "shape" if first.op not in _ROWS_MAY_DIFFER else "shape after the first dimension",
+                "step": "optimizer step",
+            }.get(field, field.replace("_", " "))
             parts = ", ".join(f"{_ranks(ranks)} {_show(value)}" for value, ranks in groups.items())
             differences.append(f"{label} differs ({parts})")
-    fix = "every rank must call the same collectives in the same order with matching arguments"
-    return f"{what}: the ranks disagree: {'; '.join(differences)}; {fix}"
+    return f"{what}: the ranks disagree: {'; '.join(differences)}; {_cause(ranked)}"
+
+
+def _named(signatures: Sequence[Signature]) -> str:
+    names = sorted({s.name for s in signatures if s.name and not _is_bucket(s)})
+    return f" of tensor {', '.join(map(repr, names))}" if names else ""
+
+
+def _is_bucket(sig: Signature) -> bool:
+    return sig.step is not None
+
+
+def _cause(ranked: list[tuple[int, Signature]]) -> str:
+    steps = sorted({s.step for _, s in ranked if _is_bucket(s)})
+    if len(steps) > 1:
+        ahead = _ranks([r for r, s in ranked if s.step == steps[-1]])
+        return (
+            f"{ahead} took a step without reducing gradients: it skipped a backward pass or called step() without "
+            "one; every rank must run the same number of backward passes (wrap uneven data in hpcddp.join(optimizer))"
+        )
+    return "every rank must call the same collectives in the same order with matching arguments"
+
+
+def _describe(sig: Signature) -> str:
+    """``allreduce of shape [98] float32``, or ``barrier``."""
+    if sig.shape is None:
+        return sig.op
+    return f"{sig.op} of shape {_show(sig.shape)} {sig.dtype}"
 
 
 _ROWS_MAY_DIFFER = ("allgather", "gather", "alltoall")

@@ -24,17 +24,26 @@ __all__ = [
 
 
 class ReduceOp(enum.Enum):
-    """How allreduce combines the ranks' tensors."""
+    """How a reduction combines the ranks' tensors (the one table: torch's ops map onto these)."""
 
     SUM = "sum"
     AVERAGE = "average"
     MIN = "min"
     MAX = "max"
     PRODUCT = "product"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
+
+    @property
+    def bitwise(self) -> bool:
+        """True for the integer-only ops BAND, BOR and BXOR."""
+        return self in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
 
 def parse_op(op: str | ReduceOp, argument: str = "op") -> ReduceOp:
-    """Turn ``"average"``/``"sum"``/``"min"``/``"max"``/``"product"`` (or a ReduceOp) into a ReduceOp.
+    """Turn ``"average"``/``"sum"``/``"min"``/``"max"``/``"product"``/``"band"``/``"bor"``/``"bxor"``
+    (or a ReduceOp) into a ReduceOp.
 
     Args:
         op: the user's value.

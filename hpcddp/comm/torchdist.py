@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..stall import CollectiveLog, StallInspector
+from ..stall import oplog
 from ._torchdist_ops import DIST_OPS, TorchDistOps, WorkHandle, explain_timeout
 from .base import Communicator, Handle, ReduceOp, completed, split_ranks_error
 
@@ -25,23 +25,19 @@ _DIST_OPS = DIST_OPS
 class TorchDistCommunicator(TorchDistOps, Communicator):
     """Communicator over a torch.distributed process group (the default one unless ``group`` is given).
 
+    torch.distributed cannot say which rank is missing: the operations are recorded
+    in an OperationLog, which the stall inspector reads over MPI when MPI started the
+    ranks (``hpcddp.stall``).
+
     Args:
         backend: "gloo" or "nccl"; the process group must already be initialised.
         device: where the backend wants tensors (a CUDA device for nccl).
         group: a group from ``dist.new_group`` (see ``split``); None: the default group.
     """
 
-    def __init__(
-        self,
-        backend: str,
-        device: torch.device,
-        *,
-        inspector_comm=None,
-        stall_timeout: float = 0,
-        stall_action: str = "abort",
-        stall_abort_after: float = 0,
-        group=None,
-    ) -> None:
+    _groups_made = 0
+
+    def __init__(self, backend: str, device: torch.device, *, group=None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call hpcddp.init() first")
         super().__init__(dist.get_rank(group), dist.get_world_size(group))
@@ -49,21 +45,17 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
         self.name = backend
         self.device = device
         self._recent_works: collections.deque = collections.deque(maxlen=_KEPT_WORKS)
-        self.collectives = CollectiveLog()
-        self._inspector = None
-        if inspector_comm is not None and stall_timeout > 0 and self.size > 1:
-            # torch.distributed cannot say which rank is missing; MPI, which started
-            # the ranks, carries the stall inspector's questions beside it.
-            self._inspector = StallInspector(
-                inspector_comm.Dup(), self.collectives, stall_timeout, stall_action, stall_abort_after
-            )
+        members = tuple(range(self.size)) if group is None else tuple(dist.get_process_group_ranks(group))
+        # Groups are made in the same order on every member: their count names them alike.
+        TorchDistCommunicator._groups_made += 1
+        self.log = oplog.OperationLog(f"{backend}:{TorchDistCommunicator._groups_made}:{members}", members)
+        oplog.register(self.log)
 
     def _track(self, work, name: str, tensor: torch.Tensor | None = None):
         """Record ``work`` for the stall inspector until it completes, and keep it (see ``_keep``)."""
-        if self._inspector is not None:
-            shape, dtype = (None, None) if tensor is None else (tensor.shape, str(tensor.dtype).removeprefix("torch."))
-            desc = self.collectives.submit(name, shape, dtype, start=True)
-            work.get_future().add_done_callback(lambda _future: self.collectives.finish(desc))
+        shape, dtype = (None, None) if tensor is None else (tensor.shape, str(tensor.dtype).removeprefix("torch."))
+        desc = self.log.start(oplog.describe(name, shape, dtype))
+        work.get_future().add_done_callback(lambda _future: self.log.finish(desc))
         return self._keep(work)
 
     def _keep(self, work):
@@ -118,14 +110,14 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
     @contextlib.contextmanager
     def _blocking(self, name: str) -> Iterator[None]:
         """Around a blocking torch.distributed call: stall records and timeout messages."""
-        desc = self.collectives.submit(name, start=True) if self._inspector is not None else None
+        desc = self.log.start(oplog.describe(name))
         try:
-            yield
+            with oplog.waiting(self.log, desc):
+                yield
         except RuntimeError as err:
             raise explain_timeout(err, name) from None
         finally:
-            if desc is not None:
-                self.collectives.finish(desc)
+            self.log.finish(desc)
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
         holder = [obj]
@@ -173,15 +165,12 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
         return child
 
     def close(self) -> None:
+        oplog.unregister(self.log)
         if self.group is not None:  # a sub-communicator: the default group stays
             if dist.is_initialized():
                 dist.destroy_process_group(self.group)
             self._recent_works.clear()
             return
-        if self._inspector is not None:
-            self._inspector.stop()
-            self._inspector._comm.Free()
-            self._inspector = None
         if dist.is_initialized():
             if self.size > 1:  # leave together: no peer is still inside a collective
                 # Kept too: gloo's barrier holds the Works before it (see _keep).

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..comm._mpi_buffers import displacements, row_bytes
 from ..comm.agreement import CollectiveMismatchError
-from ._buffers import bytes_view, describe, reduction_buffer, stage, unstage
+from ..comm.base import ReduceOp
+from ._buffers import describe, reduce_op_of, stage, unstage
 
 __all__ = ["ExchangeCollectives"]
 
@@ -21,8 +22,8 @@ def _like(argument: str, tensors: list[torch.Tensor], model: torch.Tensor, size:
     return None
 
 
-def _displacements(counts: list[int]) -> list[int]:
-    return np.cumsum([0, *counts[:-1]]).tolist()
+def _bytes(tensor: torch.Tensor):
+    return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
 class ExchangeCollectives:
@@ -36,12 +37,12 @@ class ExchangeCollectives:
 
         def body():
             flat = torch.empty((self.size(), *staged.shape), dtype=staged.dtype) if rank == root else None
-            comm.Gather(bytes_view(staged), None if flat is None else bytes_view(flat), root=root)
+            comm.Gather(_bytes(staged), None if flat is None else _bytes(flat), root=root)
             for out, part in zip(outputs, flat if flat is not None else []):
                 unstage(out, part)
             return output_lists
 
-        return self._start("gather", body, [source], opts, root=root, error=error)
+        return self._start("gather_list", body, [source], opts, error=error, root=root)
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None):
         root, target = opts.rootRank if opts is not None else 0, outputs[0]
@@ -51,10 +52,10 @@ class ExchangeCollectives:
 
         def body():
             flat = torch.stack([c.detach().cpu() for c in chunks]) if rank == root else None
-            comm.Scatter(None if flat is None else bytes_view(flat), bytes_view(staged), root=root)
+            comm.Scatter(None if flat is None else _bytes(flat), _bytes(staged), root=root)
             return [unstage(target, staged)]
 
-        return self._start("scatter", body, [target], opts, root=root, error=error)
+        return self._start("scatter_list", body, [target], opts, error=error, root=root)
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None):
         target, chunks = outputs[0], input_lists[0]
@@ -79,15 +80,21 @@ class ExchangeCollectives:
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def _reduce_scatter(self, collective, target, flat, opts, error):
-        spec = self._reduce_spec(target.dtype, opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        staged, comm, MPI, size = stage(target), self._mpi, self._MPI, self.size()
+        op = reduce_op_of(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        hpcddp_comm = self._comm
+        hpcddp_comm._ops.check_reducible(target.dtype, op, collective)
+        error = error or hpcddp_comm.layout_error(target)
+        staged, comm, size = stage(target), self._mpi, self.size()
+        mpi_op = hpcddp_comm._ops.op(target.dtype, op)
 
         def body():
-            send = reduction_buffer(MPI, flat.contiguous())
-            comm.Reduce_scatter_block(send, reduction_buffer(MPI, staged), op=spec.mpi_op)
-            return [unstage(target, spec.finish_(staged, size))]
+            send = hpcddp_comm._ops.buffer(flat.contiguous())
+            comm.Reduce_scatter_block(send, hpcddp_comm._ops.buffer(staged), op=mpi_op)
+            if op is ReduceOp.AVERAGE:
+                staged.div_(size)
+            return [unstage(target, staged)]
 
-        return self._start(collective, body, [target], opts, reduce_op=spec.name, error=error)
+        return self._start(collective, body, [target], opts, error=error, reduce_op=op)
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None):
         error = None
@@ -114,7 +121,8 @@ class ExchangeCollectives:
         rows_in, rows_out = (source.shape[0] if source.dim() else 1), (output.shape[0] if output.dim() else 1)
         input_splits = list(input_splits) or [rows_in // size] * size
         output_splits = list(output_splits) or [rows_out // size] * size
-        row_bytes = source.numel() // max(rows_in, 1) * source.element_size() if rows_in else 0
+        # One row's bytes from the shape, never from numel / rows: a rank may send nothing (MoE routing).
+        row = row_bytes(source) if source.dim() else source.element_size()
         if len(input_splits) != size or len(output_splits) != size:
             error = f"split sizes must list world_size={size} entries, got {input_splits} and {output_splits}"
         elif sum(input_splits) != rows_in or sum(output_splits) != rows_out:
@@ -128,37 +136,35 @@ class ExchangeCollectives:
             return [unstage(output, staged_out)]
 
         send = stage(source).reshape(-1).view(torch.uint8)
-        send_counts = [n * row_bytes for n in input_splits]
-        recv_counts = [n * row_bytes for n in output_splits]
+        send_counts = [n * row for n in input_splits]
+        recv_counts = [n * row for n in output_splits]
         return self._alltoallv("all_to_all_single", source, send, send_counts, recv_counts, unpack, opts, error)
 
     alltoall_base = all_to_all_single
 
     def _alltoallv(self, collective, model, send, send_counts, recv_counts, unpack, opts, error):
         comm, MPI, ranks = self._mpi, self._MPI, self._global_ranks
-        checking = self._comm.check_collectives and self.size() > 1
 
         def body():
-            if checking:
-                # What rank i sends to rank j must be what rank j expects from rank i.
-                every = comm.allgather((send_counts, recv_counts))
-                wrong = [
-                    f"rank {ranks[i]} sends {sends[j]} bytes to rank {ranks[j]}, which expects {every[j][1][i]}"
-                    for i, (sends, _) in enumerate(every)
-                    for j in range(len(every))
-                    if sends[j] != every[j][1][i]
-                ]
-                if wrong:
-                    raise CollectiveMismatchError(
-                        f"{collective}: split sizes disagree ({'; '.join(wrong)}); nothing was transferred"
-                    )
+            # What rank i sends to rank j must be what rank j expects from rank i.
+            every = comm.allgather((send_counts, recv_counts))
+            wrong = [
+                f"rank {ranks[i]} sends {sends[j]} bytes to rank {ranks[j]}, which expects {every[j][1][i]}"
+                for i, (sends, _) in enumerate(every)
+                for j in range(len(every))
+                if sends[j] != every[j][1][i]
+            ]
+            if wrong:
+                raise CollectiveMismatchError(
+                    f"{collective}: split sizes disagree ({'; '.join(wrong)}); nothing was transferred"
+                )
             recv = torch.empty(sum(recv_counts), dtype=torch.uint8)
             comm.Alltoallv(
-                [send.numpy(), send_counts, _displacements(send_counts), MPI.BYTE],
-                [recv.numpy(), recv_counts, _displacements(recv_counts), MPI.BYTE],
+                [send.numpy(), send_counts, displacements(send_counts), MPI.BYTE],
+                [recv.numpy(), recv_counts, displacements(recv_counts), MPI.BYTE],
             )
             return unpack(recv)
 
         # Rows may differ between ranks: the agreement compares dtype and row shape only.
         rows = [] if model is None else [model.reshape(1, -1) if model.dim() == 0 else model]
-        return self._start(collective, body, rows, opts, rows_may_differ=True, error=error)
+        return self._start(collective, body, rows, opts, error=error, rows_may_differ=True)

@@ -1,4 +1,12 @@
-"""``ProcessGroupHPCDDP``: a torch.distributed process group whose collectives run on hpcddp's MPI thread."""
+"""``ProcessGroupHPCDDP``: a torch.distributed process group over one hpcddp MPI communicator.
+
+Its collectives are operations of the communicator's Engine like any other
+(``hpcddp.comm.engine``): the same queue and runner, the same agreement first, the same
+transfer code where the transfer is the same (an ``all_reduce`` here and
+``hpcddp.allreduce_`` on another rank match and give the right sum). Its Works complete
+their torch futures on the runner, so torch DDP's bucket callbacks run there and a comm
+hook that issues further collectives (PowerSGD) has them run at once, in order.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm.agreement import signature
-from ._buffers import bytes_view, describe, reduce_spec, reduction_buffer, stage, unstage
+from ._buffers import describe, reduce_op_of, stage, unstage
 from ._exchange import ExchangeCollectives
 from ._p2p import PointToPoint
 
@@ -18,12 +25,7 @@ __all__ = ["ProcessGroupHPCDDP"]
 
 
 class _Work(dist.Work):
-    """A collective queued on the communication thread.
-
-    Its future completes on that thread (torch DDP chains its bucket callbacks
-    there and overlaps the next buckets' backward); ``wait()`` from the caller
-    runs the collective itself when the thread has not started it.
-    """
+    """An operation of the engine; its torch future completes on the runner."""
 
     def __init__(self, handle, future: torch.futures.Future) -> None:
         super().__init__()
@@ -32,13 +34,8 @@ class _Work(dist.Work):
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         seconds = timeout.total_seconds() if timeout else None
-        try:
-            self._handle.wait(seconds or None)
-        except TimeoutError:
-            raise
-        except Exception:  # noqa: BLE001 - the future holds the same error, raised below
-            pass
-        self._future.wait()
+        self._handle.wait(seconds or None)  # raises the operation's error, if any
+        self._future.wait()  # the runner completes it right after the handle
         return True
 
     def is_completed(self) -> bool:
@@ -51,16 +48,17 @@ class _Work(dist.Work):
 class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
     """torch.distributed's collectives over one hpcddp MPI communicator.
 
-    Each collective first agrees with the other ranks on shapes, dtypes, root
-    and op (``hpcddp.comm.agreement``: one small MIN-allreduce; a mismatch raises
-    ``CollectiveMismatchError`` on every rank, with nothing transferred; off with
-    HPCDDP_CHECK_COLLECTIVES=0), then runs on the communicator's thread in call order.
+    Each collective first agrees with the other ranks on shapes, dtypes, root and op
+    (a mismatch raises ``CollectiveMismatchError`` on every rank, nothing
+    transferred; off with HPCDDP_CHECK_COLLECTIVES=0, when a rank's errors about its
+    own arguments still raise on that rank), then runs in call order.
 
     Args:
         comm: an ``hpcddp.comm.mpi.MPICommunicator`` over the group's ranks.
         global_ranks: the group's members as ranks of the default group (for messages).
         backend_name: what ``dist.get_backend`` reports ("hpcddp", or "mpi" when
             torch's MPI name was routed here).
+        owns_comm: close ``comm`` when torch destroys the group (subgroups).
     """
 
     def __init__(
@@ -68,15 +66,15 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
         comm,
         global_ranks: Sequence[int] | None = None,
         backend_name: str = "hpcddp",
+        owns_comm: bool = False,
     ) -> None:
         super().__init__(comm.rank, comm.size)
         self._comm = comm
         self._mpi = comm.mpi_comm
-        from .._mpi import import_mpi
-
-        self._MPI = import_mpi()
+        self._MPI = comm._MPI
         self._global_ranks = list(global_ranks) if global_ranks is not None else list(range(comm.size))
         self._backend_name = backend_name
+        self._owns_comm = owns_comm
         self._name = ""
 
     # -- identity ---------------------------------------------------------------------
@@ -98,6 +96,13 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
         """The hpcddp communicator this group runs on."""
         return self._comm
 
+    def shutdown(self) -> None:
+        """Release the group's communicator and its thread (torch's destroy_process_group calls this)."""
+        if self._owns_comm:
+            from .install import release
+
+            release(self._comm)
+
     def __repr__(self) -> str:
         return f"ProcessGroupHPCDDP(rank={self.rank()}, size={self.size()}, name={self._name!r})"
 
@@ -108,94 +113,82 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
         body: Callable[[], Any],
         tensors: Sequence[torch.Tensor] = (),
         opts=None,
+        error: str | None = None,
         **fields: Any,
     ) -> _Work:
-        """Queue ``body()`` after the metadata agreement on ``tensors`` and ``fields``; return its Work.
+        """Hand ``body()`` to the engine after the agreement on ``tensors`` and ``fields``; return its Work.
 
         Args:
-            collective: torch's name for it, for messages and the stall inspector.
-            body: makes the MPI calls (on the communication thread); returns the future's value.
+            collective: its name; the same name as hpcddp's own collective only where
+                the transfer is the same, so that mixing the APIs matches or fails cleanly.
+            body: makes the MPI calls (on the runner) and returns the future's value.
             tensors: what every rank must pass alike (shapes and dtypes).
             opts: torch's options; ``asyncOp`` False means the caller waits at once.
-            fields: more for ``hpcddp.comm.agreement.signature`` (root, reduce_op, error, ...).
+            error: what is wrong with this rank's arguments, raised on every rank.
+            fields: more for ``hpcddp.comm.agreement.signature`` (root, reduce_op, ...).
         """
         future = torch.futures.Future()
-        sig = signature(collective, tensors[0] if tensors else None, **fields)
-        if len(tensors) > 1:
-            sig = sig._replace(shape=tuple(tuple(t.shape) for t in tensors))
         comm = self._comm
+        first = tensors[0] if tensors else None
+        sig = comm.signature_for(None, collective, first, error=error, **fields)
+        if sig is not None and len(tensors) > 1:
+            sig = sig._replace(shape=tuple(tuple(t.shape) for t in tensors))
 
-        def work():
-            try:
-                comm.agree(sig, sleep_while_waiting=True)
-                result = body()
-            except BaseException as err:
-                future.set_exception(err)
-                raise
-            future.set_result(result)
-            return result
+        def complete(handle) -> None:
+            if handle._error is not None:
+                future.set_exception(handle._error)
+            else:
+                future.set_result(handle._result)
 
         # A blocking call from Python waits at once: it runs the work itself, no thread wake-up.
-        wake = True if opts is None else bool(opts.asyncOp)
-        handle = comm.run_async(work, collective, tensors[0] if tensors else None, wake=wake)
+        wake = True if opts is None else bool(getattr(opts, "asyncOp", True))
+        handle = comm.submit(collective, body, first, sig, wake=wake, on_done=complete)
         return _Work(handle, future)
-
-    def _reduce_spec(self, dtype: torch.dtype, op):
-        return reduce_spec(self._MPI, dtype, op)
 
     # -- collectives ------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> _Work:
-        opts = opts if opts is not None else dist.AllreduceOptions()
-        spec = self._reduce_spec(tensors[0].dtype, opts.reduceOp)
+        op = reduce_op_of(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         mixed = len({t.dtype for t in tensors}) > 1
         error = f"tensors of one dtype are reduced together, got {describe(tensors)}" if mixed else None
-        staged = [stage(t) for t in tensors]
-        comm, MPI, size = self._mpi, self._MPI, self.size()
+        error = error or next(filter(None, map(self._comm.layout_error, tensors)), None)
+        bodies = [] if error else [self._comm.allreduce_body(t, op) for t in tensors]
 
         def body():
-            for tensor, buffer in zip(tensors, staged):
-                if size > 1:
-                    comm.Allreduce(MPI.IN_PLACE, reduction_buffer(MPI, buffer), op=spec.mpi_op)
-                unstage(tensor, spec.finish_(buffer, size))
+            for reduce in bodies:
+                reduce()
             return tensors
 
-        return self._start("all_reduce", body, tensors, opts, reduce_op=spec.name, error=error)
+        return self._start("allreduce", body, tensors, opts, error=error, reduce_op=op)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> _Work:
-        reduce_op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         options = dist.AllreduceOptions()
-        options.reduceOp = reduce_op
+        options.reduceOp = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         return self.allreduce(tensors, options)
 
     def broadcast(self, tensors: list[torch.Tensor], opts=None) -> _Work:
         root = opts.rootRank if opts is not None else 0
-        staged = [stage(t) for t in tensors]
-        comm = self._mpi
+        error = next(filter(None, map(self._comm.layout_error, tensors)), None)
+        bodies = [] if error else [self._comm.broadcast_body(t, root) for t in tensors]
 
         def body():
-            for tensor, buffer in zip(tensors, staged):
-                comm.Bcast(bytes_view(buffer), root=root)
-                unstage(tensor, buffer)
+            for broadcast in bodies:
+                broadcast()
             return tensors
 
-        return self._start("broadcast", body, tensors, opts, root=root)
+        return self._start("broadcast", body, tensors, opts, error=error, root=root)
 
     def reduce(self, tensors: list[torch.Tensor], opts=None) -> _Work:
         opts = opts if opts is not None else dist.ReduceOptions()
-        root, spec = opts.rootRank, self._reduce_spec(tensors[0].dtype, opts.reduceOp)
-        staged = [stage(t) for t in tensors]
-        comm, MPI, size, rank = self._mpi, self._MPI, self.size(), self.rank()
+        root, op = opts.rootRank, reduce_op_of(opts.reduceOp)
+        error = next(filter(None, map(self._comm.layout_error, tensors)), None)
+        bodies = [] if error else [self._comm.reduce_body(t, op, root) for t in tensors]
 
         def body():
-            for tensor, buffer in zip(tensors, staged):
-                if rank == root:
-                    comm.Reduce(MPI.IN_PLACE, reduction_buffer(MPI, buffer), op=spec.mpi_op, root=root)
-                    unstage(tensor, spec.finish_(buffer, size))
-                else:
-                    comm.Reduce(reduction_buffer(MPI, buffer), None, op=spec.mpi_op, root=root)
+            for reduce in bodies:
+                reduce()
             return tensors
 
-        return self._start("reduce", body, tensors, opts, root=root, reduce_op=spec.name)
+        return self._start("reduce", body, tensors, opts, error=error, root=root, reduce_op=op)
 
     def barrier(self, opts=None) -> _Work:
         comm = self._mpi
@@ -208,7 +201,7 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
 
         def body():
             flat = torch.empty((self.size(), *staged.shape), dtype=staged.dtype)
-            comm.Allgather(bytes_view(staged), bytes_view(flat))
+            comm.Allgather(_bytes(staged), _bytes(flat))
             for out, part in zip(outputs, flat):
                 unstage(out, part)
             return output_lists
@@ -216,13 +209,29 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
         return self._start("all_gather", body, [source], opts, error=error)
 
     def all_gather_single(self, output: torch.Tensor, source: torch.Tensor, opts=None) -> _Work:
+        size, rank = self.size(), self.rank()
         error = None
-        if output.numel() != source.numel() * self.size() or output.dtype != source.dtype:
-            error = f"output_tensor must hold world_size x input ({self.size()} x {describe([source])}), got {describe([output])}"
-        staged_in, staged_out, comm = stage(source), stage(output), self._mpi
+        if output.numel() != source.numel() * size or output.dtype != source.dtype:
+            error = (
+                f"output_tensor must hold world_size x input ({size} x {describe([source])}), got {describe([output])}"
+            )
+        error = error or self._comm.layout_error(output)
+        staged_out, comm, MPI = stage(output), self._mpi, self._MPI
+        # FSDP2 and Megatron gather in place: the input is this rank's slice of the output.
+        in_place = (
+            error is None
+            and staged_out is not None
+            and output.is_contiguous()
+            and source.is_contiguous()
+            and source.data_ptr() == output.data_ptr() + rank * source.numel() * source.element_size()
+        )
+        staged_in = None if in_place else stage(source)
 
         def body():
-            comm.Allgather(bytes_view(staged_in), bytes_view(staged_out))
+            if in_place:
+                comm.Allgather(MPI.IN_PLACE, _bytes(staged_out))
+            else:
+                comm.Allgather(_bytes(staged_in), _bytes(staged_out))
             return [unstage(output, staged_out)]
 
         return self._start("all_gather_into_tensor", body, [source], opts, error=error)
@@ -239,10 +248,14 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def _sequence(self, works: list[_Work]) -> _Work:
-        """The last of ``works`` (the thread runs them in order), after checking the earlier ones."""
+        """The last of ``works`` (the engine runs them in order), after checking the earlier ones."""
         for work in works[:-1]:
             work.wait()
         return works[-1]
+
+
+def _bytes(tensor: torch.Tensor):
+    return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
 def _same_shapes(argument: str, outputs: list[torch.Tensor], source: torch.Tensor, size: int) -> str | None:

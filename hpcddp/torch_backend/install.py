@@ -80,7 +80,8 @@ def new_group_over(global_ranks: list[int] | None, backend_name: str = BACKEND_N
     """Return a process group over ``global_ranks`` (all ranks when None or all listed); None on other ranks.
 
     Collective over the listed ranks only (``MPI_Comm_create_group``), in the order
-    torch creates groups.
+    torch creates groups. A subgroup has its own communicator (its own queue,
+    numbering and thread), released when torch destroys the group.
 
     Args:
         global_ranks: members, as ranks of the whole job; the group numbers them in list order.
@@ -94,18 +95,20 @@ def new_group_over(global_ranks: list[int] | None, backend_name: str = BACKEND_N
         return None
     from .. import bootstrap
 
-    parent = world.mpi_comm
-
-    def create():
-        return parent.Create_group(parent.Get_group().Incl(ranks))
-
-    sub = world.run_async(create, "new_group").wait()
+    sub = world.create_group(ranks)
     try:
         comm = _own(bootstrap.new_mpi_communicator(sub))
         comm.check_collectives = world.check_collectives
     finally:
         sub.Free()
-    return ProcessGroupHPCDDP(comm, ranks, backend_name)
+    return ProcessGroupHPCDDP(comm, ranks, backend_name, owns_comm=True)
+
+
+def release(comm) -> None:
+    """Close a subgroup's communicator (its process group was destroyed)."""
+    if comm in _owned:
+        _owned.remove(comm)
+    comm.close()
 
 
 def _create(options, _backend_options) -> ProcessGroupHPCDDP:

@@ -257,7 +257,7 @@ def test_mismatched_shapes_and_dtypes_raise_on_every_rank(gloo):
     rank, size = rank_size()
     with pytest.raises(
         CollectiveMismatchError,
-        match=r"all_reduce: the ranks disagree: shape differs \(rank 0 \[2\], ranks? 1[, 2]* \[3\]\)",
+        match=r"allreduce: the ranks disagree: shape differs \(rank 0 \[2\], ranks? 1[, 2]* \[3\]\)",
     ):
         dist.all_reduce(torch.ones(2 + min(rank, 1)))
     dtype = torch.float32 if rank == 0 else torch.float64

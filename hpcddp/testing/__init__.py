@@ -1,4 +1,4 @@
-"""Launch a command on N MPI ranks with a time limit (used by the test suite and CI).
+"""Launch a command, or a pytest suite, on N MPI ranks with a time limit (the test suite and CI).
 
 A failing rank must fail the run and nothing may hang: ``run_mpi`` puts mpirun in
 its own process group and kills the whole group when the time limit passes.
@@ -12,9 +12,9 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
-from .launch import mpirun_command
+from ..launch import mpirun_command
 
-__all__ = ["MPIRunResult", "run_mpi"]
+__all__ = ["MPIRunResult", "run_mpi", "run_pytest_on_ranks"]
 
 
 class MPIRunResult(subprocess.CompletedProcess):
@@ -62,6 +62,30 @@ def run_mpi(
     result = MPIRunResult(command, 124 if timed_out else proc.returncode, out, None)
     result.timed_out = timed_out
     return result
+
+
+def run_pytest_on_ranks(
+    num_ranks: int,
+    paths: Sequence[str],
+    timeout: float,
+    cwd: str | None = None,
+    hostfile: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> MPIRunResult:
+    """Run pytest on ``paths`` on every rank of one mpirun job, with the ``hpcddp.testing.ranks`` plugin.
+
+    Args:
+        num_ranks: how many ranks to start.
+        paths: test files or directories, run by every rank.
+        timeout: seconds before every rank is killed.
+        cwd: working directory (the repository root).
+        hostfile: an mpirun hostfile; None runs every rank on this host.
+        env: more environment variables for the ranks.
+    """
+    command = [sys.executable, "-m", "pytest", "-q", "-x", "--color=no", "-p", "no:cacheprovider"]
+    command += ["-p", "hpcddp.testing.ranks", *paths]
+    env = {"HPCDDP_MPI_TESTS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    return run_mpi(num_ranks, command, timeout=timeout, env=env, cwd=cwd, hostfile=hostfile)
 
 
 def _stop(proc: subprocess.Popen) -> str:

@@ -1,0 +1,326 @@
+"""The rules every road to MPI follows, and the engine that enforces them on one communicator.
+
+hpcddp reaches MPI through several APIs (its own collectives, the DistributedOptimizer's
+gradient buckets, the torch.distributed backend ``"hpcddp"``/``"mpi"``, the Horovod API)
+and from several threads (the training thread, one communication thread per
+communicator, autograd's threads running gradient hooks, torch future callbacks, the
+stall inspector). These rules hold for all of them. Every module follows them by
+handing its operations to an ``Engine``; none makes its own MPI calls on a communicator.
+
+1. **One runner.** On each communicator at most one thread at a time, the *runner*,
+   makes collective MPI calls. It is the communication thread, or a thread that waits
+   for a result while the communication thread is idle and so runs the queue itself
+   (this saves the wake-up of another thread: tens of microseconds per collective).
+2. **One order.** Operations run in the order they are submitted, and the log numbers
+   them as they start (``OperationLog``): that numbering is the order every member rank
+   must share, and what the stall inspector compares across ranks.
+3. **The runner's own submissions run at once.** Code that runs on the runner while it
+   holds the queue (a torch future's callback: torch DDP's comm hooks, such as
+   PowerSGD, issue collectives there and wait for them) has its collectives run
+   immediately, inline, before anything queued later. Callbacks run at the same point
+   of the order on every rank, so the order stays the same on every rank whatever the
+   other threads do, and a callback that waits never waits for itself. A wait on the
+   runner runs queued operations, in order, until its own completes.
+4. **Every collective agrees first.** Before moving data the ranks compare what each
+   is about to run (op, shapes, dtypes, root, reduce op, splits: ``agreement``) with
+   one small non-blocking allreduce (``MPI_Iallreduce``), the same primitive for every
+   API and every operation (gradient buckets, barriers and object collectives
+   included). Two APIs that disagree on one communicator therefore raise
+   ``CollectiveMismatchError`` on every rank instead of pairing one rank's message with
+   another's; a rank's error about its own arguments travels in the same message, so
+   every rank raises it. ``check_collectives=False`` turns the step off (a rank's own
+   argument errors then raise on that rank alone, before anything is sent).
+5. **Completion on the runner.** A handle is completed (result or exception) by the
+   runner after the operation's last MPI call; its ``on_done`` (a torch future's
+   completion) runs there too, with rule 3 in force.
+6. **Point-to-point bypasses the queue.** A send or receive is a pair of non-blocking
+   requests (header, then data) posted by the calling thread and completed by whoever
+   tests them (``p2p``); it never waits for the collectives, nor they for it. Several
+   threads therefore call MPI at once: ``MPI_THREAD_MULTIPLE`` is required and checked
+   when the first communicator is made.
+7. **Waiting sleeps.** A rank waiting for late ranks (in the agreement) tests its
+   request in a tight loop for 50 us, then sleeps between tests (10 us, doubling to
+   250 us): MPI's own polling would take the core a training thread shares with it.
+8. **Everything is visible.** The runner records every operation in the
+   communicator's ``OperationLog``, the point-to-point layer every message, and every
+   blocking wait says what it waits for (``hpcddp.stall.oplog.waiting``): the stall
+   inspector judges from these alone, on its own communicator.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..stall import oplog
+from ._mpi_buffers import explain_failure
+from .agreement import JOINED, Signature, agreement_vector, mismatch_error, some_joined
+from .base import Handle, ReduceOp
+
+__all__ = ["Engine", "EngineHandle", "wait_for_request"]
+
+log = logging.getLogger("hpcddp")
+
+_SPIN_S = 50e-6
+_LONGEST_SLEEP_S = 250e-6
+
+
+def wait_for_request(request) -> None:
+    """Complete an MPI request as rule 7 says: spin 50 us, then sleep between tests."""
+    if request.Test():
+        return
+    spin_until = time.perf_counter() + _SPIN_S
+    while time.perf_counter() < spin_until:
+        if request.Test():
+            return
+    pause = 10e-6
+    while not request.Test():
+        time.sleep(pause)
+        pause = min(pause * 2, _LONGEST_SLEEP_S)
+
+
+class EngineHandle(Handle):
+    """A queued operation's handle: a thread that waits for it runs the queue when it can (rule 1)."""
+
+    def __init__(self, engine: Engine, name: str, desc: oplog.Descriptor) -> None:
+        super().__init__(name)
+        self._engine = engine
+        self.desc = desc
+
+    def _block(self, timeout: float | None) -> bool:
+        return self._done.is_set() or self._engine.wait_for(self, timeout)
+
+
+class _Operation:
+    __slots__ = ("body", "desc", "handle", "on_done", "sig")
+
+    def __init__(self, body, desc, sig, handle, on_done) -> None:
+        self.body, self.desc, self.sig, self.handle, self.on_done = body, desc, sig, handle, on_done
+
+
+class Engine:
+    """Run one MPI communicator's collectives by the rules above.
+
+    Args:
+        comm: the mpi4py communicator (owned by the caller).
+        MPI: the mpi4py ``MPI`` module.
+        log: where operations are recorded (registered with the stall inspector by the caller).
+        name: the communication thread is called ``hpcddp-<name>``.
+    """
+
+    def __init__(self, comm, MPI, log: oplog.OperationLog, name: str = "mpi") -> None:
+        self.comm = comm
+        self.log = log
+        self.size = comm.Get_size()
+        #: run the agreement before each collective (rule 4)
+        self.check_collectives = True
+        self._MPI = MPI
+        self._reduced = np.empty(5, dtype=np.int64)  # the runner's alone
+        self._cond = threading.Condition()
+        self._items: collections.deque[_Operation] = collections.deque()
+        self._runner: int | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name=f"hpcddp-{name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- submitting ---------------------------------------------------------------------
+    def submit(
+        self,
+        name: str,
+        body: Callable[[], Any],
+        *,
+        sig: Signature | None = None,
+        shape=None,
+        dtype: str | None = None,
+        on_done: Callable[[Handle], None] | None = None,
+        wake: bool = True,
+    ) -> EngineHandle:
+        """Queue ``body`` (its MPI calls) after the agreement on ``sig``; return its handle.
+
+        Args:
+            name: the collective, for messages and the stall inspector.
+            body: makes the MPI calls on the runner; its return value is the handle's result.
+            sig: what every rank must agree on first (None: no agreement, for operations
+                whose caller already agreed, or when checks are off).
+            shape: the tensor's shape, for stall reports.
+            dtype: its dtype name, for stall reports.
+            on_done: called with the completed handle, on the runner (rule 5).
+            wake: False when the caller waits at once (it then runs the queue itself).
+        """
+        desc = oplog.describe(name, shape, dtype)
+        handle = EngineHandle(self, name, desc)
+        op = _Operation(body, desc, sig, handle, on_done)
+        me = threading.get_ident()
+        with self._cond:
+            self._check_open(name)
+            inline = self._runner == me
+            if not inline:
+                self._items.append(op)
+                if wake and self._runner is None:
+                    self._cond.notify()
+        if inline:  # rule 3
+            self._execute(op)
+        return handle
+
+    def run(self, name: str, body: Callable[[], Any], *, sig: Signature | None = None, shape=None, dtype=None):
+        """Run ``body`` now and return its result, in this thread when the queue is idle (blocking).
+
+        The hot path of small blocking collectives: no handle, no queue, no wake-up.
+        """
+        me = threading.get_ident()
+        with self._cond:
+            self._check_open(name)
+            nested = self._runner == me
+            claimed = not nested and self._runner is None and not self._items
+            if claimed:
+                self._runner = me
+        if not (nested or claimed):
+            return self.submit(name, body, sig=sig, shape=shape, dtype=dtype, wake=False).wait()
+        desc = self.log.start(oplog.describe(name, shape, dtype))
+        try:
+            with oplog.waiting(self.log, desc):
+                if sig is not None and self.check_collectives:
+                    self.agree(sig)
+                return body()
+        except BaseException as err:
+            raise explain_failure(err, desc) from None
+        finally:
+            self.log.finish(desc)
+            if claimed:
+                self._release()
+
+    def _check_open(self, name: str) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"{name}: this communicator is closed (hpcddp.shutdown(), or its process group was destroyed): "
+                "call dist.destroy_process_group() before hpcddp.shutdown(), and no collective after either"
+            )
+
+    # -- running ------------------------------------------------------------------------
+    def _serve(self) -> None:
+        me = threading.get_ident()
+        while True:
+            with self._cond:
+                while self._runner is not None or not self._items:
+                    if self._closed and not self._items:
+                        return
+                    self._cond.wait()
+                self._runner = me
+            try:
+                while True:
+                    with self._cond:
+                        if not self._items:
+                            break
+                        op = self._items.popleft()
+                    self._execute(op)
+            finally:
+                self._release()
+
+    def _release(self) -> None:
+        with self._cond:
+            self._runner = None
+            if self._items or self._closed:
+                self._cond.notify_all()
+
+    def _execute(self, op: _Operation) -> None:
+        desc = self.log.start(op.desc)
+        handle = op.handle
+        handle.started_at = time.perf_counter()
+        try:
+            if op.sig is not None and self.check_collectives:
+                self.agree(op.sig)
+            result = op.body()
+        except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
+            self.log.finish(desc)
+            handle.set_exception(explain_failure(err, desc))
+        else:
+            self.log.finish(desc)
+            handle.set_result(result)
+        if op.on_done is not None:
+            try:
+                op.on_done(handle)
+            except Exception:  # noqa: BLE001 - a callback's failure must not stop the queue
+                log.exception("hpcddp: a completion callback of %s failed", desc)
+
+    def wait_for(self, handle: EngineHandle, timeout: float | None) -> bool:
+        """Block until ``handle`` completes, running queued operations when this thread may (rules 1, 3)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        me = threading.get_ident()
+        with oplog.waiting(self.log, handle.desc):
+            while not handle._done.is_set():
+                with self._cond:
+                    claimed = self._runner is None and bool(self._items)
+                    if claimed:
+                        self._runner = me
+                    runs = claimed or (self._runner == me and bool(self._items))
+                    op = self._items.popleft() if runs else None
+                if op is None:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return False
+                    # The runner completes the handle, or releases and the comm thread goes on.
+                    handle._done.wait(remaining)
+                    continue
+                try:
+                    self._execute(op)
+                finally:
+                    if claimed:
+                        self._release()
+        return True
+
+    # -- agreement (rule 4) ---------------------------------------------------------------
+    def exchange(self, vector: np.ndarray) -> np.ndarray:
+        """MIN-reduce this rank's agreement ``vector`` over all ranks (the one primitive); on the runner."""
+        wait_for_request(self.comm.Iallreduce(vector, self._reduced, op=self._MPI.MIN))
+        return self._reduced
+
+    def agree(self, sig: Signature) -> None:
+        """Check that every rank describes its next collective as ``sig``; on the runner.
+
+        Raises CollectiveMismatchError (CollectiveArgumentError for a rank's bad
+        arguments) on every rank alike when they differ. Ranks that joined (Horovod's
+        join) let sum and average allreduces of the others go on.
+        """
+        if self.size == 1:
+            if sig.error is not None:
+                raise mismatch_error([sig])
+            return
+        reduced = self.exchange(np.array(agreement_vector(sig), dtype=np.int64))
+        low, minus_high, minus_error, _, minus_joined = reduced.tolist()
+        if low != -minus_high or minus_error or minus_joined:
+            signatures = self.comm.allgather(sig)
+            if not (some_joined(reduced) and continues_while_joined(signatures)):
+                raise mismatch_error(signatures)
+
+    # -- closing ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Finish what is queued, then stop the communication thread (idempotent)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+
+def continues_while_joined(signatures: list[Signature]) -> bool:
+    """Return True when the ranks that have not joined agree on a sum or average allreduce."""
+    active = [s for s in signatures if s.op != JOINED.op]
+    return (
+        bool(active)
+        and len({s.compared() for s in active}) == 1
+        and not any(s.error for s in active)
+        and active[0].op == "allreduce"
+        and active[0].reduce_op in (ReduceOp.SUM.value, ReduceOp.AVERAGE.value)
+    )

@@ -1,0 +1,211 @@
+"""Point-to-point messages on a communicator: a header, then the data, outside the queue.
+
+Rule 6 of ``hpcddp.comm.engine``: a send or receive is a set of non-blocking requests
+posted by the calling thread, never queued behind collectives (a rank that posts isend
+then irecv while its peer does the same must not block in the first). Every message
+starts with a small header (dtype, shape), so that a receiver expecting another tensor
+fails with both named instead of reading a prefix of the data, and so that a receive
+from any rank knows the sender before it takes the data. hpcddp's own ``send_async``
+/ ``recv_async_``, the torch backend's send/recv and the Horovod API all use this one
+protocol, so their messages match each other.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from ..stall import oplog
+from .agreement import CollectiveMismatchError
+from .base import Handle
+
+__all__ = ["Message", "PointToPoint", "describe_tensors"]
+
+#: bytes per data message: MPI counts are 32-bit, so larger tensors travel as several messages
+CHUNK_BYTES = 1 << 30
+
+
+def describe_tensors(tensors) -> str:
+    """``float32[4, 2]`` for one tensor, a comma-separated list for several (for messages)."""
+    return ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors)
+
+
+def _chunks(flat: torch.Tensor) -> list[torch.Tensor]:
+    return [flat[i : i + CHUNK_BYTES] for i in range(0, max(flat.numel(), 1), CHUNK_BYTES)] or [flat]
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+class Message(Handle):
+    """A send or a receive in flight; ``poll()`` and ``wait()`` move it on, from any thread.
+
+    The result is the tensor (for a receive, filled); ``source`` is the sender's rank
+    in the communicator once a receive has completed.
+    """
+
+    def __init__(self, p2p: PointToPoint, kind: str, tensor: torch.Tensor, peer: int | None, tag: int) -> None:
+        super().__init__(kind)
+        self._p2p = p2p
+        self._tensor = tensor
+        self.source = peer
+        self._tag = tag
+        self._lock = threading.Lock()
+        self._token = p2p.log.post(kind, p2p.global_rank(peer), tag)
+        self._requests: list = []
+        self._header = None  # a receive's header request, until it arrives
+        self._buffer: torch.Tensor | None = None  # where a receive's data lands
+        self._problem: str | None = None
+        #: what the requests read or write, alive until they complete
+        self.keep: torch.Tensor | None = None
+
+    def __str__(self) -> str:
+        peer = "any rank" if self.source is None else f"rank {self._p2p.global_rank(self.source)}"
+        return f"{self.name} {'to' if self.name == 'send' else 'from'} {peer} (tag {self._tag})"
+
+    def poll(self) -> bool:
+        if self._done.is_set():
+            return True
+        with self._lock:
+            if not self._done.is_set():
+                self._progress()
+        return self._done.is_set()
+
+    def _block(self, timeout: float | None) -> bool:
+        if self.poll():
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 10e-6
+        with oplog.waiting(self._p2p.log, self):
+            while not self.poll():
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+        return True
+
+    def _progress(self) -> None:
+        MPI = self._p2p.MPI
+        try:
+            if self._header is not None:
+                status = MPI.Status()
+                arrived, header = self._header.test(status)
+                if not arrived:
+                    return
+                self._header = None
+                self.source = status.Get_source()
+                self._p2p.take_data(self, header)
+            if not all(request.Test() for request in self._requests):
+                return
+        except MPI.Exception as err:  # the data is longer than the receiving tensor
+            self._problem = self._problem or f"{err}"
+        self._finish()
+
+    def _finish(self) -> None:
+        self._p2p.log.delivered(self._token)
+        if self._problem is not None:
+            self.set_exception(CollectiveMismatchError(self._problem))
+            return
+        if self._buffer is not None and self._buffer.data_ptr() != self._tensor.data_ptr():
+            with torch.no_grad():
+                self._tensor.copy_(self._buffer)
+        self.set_result(self._tensor)
+
+
+class PointToPoint:
+    """Sends and receives on one mpi4py communicator.
+
+    Args:
+        comm: the mpi4py communicator (shared with the collectives: point-to-point
+            messages and collectives never match each other in MPI).
+        MPI: the mpi4py ``MPI`` module.
+        log: the communicator's OperationLog (messages in flight, for the stall inspector).
+        global_ranks: the communicator's ranks as ranks of the whole job (for messages).
+    """
+
+    def __init__(self, comm, MPI, log: oplog.OperationLog, global_ranks) -> None:
+        self.comm, self.MPI, self.log = comm, MPI, log
+        self._global = list(global_ranks)
+        self.rank = comm.Get_rank()
+
+    def global_rank(self, rank: int | None) -> int | None:
+        return None if rank is None else self._global[rank]
+
+    @staticmethod
+    def _tags(tag: int) -> tuple[int, int]:
+        if not isinstance(tag, int) or not 0 <= tag < 2**28:
+            raise ValueError(f"tag must be an int in [0, 2**28), got {tag!r}")
+        return 2 * tag, 2 * tag + 1
+
+    def _check_peer(self, peer: int, argument: str) -> None:
+        size = self.comm.Get_size()
+        if not isinstance(peer, int) or not 0 <= peer < size:
+            raise ValueError(f"{argument} must be a rank in [0, {size}), got {peer!r}")
+
+    def send(self, tensor: torch.Tensor, dest: int, tag: int = 0) -> Message:
+        """Start sending ``tensor`` to rank ``dest`` (of this communicator)."""
+        self._check_peer(dest, "dest")
+        header_tag, data_tag = self._tags(tag)
+        staged = _staged(tensor)
+        message = Message(self, "send", tensor, dest, tag)
+        message.keep = staged  # the requests read it until they complete
+        message._requests.append(self.comm.isend((staged.dtype, tuple(staged.shape)), dest=dest, tag=header_tag))
+        for chunk in _chunks(_bytes(staged)):
+            message._requests.append(self.comm.Isend(chunk.numpy(), dest=dest, tag=data_tag))
+        return message
+
+    def recv(self, tensor: torch.Tensor, source: int | None, tag: int = 0) -> Message:
+        """Start receiving into ``tensor`` from rank ``source``, or from any rank when None."""
+        if source is not None:
+            self._check_peer(source, "source")
+        header_tag, data_tag = self._tags(tag)
+        message = Message(self, "recv", tensor, source, tag)
+        message._header = self.comm.irecv(source=self.MPI.ANY_SOURCE if source is None else source, tag=header_tag)
+        if source is not None and tensor.numel() * tensor.element_size() <= CHUNK_BYTES:
+            # Posted at once, so that a large message moves while the caller computes.
+            message._buffer = _receiving(tensor)
+            message._requests.append(self.comm.Irecv(_bytes(message._buffer).numpy(), source=source, tag=data_tag))
+        return message
+
+    def take_data(self, message: Message, header) -> None:
+        """Post the rest of a receive once its header names the sender and what it sent."""
+        dtype, shape = header
+        tensor = message._tensor
+        data_tag = 2 * message._tag + 1
+        posted = len(message._requests)
+        if (dtype, tuple(shape)) != (tensor.dtype, tuple(tensor.shape)):
+            sent = describe_tensors([torch.empty(shape, dtype=dtype, device="meta")])
+            sender, receiver = self.global_rank(message.source), self.global_rank(self.rank)
+            message._problem = (
+                f"recv: rank {sender} sent {sent}, rank {receiver} expected {describe_tensors([tensor])} "
+                f"(tag {message._tag}): pass a tensor of the sent shape and dtype"
+            )
+            # Take every part of the message anyway: the next receive must not read them.
+            scratch = torch.empty(shape, dtype=dtype)
+            for chunk in _chunks(_bytes(scratch))[posted:]:
+                message._requests.append(self.comm.Irecv(chunk.numpy(), source=message.source, tag=data_tag))
+            message.keep = scratch
+            return
+        if posted:
+            return
+        message._buffer = _receiving(tensor)
+        for chunk in _chunks(_bytes(message._buffer)):
+            message._requests.append(self.comm.Irecv(chunk.numpy(), source=message.source, tag=data_tag))
+
+
+def _staged(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when MPI can read its memory (CPU, contiguous), else a contiguous CPU copy."""
+    staged = tensor.detach()
+    if staged.device.type != "cpu" or not staged.is_contiguous():
+        staged = staged.to("cpu", memory_format=torch.contiguous_format)
+    return staged
+
+
+def _receiving(tensor: torch.Tensor) -> torch.Tensor:
+    """Where MPI writes a message for ``tensor``: itself when it is CPU and contiguous, else a new buffer."""
+    if tensor.device.type == "cpu" and tensor.is_contiguous():
+        return tensor.detach()
+    return torch.empty(tuple(tensor.shape), dtype=tensor.dtype)

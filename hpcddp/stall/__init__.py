@@ -1,0 +1,52 @@
+"""The stall inspector: name the ranks that keep the others waiting, and end a job that cannot go on.
+
+- ``oplog``: what each communicator on this rank is doing (recorded by every road to MPI);
+- ``verdict``: lost, exited, deadlocked or slow, judged from every rank's status;
+- ``report``: the message naming the operation, the missing ranks and the likely cause;
+- ``inspector``: the thread on each rank, and rank 0's questions to the others.
+
+One inspector runs per process, over every communicator hpcddp made (``start``).
+"""
+
+from __future__ import annotations
+
+from .inspector import StallInspector
+from .oplog import Descriptor, OperationLog, collective_tag, describe, patient_collectives, register, unregister
+from .report import explain_stall
+
+__all__ = [
+    "Descriptor",
+    "OperationLog",
+    "StallInspector",
+    "collective_tag",
+    "current",
+    "describe",
+    "explain_stall",
+    "leave",
+    "patient_collectives",
+    "register",
+    "start",
+    "unregister",
+]
+
+_inspector: StallInspector | None = None
+
+
+def start(comm, timeout: float, action: str, abort_after: float) -> StallInspector:
+    """Start this process's inspector over ``comm`` (every rank of the job; collective)."""
+    global _inspector
+    _inspector = StallInspector(comm, timeout, action, abort_after)
+    return _inspector
+
+
+def current() -> StallInspector | None:
+    """The running inspector, or None (stall_timeout=0, a world of one, no MPI)."""
+    return _inspector
+
+
+def leave(how: str, code: int | None = None) -> None:
+    """Stop the inspector and tell the other ranks that this one is gone (see ``StallInspector.leave``)."""
+    global _inspector
+    if _inspector is not None:
+        _inspector.leave(how, code)
+        _inspector = None
