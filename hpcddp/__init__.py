@@ -49,6 +49,9 @@ from .config import InitConfig
 from .join import join
 from .optimizer import DistributedOptimizer
 from .preemption import PreemptionHandler
+from .torch_backend.autoinit import enable as _route_mpi_backend_name
+
+_route_mpi_backend_name()  # init_process_group("mpi") calls hpcddp.init() when the script did not
 
 __version__ = "0.1.0"
 

@@ -9,6 +9,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ._site import with_site_dir
+
 __all__ = [
     "DAEMON_KEEPALIVE",
     "FORWARDED_PREFIXES",
@@ -145,6 +147,8 @@ def build_launch_command(
         multi_host = config.hosts or config.hostfile
         launcher = "srun" if _in_slurm_allocation(environ) and not multi_host else "mpirun"
     extra_env = _split_env(config.env, environ)
+    # init_process_group("mpi") then reaches hpcddp even in scripts that never call hpcddp.init().
+    extra_env["PYTHONPATH"] = with_site_dir(extra_env.get("PYTHONPATH", environ.get("PYTHONPATH")))
     environ.update(extra_env)
     num_proc = config.num_proc
     if launcher == "srun":

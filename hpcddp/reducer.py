@@ -14,6 +14,29 @@ One ``Reducer`` owns the reduction of a set of parameters, as DDP's C++ Reducer 
 - the last bucket carries a few control numbers along with the gradients: how many
   ranks still have data (join), whether a rank saw a parameter become trainable,
   and which ranks had a non-finite local gradient. No extra collective per step.
+  They travel in the bucket's dtype, so every number is a sum of at most 256 ones
+  (bf16 counts exactly to 256): ranks are counted in groups of 256.
+
+States of one reduction (changed only under ``_lock``: autograd may run the hooks of
+parameters on different devices on its device threads at once):
+
+- IDLE: no pass open, nothing launched. A gradient hook (or a frozen parameter's
+  first gradient) opens a pass -> PASS. ``_pass_reduces`` is fixed then: not inside
+  ``no_sync()``, and this pass completes ``backward_passes_per_step`` passes.
+- PASS: each gradient lands in its bucket view. In a reducing pass after the first
+  (``_learning`` off), a parameter's last expected accumulation lowers its bucket's
+  pending count, and buckets whose count reaches zero are launched strictly in index
+  order (``_next_launch``); the last bucket waits for the end of the pass. Autograd's
+  end-of-pass callback (the outer backward's, for reentrant checkpoints) launches the
+  rest -> LAUNCHED, or -> IDLE for a pass that only accumulates.
+- LAUNCHED: ``_finish`` waits for every bucket, reads the control numbers, scales
+  -> IDLE with ``num_reductions`` + 1 (and rebuilt buckets when a parameter became
+  trainable on some rank). ``synchronize()`` and ``zero_grad()`` finish a launched
+  reduction from wherever they are called, so a bucket is never written while its
+  reduction runs.
+
+Every rank therefore launches the same buckets in the same order, each tagged with the
+optimizer's step, which the ranks compare before reducing it (``hpcddp.comm.engine``).
 """
 
 from __future__ import annotations
@@ -41,8 +64,12 @@ __all__ = ["ReductionTimes", "Reducer"]
 
 log = logging.getLogger("hpcddp")
 
-# Control numbers at the end of the last bucket (summed over ranks like the gradients).
-_ACTIVE, _CHANGED, _NONFINITE = 0, 1, 2
+# Control numbers at the end of the last bucket (summed over ranks like the gradients):
+# whether a parameter became trainable, then the ranks with data per group of 256 ranks,
+# then one non-finite flag per rank.
+_CHANGED, _ACTIVE = 0, 1
+#: ranks counted in one control number: sums of ones stay exact in bf16 up to 256
+_RANKS_PER_COUNT = 256
 
 
 @dataclass
@@ -253,7 +280,8 @@ class Reducer:
         """Make buckets for ``trainable`` and hook every parameter, watching the frozen ones."""
         self.close()
         cap, first, wire_dtype = self._bucket_args
-        control_size = _NONFINITE + self.comm.size
+        self._nonfinite_at = _ACTIVE + -(-self.comm.size // _RANKS_PER_COUNT)
+        control_size = self._nonfinite_at + self.comm.size
         self._buckets = build_buckets([p for _, p in trainable], cap, first, wire_dtype, control_size)
         names = {id(p): name for name, p in trainable}
         self._slots = {}
@@ -416,10 +444,10 @@ class Reducer:
 
     def _write_control(self, control: torch.Tensor) -> None:
         control.zero_()
-        control[_ACTIVE] = 1.0 if self.has_data else 0.0
+        control[_ACTIVE + self.comm.rank // _RANKS_PER_COUNT] = 1.0 if self.has_data else 0.0
         control[_CHANGED] = 1.0 if self._saw_new_trainable else 0.0
         sums = torch.stack([s.to(control.device) for s in self._local_sums])
-        control[_NONFINITE + self.comm.rank] = torch.isfinite(sums).all().logical_not()
+        control[self._nonfinite_at + self.comm.rank] = torch.isfinite(sums).all().logical_not()
 
     # -- finishing ------------------------------------------------------------------------------
     def _finish(self, started: float) -> None:
@@ -447,8 +475,8 @@ class Reducer:
                     mib=round(bucket.nbytes / MB, 3),
                 )
         control = self._buckets[-1].control.tolist()
-        self.active_ranks = round(control[_ACTIVE])
-        self.nonfinite_ranks = [r for r, flag in enumerate(control[_NONFINITE:]) if flag]
+        self.active_ranks = sum(round(count) for count in control[_ACTIVE : self._nonfinite_at])
+        self.nonfinite_ranks = [r for r, flag in enumerate(control[self._nonfinite_at :]) if flag]
         self._postscale()
         if self.set_to_none and not self.zero_unused:
             for bucket in self._buckets:

@@ -86,6 +86,13 @@ echo "hpcddp: job ${SLURM_JOB_ID:-none} (${SLURM_JOB_NAME:-}) restart ${SLURM_RE
     "$ntasks tasks x $cpus_per_task cpus, launcher $LAUNCHER, $(date '+%F %T')"
 echo "hpcddp: $PYTHON $*; checkpoints in $HPCDDP_CHECKPOINT_DIR"
 
+# init_process_group("mpi") then reaches hpcddp even in scripts that never call hpcddp.init()
+# (hpcddp/_site/sitecustomize.py; found without importing hpcddp, which would load torch here).
+site=$("$PYTHON" -c 'import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec("hpcddp").origin), "_site"))' 2>/dev/null) || site=
+if [[ -n $site ]]; then
+    export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
 case $LAUNCHER in
     srun)
         # pip's Open MPI carries its own PMIx, which lacks the munge security plugin that Slurm's

@@ -204,13 +204,14 @@ def test_log_numbers_operations_as_they_start_and_carries_their_tags():
     with collective_tag("bucket 0 of step 5", 5):
         pending = oplog.describe("allreduce", (3,), "float32")
     first = log.start(oplog.describe("barrier"))
-    desc = log.start(pending)
-    assert (first.seq, desc) == (1, Descriptor(2, "allreduce", (3,), "float32", "bucket 0 of step 5", 5))
+    second = log.start(pending)
+    assert (first, second) == (1, 2)
+    assert log.status()["recent"][-1] == Descriptor(2, "allreduce", (3,), "float32", "bucket 0 of step 5", 5)
     assert log.last_step == 5
     running, waited = log.running()
-    assert running == first and waited >= 0
+    assert running.seq == first and running.op == "barrier" and waited >= 0
     log.finish(first)
-    log.finish(desc)
+    log.finish(second)
     assert log.running() == (None, 0.0)
     with patient_collectives():
         assert oplog.describe("broadcast_object").patient

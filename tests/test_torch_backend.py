@@ -20,6 +20,12 @@ def test_torch_backend_suite(num_ranks):
     assert_suite_passed(result, num_ranks)
 
 
+def test_engine_rules_at_four_ranks():
+    """Two APIs on one communicator, torch's comm hooks, messages and groups, at four ranks too."""
+    result = run_pytest_on_ranks(4, ["tests/mpi_torch/test_engine_rules.py"], timeout=TIME_LIMIT_S, cwd=ROOT)
+    assert_suite_passed(result, 4)
+
+
 def test_init_process_group_hpcddp_in_a_world_of_one(world_of_one):
     import torch
     import torch.distributed as dist

@@ -22,6 +22,7 @@ __all__ = [
     "for_each_piece",
     "row_bytes",
     "staged",
+    "write_back",
 ]
 
 MB = 1 << 20
@@ -60,8 +61,36 @@ def bytes_view(tensor: torch.Tensor) -> np.ndarray:
 def staged(tensor: torch.Tensor) -> torch.Tensor:
     """Return ``tensor`` itself when MPI can use its memory (CPU, contiguous), else a contiguous CPU copy."""
     if tensor.device.type == "cpu" and tensor.is_contiguous():
-        return tensor.detach()
+        return tensor.detach() if tensor.requires_grad else tensor
     return tensor.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
+
+
+def write_back(tensor: torch.Tensor):
+    """Return ``write(buffer)``, copying a contiguous result into ``tensor``; None when it cannot take one.
+
+    An ``expand()``ed tensor (stride 0 along a dimension of size > 1) takes the result
+    through its un-expanded view, each shared element once, as gloo writes it; a view
+    whose elements overlap otherwise has no well-defined result: None.
+    """
+    if torch._debug_has_internal_overlap(tensor) != 1:
+
+        def write(buffer: torch.Tensor) -> None:
+            with torch.no_grad():
+                tensor.copy_(buffer)
+
+        return write
+    index = tuple(
+        slice(0, 1) if stride == 0 and size > 1 else slice(None) for size, stride in zip(tensor.shape, tensor.stride())
+    )
+    target = tensor[index]
+    if torch._debug_has_internal_overlap(target) == 1:
+        return None
+
+    def write_unexpanded(buffer: torch.Tensor) -> None:
+        with torch.no_grad():
+            target.copy_(buffer[index])
+
+    return write_unexpanded
 
 
 def for_each_piece(spec) -> list:

@@ -122,6 +122,7 @@ class Engine:
         self.check_collectives = True
         self._MPI = MPI
         self._reduced = np.empty(5, dtype=np.int64)  # the runner's alone
+        self._vectors: dict[Signature, np.ndarray] = {}  # a training loop agrees on the same few again and again
         self._cond = threading.Condition()
         self._items: collections.deque[_Operation] = collections.deque()
         self._runner: int | None = None
@@ -186,16 +187,16 @@ class Engine:
                 self._runner = me
         if not (nested or claimed):
             return self.submit(name, body, sig=sig, shape=shape, dtype=dtype, wake=False).wait()
-        desc = self.log.start(oplog.describe(name, shape, dtype))
+        pending = oplog.describe(name, shape, dtype)
+        seq = self.log.start(pending, blocking=True)
         try:
-            with oplog.waiting(self.log, desc):
-                if sig is not None and self.check_collectives:
-                    self.agree(sig)
-                return body()
+            if sig is not None and self.check_collectives:
+                self.agree(sig)
+            return body()
         except BaseException as err:
-            raise explain_failure(err, desc) from None
+            raise explain_failure(err, pending._replace(seq=seq)) from None
         finally:
-            self.log.finish(desc)
+            self.log.finish(seq)
             if claimed:
                 self._release()
 
@@ -233,7 +234,7 @@ class Engine:
                 self._cond.notify_all()
 
     def _execute(self, op: _Operation) -> None:
-        desc = self.log.start(op.desc)
+        seq = self.log.start(op.desc)
         handle = op.handle
         handle.started_at = time.perf_counter()
         try:
@@ -241,22 +242,23 @@ class Engine:
                 self.agree(op.sig)
             result = op.body()
         except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
-            self.log.finish(desc)
-            handle.set_exception(explain_failure(err, desc))
+            self.log.finish(seq)
+            handle.set_exception(explain_failure(err, op.desc._replace(seq=seq)))
         else:
-            self.log.finish(desc)
+            self.log.finish(seq)
             handle.set_result(result)
         if op.on_done is not None:
             try:
                 op.on_done(handle)
             except Exception:  # noqa: BLE001 - a callback's failure must not stop the queue
-                log.exception("hpcddp: a completion callback of %s failed", desc)
+                log.exception("hpcddp: a completion callback of %s failed", op.desc)
 
     def wait_for(self, handle: EngineHandle, timeout: float | None) -> bool:
         """Block until ``handle`` completes, running queued operations when this thread may (rules 1, 3)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         me = threading.get_ident()
-        with oplog.waiting(self.log, handle.desc):
+        token = oplog.wait_begins(self.log, handle.desc)
+        try:
             while not handle._done.is_set():
                 with self._cond:
                     claimed = self._runner is None and bool(self._items)
@@ -276,6 +278,8 @@ class Engine:
                 finally:
                     if claimed:
                         self._release()
+        finally:
+            oplog.wait_ends(token)
         return True
 
     # -- agreement (rule 4) ---------------------------------------------------------------
@@ -295,7 +299,12 @@ class Engine:
             if sig.error is not None:
                 raise mismatch_error([sig])
             return
-        reduced = self.exchange(np.array(agreement_vector(sig), dtype=np.int64))
+        vector = self._vectors.get(sig)
+        if vector is None:
+            if len(self._vectors) > 4096:
+                self._vectors.clear()
+            vector = self._vectors[sig] = np.array(agreement_vector(sig), dtype=np.int64)
+        reduced = self.exchange(vector)
         low, minus_high, minus_error, _, minus_joined = reduced.tolist()
         if low != -minus_high or minus_error or minus_joined:
             signatures = self.comm.allgather(sig)

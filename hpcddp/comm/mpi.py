@@ -11,7 +11,17 @@ import torch
 
 from .._mpi import import_mpi, require_thread_multiple
 from ..stall import oplog
-from ._mpi_buffers import MPIOps, bytes_view, displacements, dtype_name, empty_like, for_each_piece, row_bytes, staged
+from ._mpi_buffers import (
+    MPIOps,
+    bytes_view,
+    displacements,
+    dtype_name,
+    empty_like,
+    for_each_piece,
+    row_bytes,
+    staged,
+    write_back,
+)
 from ._mpi_ops import VectorOps
 from .agreement import JOINED, JOINED_VECTOR, Signature, all_joined, signature
 from .base import Communicator, Handle, ReduceOp, split_ranks_error
@@ -110,8 +120,12 @@ class MPICommunicator(VectorOps, Communicator):
 
     @staticmethod
     def layout_error(tensor: torch.Tensor) -> str | None:
-        """What is wrong with writing a collective's result into ``tensor``, or None."""
-        if torch._debug_has_internal_overlap(tensor) == 1:
+        """What is wrong with writing a collective's result into ``tensor``, or None.
+
+        An ``expand()``ed tensor is written through its un-expanded view (``write_back``),
+        as gloo does; other views whose elements share memory cannot take one result each.
+        """
+        if torch._debug_has_internal_overlap(tensor) == 1 and write_back(tensor) is None:
             return (
                 f"the tensor (shape {list(tensor.shape)}, strides {list(tensor.stride())}) has elements that share "
                 "memory (expand(), broadcast views): a collective cannot write one result per element; "
@@ -155,14 +169,15 @@ class MPICommunicator(VectorOps, Communicator):
         """Return the runner's work for an in-place allreduce of ``tensor``: reduce, divide, copy back."""
         self._ops.check_reducible(tensor.dtype, op)
         buffer, mpi_op, size = staged(tensor), self._ops.op(tensor.dtype, op), self.size
+        copy_back = buffer.data_ptr() != tensor.data_ptr() or buffer.device != tensor.device
+        write = write_back(tensor) if copy_back else None
 
         def body() -> torch.Tensor:
             self.reduce_in_place(buffer, mpi_op)
             if op is ReduceOp.AVERAGE:
                 buffer.div_(size)
-            if buffer is not tensor:
-                with torch.no_grad():
-                    tensor.copy_(buffer)
+            if copy_back:
+                write(buffer)
             return tensor
 
         return body
@@ -205,12 +220,14 @@ class MPICommunicator(VectorOps, Communicator):
         self._check_root(root)
         buffer = staged(tensor)
 
+        copy_back = self.rank != root and (buffer.data_ptr() != tensor.data_ptr() or buffer.device != tensor.device)
+        write = write_back(tensor) if copy_back else None
+
         def body() -> torch.Tensor:
             for piece in for_each_piece(bytes_view(buffer)):
                 self._comm.Bcast(piece, root=root)
-            if buffer is not tensor and self.rank != root:
-                with torch.no_grad():
-                    tensor.copy_(buffer)
+            if copy_back:
+                write(buffer)
             return tensor
 
         return body

@@ -54,8 +54,8 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
     def _track(self, work, name: str, tensor: torch.Tensor | None = None):
         """Record ``work`` for the stall inspector until it completes, and keep it (see ``_keep``)."""
         shape, dtype = (None, None) if tensor is None else (tensor.shape, str(tensor.dtype).removeprefix("torch."))
-        desc = self.log.start(oplog.describe(name, shape, dtype))
-        work.get_future().add_done_callback(lambda _future: self.log.finish(desc))
+        seq = self.log.start(oplog.describe(name, shape, dtype))
+        work.get_future().add_done_callback(lambda _future: self.log.finish(seq))
         return self._keep(work)
 
     def _keep(self, work):
@@ -110,14 +110,13 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
     @contextlib.contextmanager
     def _blocking(self, name: str) -> Iterator[None]:
         """Around a blocking torch.distributed call: stall records and timeout messages."""
-        desc = self.log.start(oplog.describe(name))
+        seq = self.log.start(oplog.describe(name), blocking=True)
         try:
-            with oplog.waiting(self.log, desc):
-                yield
+            yield
         except RuntimeError as err:
             raise explain_timeout(err, name) from None
         finally:
-            self.log.finish(desc)
+            self.log.finish(seq)
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
         holder = [obj]

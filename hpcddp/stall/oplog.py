@@ -29,11 +29,19 @@ __all__ = [
     "rank_status",
     "register",
     "started_counts",
+    "wait_begins",
+    "wait_ends",
     "unregister",
     "waiting",
 ]
 
-_tag = threading.local()
+
+class _Tag(threading.local):
+    value: tuple[str, int | None] | None = None
+    patient = False
+
+
+_tag = _Tag()
 
 
 @contextlib.contextmanager
@@ -44,7 +52,7 @@ def collective_tag(tag: str, step: int | None = None) -> Iterator[None]:
         tag: what the collective is for, e.g. "bucket 2 of step 7".
         step: the training step it belongs to, compared across ranks.
     """
-    previous = getattr(_tag, "value", None)
+    previous = _tag.value
     _tag.value = (tag, step)
     try:
         yield
@@ -59,7 +67,7 @@ def patient_collectives() -> Iterator[None]:
     For waits that are long by design, such as ranks waiting for rank 0 to write a
     large checkpoint.
     """
-    previous = getattr(_tag, "patient", False)
+    previous = _tag.patient
     _tag.patient = True
     try:
         yield
@@ -96,27 +104,23 @@ class Descriptor(NamedTuple):
 
 def current_tag() -> tuple[str, int | None]:
     """The tag and step of ``collective_tag`` around this thread's submissions, or ("", None)."""
-    return getattr(_tag, "value", None) or ("", None)
+    return _tag.value or ("", None)
 
 
 def describe(op: str, shape=None, dtype: str | None = None) -> Descriptor:
     """Return the descriptor of an operation submitted now by this thread (its tag and patience included)."""
-    tag, step = getattr(_tag, "value", None) or ("", None)
-    return Descriptor(0, op, None if shape is None else tuple(shape), dtype, tag, step, getattr(_tag, "patient", False))
+    tag, step = _tag.value or ("", None)
+    return Descriptor(0, op, None if shape is None else tuple(shape), dtype, tag, step, _tag.patient)
 
 
 class _Activity:
-    """Rank-wide: the threads blocked in hpcddp, and a counter of every change the inspector compares."""
+    """Rank-wide: the threads blocked in hpcddp, and a count of every change the inspector compares."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.progress = 0
         self.waits: dict[int, tuple[str | None, str, float]] = {}
         self._tokens = itertools.count()
-
-    def bump(self) -> None:
-        with self.lock:
-            self.progress += 1
 
 
 _activity = _Activity()
@@ -126,22 +130,35 @@ _logs_lock = threading.Lock()
 # peer still finishing the last operation of a communicator this rank closed is not
 # taken for one waiting forever. The newest thousand are kept.
 _closed_counts: dict[str, int] = {}
+_closed_changes = 0
 _KEEP_CLOSED = 1000
+
+
+def wait_begins(log: OperationLog | None, what: object) -> int:
+    """Record that this thread blocks until ``what`` (an operation or message of ``log``) completes; return a token."""
+    token = next(_activity._tokens)
+    entry = (None if log is None else log.key, what, time.monotonic())
+    with _activity.lock:
+        _activity.waits[token] = entry
+        _activity.progress += 1
+    return token
+
+
+def wait_ends(token: int) -> None:
+    """Record that the wait of ``token`` is over."""
+    with _activity.lock:
+        del _activity.waits[token]
+        _activity.progress += 1
 
 
 @contextlib.contextmanager
 def waiting(log: OperationLog | None, what: object) -> Iterator[None]:
-    """Record that this thread blocks until ``what`` (an operation or message of ``log``) completes."""
-    token = next(_activity._tokens)
-    with _activity.lock:
-        _activity.waits[token] = (None if log is None else log.key, str(what), time.monotonic())
-        _activity.progress += 1
+    """``wait_begins`` / ``wait_ends`` around a block."""
+    token = wait_begins(log, what)
     try:
         yield
     finally:
-        with _activity.lock:
-            del _activity.waits[token]
-            _activity.progress += 1
+        wait_ends(token)
 
 
 class OperationLog:
@@ -159,34 +176,42 @@ class OperationLog:
         self._lock = threading.Lock()
         #: operations started so far; the last one started has this number
         self.started = 0
+        #: every start, finish and message: equal counts in two snapshots mean nothing happened
+        self.changes = 0
         self.last_step: int | None = None
         self._last_start = time.monotonic()
-        self._recent: deque[Descriptor] = deque(maxlen=history)
+        self._recent: deque[tuple[int, Descriptor]] = deque(maxlen=history)
         # Several at once: nested operations (a callback's collective inside another's
         # completion), or gloo/nccl, whose operations overlap. The oldest is reported.
-        self._running: dict[int, tuple[Descriptor, float]] = {}
+        # seq -> (descriptor, since, blocking: a user's thread runs it and waits for it)
+        self._running: dict[int, tuple[Descriptor, float, bool]] = {}
         self._p2p: dict[int, tuple[str, int, int, float]] = {}
         self._p2p_tokens = itertools.count(1)
 
-    def start(self, pending: Descriptor) -> Descriptor:
-        """Number ``pending`` as the next operation of this communicator and mark it running."""
+    def start(self, pending: Descriptor, blocking: bool = False) -> int:
+        """Number ``pending`` as the next operation of this communicator, mark it running, return its number.
+
+        Args:
+            pending: from ``describe``.
+            blocking: the calling thread runs it and waits for it (counts as a wait).
+        """
         now = time.monotonic()
         with self._lock:
             self.started += 1
-            desc = pending._replace(seq=self.started)
-            self._running[desc.seq] = (desc, now)
-            self._recent.append(desc)
+            self.changes += 1
+            seq = self.started
+            self._running[seq] = (pending, now, blocking)
+            self._recent.append((seq, pending))
             self._last_start = now
-            if desc.step is not None:
-                self.last_step = desc.step
-        _activity.bump()
-        return desc
+            if pending.step is not None:
+                self.last_step = pending.step
+        return seq
 
-    def finish(self, desc: Descriptor) -> None:
-        """Mark ``desc`` completed (or failed)."""
+    def finish(self, seq: int) -> None:
+        """Mark operation ``seq`` completed (or failed)."""
         with self._lock:
-            self._running.pop(desc.seq, None)
-        _activity.bump()
+            self._running.pop(seq, None)
+            self.changes += 1
 
     def post(self, kind: str, peer: int | None, tag: int) -> int:
         """Record a point-to-point message in flight; return a token for ``delivered``.
@@ -199,33 +224,37 @@ class OperationLog:
         with self._lock:
             token = next(self._p2p_tokens)
             self._p2p[token] = (kind, peer, tag, time.monotonic())
-        _activity.bump()
+            self.changes += 1
         return token
 
     def delivered(self, token: int) -> None:
         """Record that the message of ``token`` completed."""
         with self._lock:
             self._p2p.pop(token, None)
-        _activity.bump()
+            self.changes += 1
 
     def running(self) -> tuple[Descriptor | None, float]:
-        """Return the oldest running operation and for how many seconds it has run."""
+        """Return the oldest running operation (numbered) and for how many seconds it has run."""
         with self._lock:
             if not self._running:
                 return None, 0.0
-            desc, since = min(self._running.values(), key=lambda item: item[0].seq)
-        return desc, time.monotonic() - since
+            seq = min(self._running)
+            desc, since, _ = self._running[seq]
+        return desc._replace(seq=seq), time.monotonic() - since
 
     def status(self) -> dict:
-        """A picklable snapshot for the inspector."""
+        """A picklable snapshot for the inspector (descriptors numbered)."""
         now = time.monotonic()
         with self._lock:
+            running = sorted((seq, d, now - t, b) for seq, (d, t, b) in self._running.items())
             return {
                 "members": self.members,
                 "started": self.started,
-                "running": sorted(((d, now - t) for d, t in self._running.values()), key=lambda item: item[0].seq),
+                "changes": self.changes,
+                "running": [(d._replace(seq=seq), age) for seq, d, age, _ in running],
+                "blocking": any(b for *_, b in running),
                 "p2p": [(kind, peer, tag, now - t) for kind, peer, tag, t in self._p2p.values()],
-                "recent": list(self._recent),
+                "recent": [d._replace(seq=seq) for seq, d in self._recent],
                 "last_step": self.last_step,
                 "idle": now - self._last_start,
             }
@@ -239,9 +268,11 @@ def register(log: OperationLog) -> None:
 
 def unregister(log: OperationLog) -> None:
     """Stop showing ``log`` to the stall inspector (its communicator closed)."""
+    global _closed_changes
     with _logs_lock:
         if _logs.pop(id(log), None) is not None:
             _closed_counts[log.key] = log.started
+            _closed_changes += log.changes + 1
             while len(_closed_counts) > _KEEP_CLOSED:
                 del _closed_counts[next(iter(_closed_counts))]
 
@@ -261,10 +292,18 @@ def logs() -> list[OperationLog]:
 
 
 def rank_status(rank: int) -> dict:
-    """Everything the inspector compares for this rank, as one picklable dict."""
+    """Everything the inspector compares for this rank, as one picklable dict.
+
+    ``waits`` lists the threads blocked in hpcddp (a thread that runs an operation it
+    waits for counts too); ``progress`` changes with every event on this rank.
+    """
+    with _logs_lock:
+        closed = _closed_changes
     comms = {log.key: log.status() for log in logs()}
     now = time.monotonic()
     with _activity.lock:
-        waits = [(key, what, now - since) for key, what, since in _activity.waits.values()]
+        waits = [(key, str(what), now - since) for key, what, since in _activity.waits.values()]
         progress = _activity.progress
+    waits += [(key, str(c["running"][0][0]), c["running"][0][1]) for key, c in comms.items() if c["blocking"]]
+    progress += closed + sum(c["changes"] for c in comms.values())
     return {"rank": rank, "comms": comms, "waits": waits, "progress": progress}

@@ -61,6 +61,13 @@ def _doing(status: dict, size: int) -> str:
     return "it waits in no collective"
 
 
+def _missing_cause(status: dict, reference) -> str:
+    waits_elsewhere = any(comm["running"] or comm["p2p"] for comm in status["comms"].values())
+    if waits_elsewhere:
+        return "the ranks took different code paths: each waits in an operation the other never calls"
+    return _SKIPPED if reference.step is not None else _BUSY
+
+
 def _at(comm: dict, seq: int):
     for desc, _ in comm["running"]:
         if desc.seq == seq:
@@ -161,7 +168,7 @@ def explain_stall(statuses: dict, exits: dict, size: int, timeout: float, hosts:
             + (f" ({reference.tag})" if reference.tag else "")
             + f": its last collective was {last or 'none'}{idle}, and {_doing(statuses[r], size)}"
         )
-        lines.append("    likely cause: " + (_SKIPPED if reference.step is not None else _BUSY))
+        lines.append("    likely cause: " + _missing_cause(statuses[r], reference))
     for r in sorted(set(members) & set(exits)):
         started = exits[r].started.get(key, 0)
         if started < seq:

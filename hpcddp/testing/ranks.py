@@ -35,23 +35,49 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
+def _report_and_abort(config, what: str, longrepr: str) -> None:
+    text = f"\n[rank {hpcddp.rank()}] {what}\n{longrepr}\n"
+    # pytest captures fd 2 while the test runs: write past it, or the abort below loses the report.
+    capture = config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    abort_all_ranks(1)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if report.failed and call.when in ("setup", "call", "teardown"):
-        text = f"\n[rank {hpcddp.rank()}] FAILED {item.nodeid}\n{report.longreprtext}\n"
-        # pytest captures fd 2 while the test runs: write past it, or the abort below loses the report.
-        capture = item.config.pluginmanager.getplugin("capturemanager")
-        with capture.global_and_fixture_disabled():
-            sys.stderr.write(text)
-            sys.stderr.flush()
-        abort_all_ranks(1)
+        _report_and_abort(item.config, f"FAILED {item.nodeid}", report.longreprtext)
+
+
+def pytest_collectreport(report):
+    if report.failed:  # a module that does not import on this rank: the others would wait for its tests
+        _report_and_abort(_config, f"ERROR collecting {report.nodeid}", report.longreprtext)
+
+
+_config = None
+_exit_status = 0
+
+
+def pytest_sessionstart(session):
+    global _config
+    _config = session.config
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if exitstatus not in (0, 5) and hpcddp.is_initialized():
-        abort_all_ranks(int(exitstatus) or 1)
+    global _exit_status
+    _exit_status = int(exitstatus)
+
+
+def pytest_unconfigure(config):
+    # After pytest's summary (printed at the end of sessionfinish), so that the reason shows.
+    if _exit_status not in (0, 5) and hpcddp.is_initialized():
+        sys.stderr.write(f"\n[rank {hpcddp.rank()}] pytest ended with exit status {_exit_status}: ending every rank\n")
+        sys.stderr.flush()
+        abort_all_ranks(_exit_status)
 
 
 @pytest.fixture(autouse=True)

@@ -27,15 +27,18 @@ def assert_ranks_agree(model):
 BAD_STEP = 3
 
 
-def train_amp(model, optimizer, data):
-    """The loop of the torch.amp docs, with clipping; returns the loss scale after every step."""
+def train_amp(model, optimizer, data, zero_grad_of="optimizer"):
+    """The loop of the torch.amp docs, with clipping; returns the loss scale after every step.
+
+    ``zero_grad_of="model"``: the loop clears gradients with ``model.zero_grad()``, as many do.
+    """
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     scales = []
     for step, (x, y) in enumerate(data):
         if step == BAD_STEP and hpcddp.rank() == hpcddp.size() - 1:
             x = x.clone()
             x[0, 0] = float("inf")  # one rank's gradient overflows
-        optimizer.zero_grad()
+        (model if zero_grad_of == "model" else optimizer).zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
             loss = F.cross_entropy(model(x), y)
         scaler.scale(loss).backward()
@@ -56,16 +59,17 @@ def amp_model():
     )
 
 
-def test_amp_grad_scaler_skips_the_overflowing_step_on_every_rank_as_ddp(gloo):
+@pytest.mark.parametrize("zero_grad_of", ["optimizer", "model"])
+def test_amp_grad_scaler_skips_the_overflowing_step_on_every_rank_as_ddp(gloo, zero_grad_of):
     data = batches(STEPS)
     reference = amp_model()
     ddp = DDP(reference)
-    ddp_scales = train_amp(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9), data)
+    ddp_scales = train_amp(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9), data, zero_grad_of)
     model = amp_model()
     optimizer = hpcddp.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model.named_parameters()
     )
-    scales = train_amp(model, optimizer, data)
+    scales = train_amp(model, optimizer, data, zero_grad_of)
     optimizer.close()
     # The overflow halves the scale once, on every rank; the other steps train.
     assert scales == ddp_scales
