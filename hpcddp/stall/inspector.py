@@ -23,6 +23,7 @@ clean end is never taken for a lost node, and a rank that leaves early is named 
 from __future__ import annotations
 
 import logging
+import secrets
 import socket
 import threading
 import time
@@ -36,6 +37,7 @@ __all__ = ["StallInspector"]
 log = logging.getLogger("hpcddp")
 
 _ALARM, _QUERY, _REPLY, _BYE = 71, 72, 73, 74
+_STALE = object()
 
 
 class StallInspector:
@@ -57,6 +59,10 @@ class StallInspector:
 
         self._MPI = import_mpi()
         self._comm = comm.Dup()
+        # MPI may give a later inspector's communicator the context of a freed one, with
+        # messages of the old one still queued (hpcddp.shutdown() then init()): every
+        # message carries this inspector's token, and others' are dropped.
+        self._token = self._comm.bcast(secrets.token_hex(8) if self._comm.Get_rank() == 0 else None, root=0)
         self.timeout = timeout
         self.action = action
         self.abort_after = abort_after
@@ -112,13 +118,19 @@ class StallInspector:
 
     def _send(self, obj, dest: int, tag: int) -> None:
         self._sends = [request for request in self._sends if not request.Test()]
-        self._sends.append(self._comm.isend(obj, dest=dest, tag=tag))
+        self._sends.append(self._comm.isend((self._token, obj), dest=dest, tag=tag))
+
+    def _recv(self, source: int, tag: int):
+        """The message's content, or ``_STALE`` for one of an earlier inspector (see ``__init__``)."""
+        token, obj = self._comm.recv(source=source, tag=tag)
+        return obj if token == self._token else _STALE
 
     def _receive_byes(self) -> None:
         status = self._MPI.Status()
         while self._comm.Iprobe(tag=_BYE, status=status):
-            how, code, started = self._comm.recv(source=status.Get_source(), tag=_BYE)
-            self._exits[status.Get_source()] = Exit(how, code, started)
+            message = self._recv(status.Get_source(), _BYE)
+            if message is not _STALE:
+                self._exits[status.Get_source()] = Exit(*message)
 
     def _stalled(self) -> bool:
         status = oplog.rank_status(self.rank)
@@ -138,7 +150,9 @@ class StallInspector:
 
     def _tick_other(self) -> None:
         while self._comm.Iprobe(source=0, tag=_QUERY):
-            episode = self._comm.recv(source=0, tag=_QUERY)
+            episode = self._recv(0, _QUERY)
+            if episode is _STALE:
+                continue
             self._unanswered_since = None
             if episode is not None:  # None only acknowledges an alarm
                 self._send((episode, oplog.rank_status(self.rank)), 0, _REPLY)
@@ -173,7 +187,8 @@ class StallInspector:
         status = self._MPI.Status()
         alarmed = False
         while self._comm.Iprobe(tag=_ALARM, status=status):
-            self._comm.recv(source=status.Get_source(), tag=_ALARM)
+            if self._recv(status.Get_source(), _ALARM) is _STALE:
+                continue
             # Answer at once, report or not: a rank whose alarm goes unanswered ends itself.
             self._send(None, status.Get_source(), _QUERY)
             alarmed = True
@@ -205,7 +220,8 @@ class StallInspector:
         status = self._MPI.Status()
         while pending and time.monotonic() < deadline and not self._stop.is_set():
             if self._comm.Iprobe(tag=_REPLY, status=status):
-                episode, answer = self._comm.recv(source=status.Get_source(), tag=_REPLY)
+                message = self._recv(status.Get_source(), _REPLY)
+                episode, answer = (None, None) if message is _STALE else message
                 if episode == self._episode:
                     statuses[answer["rank"]] = answer
                     pending.discard(answer["rank"])
