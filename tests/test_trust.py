@@ -248,3 +248,25 @@ def test_random_delays_and_subgroups_at_a_one_second_stall_timeout_never_abort(t
     out = result.stdout
     assert result.returncode == 0, out
     assert out.count("DONE") == 3 and ABORTED not in out, out
+
+
+def test_a_joined_rank_beside_long_allreduces_is_not_a_deadlock(tmp_path):
+    result, _ = launch(
+        tmp_path,
+        """
+        import time, torch, hpcddp.horovod as hvd
+        hvd.init()
+        if hvd.rank() == 1:
+            time.sleep(2.5)  # rank 0 has joined and waits 2.5 x stall_timeout
+            for _ in range(3):
+                t = torch.ones(20_000_000)
+                hvd.allreduce_(t, op=hvd.Sum)
+                assert t[0].item() == 1.0 and t[-1].item() == 1.0  # rank 0 joined: it adds nothing
+        hvd.join()
+        print(f"DONE {hvd.rank()}", flush=True)
+        """,
+        env={"HPCDDP_STALL_TIMEOUT": "1"},
+    )
+    out = result.stdout
+    assert result.returncode == 0 and out.count("DONE") == 2, out
+    assert ABORTED not in out, out
