@@ -168,15 +168,13 @@ class MPICommunicator(VectorOps, Communicator):
     def allreduce_body(self, tensor: torch.Tensor, op: ReduceOp) -> Callable[[], torch.Tensor]:
         """Return the runner's work for an in-place allreduce of ``tensor``: reduce, divide, copy back."""
         self._ops.check_reducible(tensor.dtype, op)
-        buffer, mpi_op, size = staged(tensor), self._ops.op(tensor.dtype, op), self.size
-        copy_back = buffer.data_ptr() != tensor.data_ptr() or buffer.device != tensor.device
-        write = write_back(tensor) if copy_back else None
+        (buffer, write), mpi_op, size = _result_buffer(tensor), self._ops.op(tensor.dtype, op), self.size
 
         def body() -> torch.Tensor:
             self.reduce_in_place(buffer, mpi_op)
             if op is ReduceOp.AVERAGE:
                 buffer.div_(size)
-            if copy_back:
+            if write is not None:
                 write(buffer)
             return tensor
 
@@ -218,15 +216,14 @@ class MPICommunicator(VectorOps, Communicator):
     def broadcast_body(self, tensor: torch.Tensor, root: int) -> Callable[[], torch.Tensor]:
         """Return the runner's work for broadcasting root's ``tensor`` into every rank's ``tensor``."""
         self._check_root(root)
-        buffer = staged(tensor)
-
-        copy_back = self.rank != root and (buffer.data_ptr() != tensor.data_ptr() or buffer.device != tensor.device)
-        write = write_back(tensor) if copy_back else None
+        buffer, write = _result_buffer(tensor)
+        if self.rank == root:
+            write = None  # the root's tensor is the result already
 
         def body() -> torch.Tensor:
             for piece in for_each_piece(bytes_view(buffer)):
                 self._comm.Bcast(piece, root=root)
-            if copy_back:
+            if write is not None:
                 write(buffer)
             return tensor
 
@@ -335,3 +332,10 @@ class MPICommunicator(VectorOps, Communicator):
             sub.Free()
         child.check_collectives = self.check_collectives
         return child
+
+
+def _result_buffer(tensor: torch.Tensor):
+    """The buffer MPI writes ``tensor``'s result into, and ``write(buffer)`` to copy it back (None: it is ``tensor``)."""
+    buffer = staged(tensor)
+    same_memory = buffer.data_ptr() == tensor.data_ptr() and buffer.device == tensor.device
+    return buffer, None if same_memory else write_back(tensor)

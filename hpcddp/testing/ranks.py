@@ -29,6 +29,8 @@ def abort_all_ranks(code: int = 1) -> None:
 
 
 def pytest_configure(config):
+    global _config
+    _config = config
     hpcddp.init()
     # Ranks compare numbers with references; one thread each keeps runs repeatable and
     # avoids oversubscribing the host's cores.
@@ -60,11 +62,6 @@ def pytest_collectreport(report):
 
 _config = None
 _exit_status = 0
-
-
-def pytest_sessionstart(session):
-    global _config
-    _config = session.config
 
 
 def pytest_sessionfinish(session, exitstatus):
