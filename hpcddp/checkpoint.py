@@ -205,22 +205,27 @@ def load_checkpoint(
     map_location: Any = None,
     weights_only: bool = True,
 ) -> dict[str, Any] | None:
-    """Load the newest intact checkpoint on this rank; return None when there is none.
+    """Load the newest checkpoint every rank can read intact; return None when there is none.
 
     Every rank reads the file itself, so the directory must be visible to all ranks
     (a shared filesystem on several nodes). A file whose checksum does not match
     (flipped bytes, a torn write) or that does not load is skipped with a warning
-    naming it, and the next older one is tried.
+    naming it, and the next older one is tried. Given a directory after
+    ``hpcddp.init()``, it is a collective: the ranks agree on one step (the newest
+    that every rank found intact) and all load it, so that replicas never resume from
+    different steps; a rank that cannot load that step fails on every rank.
 
     Args:
         dir_or_path: a checkpoint directory (newest ``checkpoint-<step>.pt`` wins)
-            or one checkpoint file.
+            or one checkpoint file (read by each rank alone).
         map_location: where tensors go; ``hpcddp.device()`` by default (CPU before init).
         weights_only: torch.load's safe unpickler; ``training_state`` only stores
             types it accepts. Pass False for checkpoints holding arbitrary objects.
 
     Raises:
-        ValueError: when the given file, or every checkpoint in the directory, is damaged.
+        ValueError: when the given file, or every checkpoint in the directory, is
+            damaged, or when the ranks see different checkpoints and one cannot load
+            the agreed step (on every rank).
     """
     path = Path(dir_or_path)
     if map_location is None:
@@ -231,27 +236,87 @@ def load_checkpoint(
         if not path.exists():
             if path.suffix == ".pt":
                 raise FileNotFoundError(f"checkpoint {path} does not exist: pass a checkpoint file or directory")
+            if _rank_and_size()[1] > 1:
+                _agree_on_step(path, None)  # the others may see the directory: they must hear of this rank
             return None
         state, problem = _load_intact(path, map_location, weights_only)
         if problem is not None:
             raise ValueError(f"checkpoint {path} is damaged: {problem}")
         return state
     found = find_checkpoints(path)
+    rank, size = _rank_and_size()
     skipped = []
+    newest, state = None, None
     for candidate in reversed(found):
         state, problem = _load_intact(candidate, map_location, weights_only)
         if problem is None:
-            if skipped:
-                log.warning("hpcddp rank %d: loaded the older checkpoint %s instead", _rank_and_size()[0], candidate)
-            return state
+            newest = candidate
+            break
         skipped.append(f"{candidate.name} ({problem})")
-        log.warning("hpcddp rank %d: skipping damaged checkpoint %s: %s", _rank_and_size()[0], candidate, problem)
-    if skipped:
+        log.warning("hpcddp rank %d: skipping damaged checkpoint %s: %s", rank, candidate, problem)
+    chosen = _agree_on_step(path, newest) if size > 1 else newest
+    if chosen is None:
+        if skipped:
+            raise ValueError(
+                f"every checkpoint in {path} is damaged: {'; '.join(skipped)}: "
+                "restore one from a backup, or move them away to start afresh"
+            )
+        return None
+    if chosen != newest or skipped:
+        log.warning("hpcddp rank %d: loading the older checkpoint %s", rank, chosen)
+    problem = None
+    if chosen != newest:
+        state = None
+        try:
+            state, problem = _load_intact(chosen, map_location, weights_only)
+        except Exception as err:  # told to every rank below
+            problem = f"{type(err).__name__}: {err}"
+    if size > 1:
+        _raise_if_any_failed(chosen, problem)
+    return state
+
+
+def _agree_on_step(directory: Path, newest: Path | None) -> Path | None:
+    """Every rank's newest intact checkpoint in ``directory`` -> the one all load (the oldest of them)."""
+    from .collectives import allgather_object
+    from .stall import patient_collectives
+
+    mine = None if newest is None else int(_NAME.fullmatch(newest.name).group(1))
+    with patient_collectives():  # reading and hashing large files takes as long as it takes
+        steps = allgather_object(mine)
+    if all(step is None for step in steps):
+        return None
+    if any(step is None for step in steps):
+        blind = [r for r, step in enumerate(steps) if step is None]
         raise ValueError(
-            f"every checkpoint in {path} is damaged: {'; '.join(skipped)}: "
-            "restore one from a backup, or move them away to start afresh"
+            f"rank(s) {blind} find no intact checkpoint in {directory}, while rank {steps.index(max(s for s in steps if s is not None))} "
+            f"finds step {max(s for s in steps if s is not None)}: checkpoint_dir must be one directory shared by every "
+            "node (a shared filesystem), or remove the checkpoints to start afresh"
         )
-    return None
+    if len(set(steps)) > 1 and _rank_and_size()[0] == 0:
+        log.warning(
+            "hpcddp: the ranks' newest intact checkpoints in %s are steps %s: every rank loads step %d",
+            directory,
+            sorted(set(steps)),
+            min(steps),
+        )
+    return directory / _checkpoint_name(min(steps))
+
+
+def _raise_if_any_failed(chosen: Path, problem: str | None) -> None:
+    from .collectives import allgather_object
+    from .stall import patient_collectives
+
+    with patient_collectives():
+        problems = allgather_object(problem)
+    failed = [(r, p) for r, p in enumerate(problems) if p is not None]
+    if failed:
+        named = "; ".join(f"rank {r}: {p}" for r, p in failed)
+        raise ValueError(
+            f"the ranks agreed to resume from {chosen}, but not every rank can load it ({named}): "
+            "replicas must start from one step; restore the file, or remove newer checkpoints that not "
+            "every node sees"
+        )
 
 
 def _load_intact(path: Path, map_location: Any, weights_only: bool) -> tuple[Any, str | None]:

@@ -95,6 +95,39 @@ def test_a_point_to_point_deadlock_ends_the_job_at_once_naming_both_ranks(tmp_pa
     assert took < 60, f"a certain deadlock took {took:.0f} s to end the job"
 
 
+def test_a_rank_whose_other_thread_computes_before_it_sends_is_not_a_deadlock(tmp_path):
+    result, _ = launch(
+        tmp_path,
+        """
+        import threading, time, torch, torch.distributed as dist
+        import hpcddp
+        dist.init_process_group("mpi")
+        rank = dist.get_rank()
+        got = torch.zeros(3)
+        if rank == 0:
+            dist.recv(got, 1)  # sent by rank 1's worker thread after 4 s of computing
+            dist.send(torch.full((3,), 2.0), 1)
+        else:
+            def compute_then_send():
+                x, until = torch.randn(64, 64), time.monotonic() + 4  # 4 x stall_timeout
+                while time.monotonic() < until:
+                    x = torch.tanh(x @ x)
+                dist.send(torch.full((3,), 1.0), 0)
+            worker = threading.Thread(target=compute_then_send)
+            worker.start()
+            dist.recv(got, 0)  # the main thread waits meanwhile: every rank "waits"
+            worker.join()
+        print(f"RESULT {rank} {got.tolist()}", flush=True)
+        dist.destroy_process_group()
+        """,
+        env={"HPCDDP_STALL_TIMEOUT": "1"},
+    )
+    out = result.stdout
+    assert result.returncode == 0, out
+    assert "RESULT 0 [1.0, 1.0, 1.0]" in out and "RESULT 1 [2.0, 2.0, 2.0]" in out, out
+    assert ABORTED not in out, out
+
+
 def test_a_deadlock_in_a_subgroup_is_reported_with_the_jobs_rank_numbers(tmp_path):
     result, _ = launch(
         tmp_path,

@@ -14,13 +14,16 @@ handing its operations to an ``Engine``; none makes its own MPI calls on a commu
 2. **One order.** Operations run in the order they are submitted, and the log numbers
    them as they start (``OperationLog``): that numbering is the order every member rank
    must share, and what the stall inspector compares across ranks.
-3. **The runner's own submissions run at once.** Code that runs on the runner while it
-   holds the queue (a torch future's callback: torch DDP's comm hooks, such as
-   PowerSGD, issue collectives there and wait for them) has its collectives run
-   immediately, inline, before anything queued later. Callbacks run at the same point
-   of the order on every rank, so the order stays the same on every rank whatever the
-   other threads do, and a callback that waits never waits for itself. A wait on the
-   runner runs queued operations, in order, until its own completes.
+3. **The runner's own submissions run at once; callbacks run where they were attached.**
+   Code that runs on the runner while it holds the queue (a torch future's callback:
+   torch DDP's comm hooks, such as PowerSGD, issue collectives there and wait for them)
+   has its collectives run immediately, inline, before anything queued later. A
+   callback attached to a collective's future (``then``, ``add_done_callback``) is
+   itself queued where it is attached (``submit_callback``), so it runs after its
+   work and before anything submitted after the attaching call, on every rank alike,
+   however early or late the work completed (``hpcddp.torch_backend._futures``). A wait
+   on the runner runs queued operations, in order, until its own completes, so a
+   callback that waits for a later work never waits for itself.
 4. **Every collective agrees first.** Before moving data the ranks compare what each
    is about to run (op, shapes, dtypes, root, reduce op, splits: ``agreement``) with
    one small non-blocking allreduce (``MPI_Iallreduce``), the same primitive for every
@@ -37,7 +40,9 @@ handing its operations to an ``Engine``; none makes its own MPI calls on a commu
    requests (header, then data) posted by the calling thread and completed by whoever
    tests them (``p2p``); it never waits for the collectives, nor they for it. Several
    threads therefore call MPI at once: ``MPI_THREAD_MULTIPLE`` is required and checked
-   when the first communicator is made.
+   when the first communicator is made. Every wait on the communicator (the agreement,
+   the idle communication thread) moves receives in flight on, so that a rank blocked
+   in a collective still takes a message its peer must finish sending first.
 7. **Waiting sleeps.** A rank waiting for late ranks (in the agreement) tests its
    request in a tight loop for 50 us, then sleeps between tests (10 us, doubling to
    250 us): MPI's own polling would take the core a training thread shares with it.
@@ -69,10 +74,17 @@ log = logging.getLogger("hpcddp")
 
 _SPIN_S = 50e-6
 _LONGEST_SLEEP_S = 250e-6
+#: how often an idle communication thread tests receives in flight (rule 6)
+_IDLE_PROGRESS_S = 1e-3
 
 
-def wait_for_request(request) -> None:
-    """Complete an MPI request as rule 7 says: spin 50 us, then sleep between tests."""
+def wait_for_request(request, progress: Callable[[], None] | None = None) -> None:
+    """Complete an MPI request as rule 7 says: spin 50 us, then sleep between tests.
+
+    Args:
+        request: the mpi4py request.
+        progress: called between sleeps (point-to-point receives in flight, rule 6).
+    """
     if request.Test():
         return
     spin_until = time.perf_counter() + _SPIN_S
@@ -81,6 +93,8 @@ def wait_for_request(request) -> None:
             return
     pause = 10e-6
     while not request.Test():
+        if progress is not None:
+            progress()
         time.sleep(pause)
         pause = min(pause * 2, _LONGEST_SLEEP_S)
 
@@ -98,10 +112,15 @@ class EngineHandle(Handle):
 
 
 class _Operation:
-    __slots__ = ("body", "desc", "handle", "on_done", "sig")
+    __slots__ = ("body", "desc", "handle", "logged", "on_done", "sig")
 
-    def __init__(self, body, desc, sig, handle, on_done) -> None:
+    def __init__(self, body, desc, sig, handle, on_done, logged: bool = True) -> None:
         self.body, self.desc, self.sig, self.handle, self.on_done = body, desc, sig, handle, on_done
+        self.logged = logged
+
+
+#: what a thread waiting for a queued callback waits for (stall reports)
+_CALLBACK = oplog.describe("callback", None, None)
 
 
 class Engine:
@@ -112,11 +131,17 @@ class Engine:
         MPI: the mpi4py ``MPI`` module.
         log: where operations are recorded (registered with the stall inspector by the caller).
         name: the communication thread is called ``hpcddp-<name>``.
+        messages: the communicator's point-to-point layer (its ``progress()`` and
+            ``pending()``), moved on by every wait here (rule 6).
     """
 
-    def __init__(self, comm, MPI, log: oplog.OperationLog, name: str = "mpi") -> None:
+    def __init__(self, comm, MPI, log: oplog.OperationLog, name: str = "mpi", messages=None) -> None:
         self.comm = comm
         self.log = log
+        self._messages = messages
+        self._progress = None if messages is None else messages.progress
+        if messages is not None:
+            messages.on_pending = self._notice_messages
         self.size = comm.Get_size()
         #: run the agreement before each collective (rule 4)
         self.check_collectives = True
@@ -160,10 +185,17 @@ class Engine:
         """
         desc = oplog.describe(name, shape, dtype)
         handle = EngineHandle(self, name, desc)
-        op = _Operation(body, desc, sig, handle, on_done)
+        return self._enqueue(_Operation(body, desc, sig, handle, on_done), wake)
+
+    def submit_callback(self, run: Callable[[], None]) -> EngineHandle:
+        """Queue ``run`` (a future's callback) at this point of the order, not logged as an operation (rule 3)."""
+        handle = EngineHandle(self, "callback", _CALLBACK)
+        return self._enqueue(_Operation(run, _CALLBACK, None, handle, None, logged=False), wake=True)
+
+    def _enqueue(self, op: _Operation, wake: bool) -> EngineHandle:
         me = threading.get_ident()
         with self._cond:
-            self._check_open(name)
+            self._check_open(op.desc.op)
             inline = self._runner == me
             if not inline:
                 self._items.append(op)
@@ -171,7 +203,7 @@ class Engine:
                     self._cond.notify()
         if inline:  # rule 3
             self._execute(op)
-        return handle
+        return op.handle
 
     def run(self, name: str, body: Callable[[], Any], *, sig: Signature | None = None, shape=None, dtype=None):
         """Run ``body`` now and return its result, in this thread when the queue is idle (blocking).
@@ -215,7 +247,15 @@ class Engine:
                 while self._runner is not None or not self._items:
                     if self._closed and not self._items:
                         return
-                    self._cond.wait()
+                    if self._messages is not None and self._messages.pending():
+                        self._cond.wait(_IDLE_PROGRESS_S)
+                        self._cond.release()
+                        try:
+                            self._messages.progress()
+                        finally:
+                            self._cond.acquire()
+                    else:
+                        self._cond.wait()
                 self._runner = me
             try:
                 while True:
@@ -227,6 +267,12 @@ class Engine:
             finally:
                 self._release()
 
+    def _notice_messages(self) -> None:
+        """A receive was posted: an idle communication thread starts testing it (rule 6)."""
+        with self._cond:
+            if self._runner is None:
+                self._cond.notify()
+
     def _release(self) -> None:
         with self._cond:
             self._runner = None
@@ -234,8 +280,14 @@ class Engine:
                 self._cond.notify_all()
 
     def _execute(self, op: _Operation) -> None:
-        seq = self.log.start(op.desc)
         handle = op.handle
+        if not op.logged:
+            try:
+                handle.set_result(op.body())
+            except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
+                handle.set_exception(err)
+            return
+        seq = self.log.start(op.desc)
         handle.started_at = time.perf_counter()
         try:
             if op.sig is not None and self.check_collectives:
@@ -285,7 +337,7 @@ class Engine:
     # -- agreement (rule 4) ---------------------------------------------------------------
     def exchange(self, vector: np.ndarray) -> np.ndarray:
         """MIN-reduce this rank's agreement ``vector`` over all ranks (the one primitive); on the runner."""
-        wait_for_request(self.comm.Iallreduce(vector, self._reduced, op=self._MPI.MIN))
+        wait_for_request(self.comm.Iallreduce(vector, self._reduced, op=self._MPI.MIN), self._progress)
         return self._reduced
 
     def agree(self, sig: Signature) -> None:

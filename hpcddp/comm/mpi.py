@@ -67,8 +67,8 @@ class MPICommunicator(VectorOps, Communicator):
         key = self._comm.bcast(secrets.token_hex(6) if self.rank == 0 else None, root=0)
         self.log = oplog.OperationLog(key, self.global_ranks)
         oplog.register(self.log)
-        self.engine = Engine(self._comm, MPI, self.log)
         self.p2p = PointToPoint(self._comm, MPI, self.log, self.global_ranks)
+        self.engine = Engine(self._comm, MPI, self.log, messages=self.p2p)
 
     @property
     def check_collectives(self) -> bool:  # type: ignore[override]

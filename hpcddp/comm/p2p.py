@@ -3,15 +3,26 @@
 Rule 6 of ``hpcddp.comm.engine``: a send or receive is a set of non-blocking requests
 posted by the calling thread, never queued behind collectives (a rank that posts isend
 then irecv while its peer does the same must not block in the first). Every message
-starts with a small header (dtype, shape), so that a receiver expecting another tensor
-fails with both named instead of reading a prefix of the data, and so that a receive
-from any rank knows the sender before it takes the data. hpcddp's own ``send_async``
-/ ``recv_async_``, the torch backend's send/recv and the Horovod API all use this one
-protocol, so their messages match each other.
+starts with a small header (dtype, shape, and the tag its data travels under), sent
+with the user's tag. A receive posts its data request only once the header has
+arrived, with the header's data tag, which no other message in flight between the two
+ranks carries: MPI matches headers in the order receives were posted, and the data
+then cannot go to another receive, whichever is tested first (a receive from any rank
+beside one from a named rank, two receives from any rank). A receiver expecting
+another tensor fails with both named before anything is written to its tensor.
+
+Receives whose header has not arrived are moved on by every wait on the communicator
+(``progress``): a message, a collective's agreement, and the idle communication
+thread. A rank blocked in a collective therefore still takes the large message a peer
+must finish sending before it can join that collective.
+
+hpcddp's own ``send_async`` / ``recv_async_``, the torch backend's send/recv and the
+Horovod API all use this one protocol, so their messages match each other.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -74,6 +85,15 @@ class Message(Handle):
                 self._progress()
         return self._done.is_set()
 
+    def try_poll(self) -> None:
+        """``poll`` unless another thread is polling this message right now (never blocks)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if not self._done.is_set():
+                    self._progress()
+            finally:
+                self._lock.release()
+
     def _block(self, timeout: float | None) -> bool:
         if self.poll():
             return True
@@ -81,6 +101,7 @@ class Message(Handle):
         pause = 10e-6
         with oplog.waiting(self._p2p.log, self):
             while not self.poll():
+                self._p2p.progress()
                 if deadline is not None and time.monotonic() >= deadline:
                     return False
                 time.sleep(pause)
@@ -98,6 +119,7 @@ class Message(Handle):
                 self._header = None
                 self.source = status.Get_source()
                 self._p2p.take_data(self, header)
+                self._p2p.arrived(self)
             if not all(request.Test() for request in self._requests):
                 return
         except MPI.Exception as err:  # the data is longer than the receiving tensor
@@ -130,15 +152,22 @@ class PointToPoint:
         self.comm, self.MPI, self.log = comm, MPI, log
         self._global = list(global_ranks)
         self.rank = comm.Get_rank()
+        # Users' tags are the headers' tags; the data tags lie above them, one per message.
+        upper = comm.Get_attr(MPI.TAG_UB) or 32767
+        self.tag_limit = min(2**28, (upper + 1) // 4)
+        self._data_tags = upper + 1 - self.tag_limit
+        self._sent = itertools.count()
+        self._lock = threading.Lock()
+        self._awaiting_header: dict[int, Message] = {}
+        #: called after a receive is posted (the engine's idle thread then tests it)
+        self.on_pending = None
 
     def global_rank(self, rank: int | None) -> int | None:
         return None if rank is None else self._global[rank]
 
-    @staticmethod
-    def _tags(tag: int) -> tuple[int, int]:
-        if not isinstance(tag, int) or not 0 <= tag < 2**28:
-            raise ValueError(f"tag must be an int in [0, 2**28), got {tag!r}")
-        return 2 * tag, 2 * tag + 1
+    def _check_tag(self, tag: int) -> None:
+        if not isinstance(tag, int) or not 0 <= tag < self.tag_limit:
+            raise ValueError(f"tag must be an int in [0, {self.tag_limit}), got {tag!r}")
 
     def _check_peer(self, peer: int, argument: str) -> None:
         size = self.comm.Get_size()
@@ -148,11 +177,13 @@ class PointToPoint:
     def send(self, tensor: torch.Tensor, dest: int, tag: int = 0) -> Message:
         """Start sending ``tensor`` to rank ``dest`` (of this communicator)."""
         self._check_peer(dest, "dest")
-        header_tag, data_tag = self._tags(tag)
+        self._check_tag(tag)
+        data_tag = self.tag_limit + next(self._sent) % self._data_tags
         staged = _staged(tensor)
         message = Message(self, "send", tensor, dest, tag)
         message.keep = staged  # the requests read it until they complete
-        message._requests.append(self.comm.isend((staged.dtype, tuple(staged.shape)), dest=dest, tag=header_tag))
+        header = (staged.dtype, tuple(staged.shape), data_tag)
+        message._requests.append(self.comm.isend(header, dest=dest, tag=tag))
         for chunk in _chunks(_bytes(staged)):
             message._requests.append(self.comm.Isend(chunk.numpy(), dest=dest, tag=data_tag))
         return message
@@ -161,21 +192,37 @@ class PointToPoint:
         """Start receiving into ``tensor`` from rank ``source``, or from any rank when None."""
         if source is not None:
             self._check_peer(source, "source")
-        header_tag, data_tag = self._tags(tag)
+        self._check_tag(tag)
         message = Message(self, "recv", tensor, source, tag)
-        message._header = self.comm.irecv(source=self.MPI.ANY_SOURCE if source is None else source, tag=header_tag)
-        if source is not None and tensor.numel() * tensor.element_size() <= CHUNK_BYTES:
-            # Posted at once, so that a large message moves while the caller computes.
-            message._buffer = _receiving(tensor)
-            message._requests.append(self.comm.Irecv(_bytes(message._buffer).numpy(), source=source, tag=data_tag))
+        with self._lock:
+            message._header = self.comm.irecv(source=self.MPI.ANY_SOURCE if source is None else source, tag=tag)
+            self._awaiting_header[id(message)] = message
+        if self.on_pending is not None:
+            self.on_pending()
         return message
 
+    def arrived(self, message: Message) -> None:
+        """``message``'s header has arrived: ``progress`` need not look at it any more."""
+        with self._lock:
+            self._awaiting_header.pop(id(message), None)
+
+    def pending(self) -> bool:
+        """True while a receive waits for its header."""
+        return bool(self._awaiting_header)
+
+    def progress(self) -> None:
+        """Test the headers of receives in flight and post their data (from any waiting thread)."""
+        if not self._awaiting_header:
+            return
+        with self._lock:
+            waiting = list(self._awaiting_header.values())
+        for message in waiting:
+            message.try_poll()
+
     def take_data(self, message: Message, header) -> None:
-        """Post the rest of a receive once its header names the sender and what it sent."""
-        dtype, shape = header
+        """Post the rest of a receive once its header names the sender, what it sent and its data tag."""
+        dtype, shape, data_tag = header
         tensor = message._tensor
-        data_tag = 2 * message._tag + 1
-        posted = len(message._requests)
         if (dtype, tuple(shape)) != (tensor.dtype, tuple(tensor.shape)):
             sent = describe_tensors([torch.empty(shape, dtype=dtype, device="meta")])
             sender, receiver = self.global_rank(message.source), self.global_rank(self.rank)
@@ -183,16 +230,12 @@ class PointToPoint:
                 f"recv: rank {sender} sent {sent}, rank {receiver} expected {describe_tensors([tensor])} "
                 f"(tag {message._tag}): pass a tensor of the sent shape and dtype"
             )
-            # Take every part of the message anyway: the next receive must not read them.
-            scratch = torch.empty(shape, dtype=dtype)
-            for chunk in _chunks(_bytes(scratch))[posted:]:
-                message._requests.append(self.comm.Irecv(chunk.numpy(), source=message.source, tag=data_tag))
-            message.keep = scratch
-            return
-        if posted:
-            return
-        message._buffer = _receiving(tensor)
-        for chunk in _chunks(_bytes(message._buffer)):
+            # Take the data anyway (the sender's requests complete), without touching the caller's tensor.
+            message.keep = torch.empty(shape, dtype=dtype)
+            target = message.keep
+        else:
+            message._buffer = target = _receiving(tensor)
+        for chunk in _chunks(_bytes(target)):
             message._requests.append(self.comm.Irecv(chunk.numpy(), source=message.source, tag=data_tag))
 
 

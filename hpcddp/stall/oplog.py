@@ -306,4 +306,12 @@ def rank_status(rank: int) -> dict:
         progress = _activity.progress
     waits += [(key, str(c["running"][0][0]), c["running"][0][1]) for key, c in comms.items() if c["blocking"]]
     progress += closed + sum(c["changes"] for c in comms.values())
-    return {"rank": rank, "comms": comms, "waits": waits, "progress": progress}
+    return {
+        "rank": rank,
+        "comms": comms,
+        "waits": waits,
+        "progress": progress,
+        # CPU seconds of the whole process: a thread that computes shows here (hpcddp.stall.verdict.stable)
+        "cpu": time.process_time(),
+        "clock": now,
+    }

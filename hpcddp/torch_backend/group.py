@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ._buffers import describe, reduce_op_of, stage, unstage
 from ._exchange import ExchangeCollectives
+from ._futures import OrderedFuture
 from ._p2p import PointToPoint
 
 __all__ = ["ProcessGroupHPCDDP"]
@@ -127,7 +128,7 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
             error: what is wrong with this rank's arguments, raised on every rank.
             fields: more for ``hpcddp.comm.agreement.signature`` (root, reduce_op, ...).
         """
-        future = torch.futures.Future()
+        future = OrderedFuture()
         comm = self._comm
         first = tensors[0] if tensors else None
         sig = comm.signature_for(None, collective, first, error=error, **fields)
@@ -143,6 +144,7 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
         # A blocking call from Python waits at once: it runs the work itself, no thread wake-up.
         wake = True if opts is None else bool(getattr(opts, "asyncOp", True))
         handle = comm.submit(collective, body, first, sig, wake=wake, on_done=complete)
+        future.handle = handle
         return _Work(handle, future)
 
     # -- collectives ------------------------------------------------------------------

@@ -34,3 +34,30 @@ def test_unwritable_directory_fails_on_every_rank_at_start(tmp_path):
     with pytest.raises(ValueError, match="checkpoint directory .* is not writable on rank 0"):
         with hpcddp.PreemptionHandler(checkpoint_dir=base / "file" / "ckpt"):
             pass
+
+
+def node_views(tmp_path, steps):
+    """One directory per rank, as each node would see a shared one: rank 1's newest file is torn."""
+    directory = tmp_path / f"view-of-rank-{hpcddp.rank()}"
+    directory.mkdir()
+    for step in steps:
+        torch.save({"step": step}, directory / "plain.pt")  # not a checkpoint name: ignored
+        from hpcddp.checkpoint import _write_atomically
+
+        _write_atomically(directory / f"checkpoint-{step:06d}.pt", {"step": step, "w": torch.full((4,), float(step))})
+    if hpcddp.rank() == 1:
+        newest = directory / f"checkpoint-{max(steps):06d}.pt"
+        newest.write_bytes(newest.read_bytes()[:-50])
+    return directory
+
+
+def test_ranks_that_see_different_newest_checkpoints_all_resume_from_one_step(tmp_path):
+    state = hpcddp.load_checkpoint(node_views(tmp_path, [3, 7]))
+    assert hpcddp.allgather_object(state["step"]) == [3] * hpcddp.size()
+    torch.testing.assert_close(state["w"], torch.full((4,), 3.0), rtol=0, atol=0)
+
+
+def test_a_rank_that_cannot_load_the_agreed_step_fails_on_every_rank(tmp_path):
+    directory = node_views(tmp_path, [7])  # rank 1 has only the torn one
+    with pytest.raises(ValueError, match=r"rank\(s\) \[1\] find no intact checkpoint"):
+        hpcddp.load_checkpoint(directory)

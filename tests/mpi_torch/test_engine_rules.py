@@ -120,6 +120,43 @@ def test_ddp_comm_hooks_end_where_they_end_over_gloo(gloo, make_hook):
         torch.testing.assert_close(mine, reference, rtol=1e-12 if exact else 1e-3, atol=1e-12 if exact else 1e-5)
 
 
+@pytest.mark.parametrize("rank_that_finishes_first", [0, 1])
+def test_a_callback_issues_its_collective_at_the_same_point_whenever_its_work_completed(
+    rank_that_finishes_first,
+):
+    rank, size = rank_size()
+    later = torch.full((3,), 10.0 * (rank + 1))
+    work = dist.all_reduce(torch.ones(1000), async_op=True)
+    work_after = dist.all_reduce(later, async_op=True)
+    if rank == rank_that_finishes_first:
+        work_after.wait()  # here both works are done before the callback is attached; elsewhere not
+    issued = {}
+
+    def issue(_future):
+        issued["value"] = torch.full((3,), float(rank + 1))
+        dist.all_reduce(issued["value"])  # same shape as `later`: a swap would pass the agreement
+        return issued["value"]
+
+    work.get_future().then(issue).wait()
+    work_after.wait()
+    assert issued["value"].tolist() == [float(sum(range(1, size + 1)))] * 3
+    assert later.tolist() == [10.0 * sum(range(1, size + 1))] * 3
+
+
+def test_a_callback_may_wait_for_a_work_submitted_after_it():
+    _, size = rank_size()
+    later, attached = {}, threading.Event()
+
+    def wait_for_the_later_work(_future):
+        attached.wait(30)
+        return later["work"].get_future().wait()
+
+    chained = dist.all_reduce(torch.ones(2), async_op=True).get_future().then(wait_for_the_later_work)
+    later["work"] = dist.all_reduce(torch.full((2,), 2.0), async_op=True)
+    attached.set()
+    assert chained.wait()[0].tolist() == [2.0 * size] * 2
+
+
 # ---- point-to-point messages complete by themselves ---------------------------------------------
 
 
@@ -149,6 +186,50 @@ def test_recv_from_any_rank_returns_the_sender():
             assert values.tolist() == [float(sender)] * 3
     else:
         dist.send(torch.full((3,), float(rank)), dst=0)
+
+
+def test_a_receive_from_any_rank_beside_one_from_rank_0_takes_the_messages_in_order():
+    rank, _ = rank_size()
+    if rank == 0:
+        for value in (1.0, 2.0, 3.0):
+            dist.send(torch.full((4,), value), 1)
+    elif rank == 1:
+        first, second, third = torch.zeros(4), torch.zeros(4), torch.zeros(4)
+        works = [dist.irecv(first), dist.irecv(second, src=0), dist.irecv(third)]
+        for work in reversed(works):  # tested in the other order: the data must not follow the test order
+            work.wait()
+        assert [first[0].item(), second[0].item(), third[0].item()] == [1.0, 2.0, 3.0]
+    dist.barrier()
+
+
+def test_a_large_message_reaches_a_rank_that_waits_in_a_collective():
+    rank, size = rank_size()
+    count = 1 << 21  # 8 MB: sent by rendezvous, so the send completes only once the data is received
+    if rank == 0:
+        dist.send(torch.arange(count, dtype=torch.float32), 1)  # blocks until rank 1 takes it
+    if rank == 1:
+        big = torch.zeros(count)
+        work = dist.irecv(big)  # from any rank; its header arrives while this rank waits below
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    assert total.item() == size
+    if rank == 1:
+        work.wait()
+        torch.testing.assert_close(big, torch.arange(count, dtype=torch.float32), rtol=0, atol=0)
+
+
+def test_a_receive_of_the_wrong_shape_raises_and_leaves_the_tensor_alone():
+    rank, _ = rank_size()
+    if rank == 0:
+        work = dist.isend(torch.full((5,), 9.0), 1)
+    elif rank == 1:
+        mine = torch.full((3,), 7.0)
+        with pytest.raises(hpcddp.CollectiveMismatchError, match=r"rank 0 sent float32\[5\], rank 1 expected"):
+            dist.recv(mine, 0)
+        assert mine.tolist() == [7.0] * 3
+    if rank == 0:
+        work.wait()
+    dist.barrier()
 
 
 # ---- groups come and go -------------------------------------------------------------------------

@@ -1,0 +1,78 @@
+"""The futures of the backend's collectives: callbacks run at one point of the order on every rank.
+
+torch runs a future's callbacks when the future completes, or at once in the attaching
+thread when it has already completed. A callback that issues a collective (torch's
+DDP comm hooks, a user's ``work.get_future().then(...)``) would then run it at a point
+of the communicator's order that depends on timing: right after the work on a rank
+where the work was still running, after later operations on a rank where it had
+finished. Two ranks would pair different collectives, a silent wrong result when their
+shapes agree. ``OrderedFuture`` fixes the point instead: ``then`` and
+``add_done_callback`` queue the callback on the communicator's engine where they are
+called, in program order, so it runs on the runner after the work and before anything
+submitted after the attaching call, on every rank alike (rule 3 of
+``hpcddp.comm.engine``). Its ``wait()`` on the runner runs the queue up to it, so a
+callback may wait for a work submitted later without waiting for itself.
+
+Callbacks that torch attaches in C++ (DDP's reducer) keep torch's behaviour: they run
+when the future completes, on the runner.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+log = logging.getLogger("hpcddp")
+
+__all__ = ["OrderedFuture"]
+
+
+class OrderedFuture(torch.futures.Future):
+    """A torch future completed on an engine's runner, right after ``handle``.
+
+    Args:
+        handle: the engine handle (``hpcddp.comm.engine.EngineHandle``) whose
+            completion precedes this future's; may be set after construction, before
+            the future is handed out.
+    """
+
+    def __init__(self, handle=None) -> None:
+        super().__init__()
+        self.handle = handle
+
+    def wait(self) -> Any:
+        if not self.done():
+            self.handle._block(None)  # on the runner: runs the queue up to the handle
+        return super().wait()
+
+    def then(self, callback: Callable[[torch.futures.Future], Any]) -> OrderedFuture:
+        result = OrderedFuture()
+
+        def run() -> None:
+            try:
+                value = callback(self._settled())
+            except Exception as err:  # noqa: BLE001 - delivered through the returned future
+                result.set_exception(err)
+            else:
+                result.set_result(value)
+
+        result.handle = self.handle._engine.submit_callback(run)
+        return result
+
+    def add_done_callback(self, callback: Callable[[torch.futures.Future], None]) -> None:
+        def run(future: torch.futures.Future) -> None:
+            try:
+                callback(future)
+            except Exception:  # noqa: BLE001 - as torch: logged, the future is unaffected
+                log.exception("hpcddp: a done callback of a collective's future failed")
+
+        self.then(run)
+
+    def _settled(self) -> OrderedFuture:
+        # The callback runs after the handle, and this future is completed right after it.
+        if not self.done():
+            self.handle._block(None)
+        return self
