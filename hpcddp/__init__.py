@@ -7,6 +7,7 @@ optimizer = hpcddp.DistributedOptimizer(optimizer, model.named_parameters())
 hpcddp.broadcast_parameters(model.state_dict(), root_rank=0)
 """
 
+from . import _requirements  # noqa: F401 - first: an old torch fails here, naming the fix
 from .averaging import PeriodicModelAverager
 from .bootstrap import (
     backend,

@@ -32,11 +32,17 @@ class _HashingWriter:
         self._fh = fh
         self.hash = hashlib.sha256()
         self.size = 0
+        #: the first write error (torch.save reports it only as "unexpected pos ...")
+        self.error: OSError | None = None
 
     def write(self, data) -> int:
         self.hash.update(data)
         self.size += len(data)
-        return self._fh.write(data)
+        try:
+            return self._fh.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
 
     def flush(self) -> None:
         self._fh.flush()
@@ -45,7 +51,12 @@ class _HashingWriter:
 def save_with_checksum(obj: Any, fh: BinaryIO) -> None:
     """``torch.save(obj)`` into the open binary file ``fh``, then append the checksum footer."""
     writer = _HashingWriter(fh)
-    torch.save(obj, writer)
+    try:
+        torch.save(obj, writer)
+    except Exception:
+        if writer.error is not None:
+            raise writer.error from None
+        raise
     fh.write(_FOOTER.pack(_MAGIC, writer.hash.digest(), writer.size))
 
 

@@ -21,13 +21,13 @@ import logging
 import os
 import random
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ._atomic import probe_writable, write_atomically
 from ._checksum import UNVERIFIED, save_with_checksum, verify_checksum
 
 __all__ = [
@@ -72,37 +72,8 @@ def find_checkpoints(directory: str | os.PathLike) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def _umask() -> int:
-    # Read, not set-and-restore: os.umask would briefly change it for every thread.
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    return 0o022
-
-
 def _write_atomically(path: Path, state: Any) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        # mkstemp makes the file 0600; a checkpoint should be as readable as any file the user writes.
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as fh:
-            save_with_checksum(state, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    # The rename is only durable once the directory entry is on disk too.
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    write_atomically(path, lambda fh: save_with_checksum(state, fh), "checkpoint")
 
 
 def save_checkpoint(
@@ -178,15 +149,7 @@ def check_checkpoint_dir(directory: str | os.PathLike) -> Path:
     """
     directory = Path(directory)
     rank, size = _rank_and_size()
-    problem = None
-    if rank == 0:
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=directory)
-            os.close(fd)
-            os.unlink(probe)
-        except OSError as err:
-            problem = f"{type(err).__name__}: {err}"
+    problem = probe_writable(directory) if rank == 0 else None
     if size > 1:
         from .collectives import broadcast_object
 

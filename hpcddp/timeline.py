@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from ._atomic import probe_writable, write_atomically
+
 __all__ = ["TRAINING_TRACK", "Timeline", "bucket_track", "current", "start", "stop"]
 
 log = logging.getLogger("hpcddp")
@@ -207,9 +209,7 @@ class Timeline:
             return None
         trace = {"traceEvents": [event for events in gathered for event in events], "displayTimeUnit": "ms"}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(json.dumps(trace))
-        os.replace(tmp, self.path)
+        write_atomically(self.path, lambda fh: fh.write(json.dumps(trace).encode()), "timeline")
         log.info("hpcddp timeline written to %s", self.path)
         return self.path
 
@@ -247,7 +247,7 @@ def start(path: str | os.PathLike) -> Timeline:
     if _recorder is not None:
         raise RuntimeError(f"a timeline is already being recorded to {_recorder.path}: stop() it first")
     comm = bootstrap.communicator()
-    problem = _check_writable(Path(path)) if comm.rank == 0 else None
+    problem = probe_writable(Path(path).parent) if comm.rank == 0 else None
     if comm.size > 1:
         problem = comm.broadcast_object(problem, 0)
     if problem is not None:
@@ -274,15 +274,3 @@ def stop() -> Path | None:
         return None
     recorder.remove_module_hooks()
     return recorder.write(bootstrap.communicator())
-
-
-def _check_writable(path: Path) -> str | None:
-    """Return why ``path`` cannot be written (creating its folder), or None if it can."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.with_name(f".{path.name}.tmp"), "w") as probe:
-            probe.write("")
-        path.with_name(f".{path.name}.tmp").unlink()
-    except OSError as err:
-        return f"{type(err).__name__}: {err}"
-    return None

@@ -2,6 +2,7 @@
 
 import os
 import random
+import subprocess
 
 import numpy as np
 import pytest
@@ -164,3 +165,19 @@ def test_unwritable_checkpoint_directory_fails_when_the_handler_is_entered(tmp_p
     monkeypatch.setattr("tempfile.mkstemp", read_only)
     with pytest.raises(ValueError, match=r"'.*ro' is not writable on rank 0 \(OSError: \[Errno 30\] Read-only"):
         hpcddp.checkpoint.check_checkpoint_dir(tmp_path / "ro")
+
+
+def test_a_full_disk_names_the_checkpoint_and_keeps_the_older_one(tmp_path):
+    full = tmp_path / "small-disk"
+    full.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(full)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        hpcddp.save_checkpoint(full, {"step": 1, "w": torch.ones(1000)})
+        with pytest.raises(OSError, match=r"No space left on device while writing checkpoint .*checkpoint-000002\.pt"):
+            hpcddp.save_checkpoint(full, {"step": 2, "w": torch.ones(1_000_000)})
+        assert hpcddp.load_checkpoint(full)["step"] == 1
+        assert [p.name for p in full.iterdir()] == ["checkpoint-000001.pt"]  # no temporary file left
+    finally:
+        subprocess.run(["umount", str(full)], check=False)

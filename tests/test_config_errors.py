@@ -1,5 +1,6 @@
 """Bad configuration fails with one clear line that names the knob, the value and the fix."""
 
+import subprocess
 import sys
 import time
 
@@ -235,3 +236,18 @@ def test_stall_settings_from_environment_and_arguments(fresh):
     hpcddp.shutdown()
     hpcddp.init(stall_timeout=0)  # the argument wins over the environment
     assert bootstrap._runtime.config.stall_timeout == 0
+
+
+def test_an_older_torch_than_the_tested_ones_fails_at_import_naming_the_fix():
+    result = subprocess.run(
+        [sys.executable, "-c", "import torch; torch.__version__ = '2.5.1+cu121'; import hpcddp"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == (
+        "ImportError: hpcddp needs torch >= 2.13 (the oldest version its tests run on), found torch 2.5.1+cu121: "
+        "pip install 'torch>=2.13'"
+    ), result.stderr

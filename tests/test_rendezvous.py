@@ -132,3 +132,26 @@ def test_under_mpirun_every_rank_says_why_in_one_line(tmp_path):
     assert "set MASTER_PORT to a free port, or unset it to let hpcddp pick one" in out
     assert f"[hpcddp rank 1] error: rank 1: the rendezvous at 127.0.0.1:{port} failed on rank 0; their lines" in out
     assert "Traceback" not in out and "frame #" not in out
+
+
+def listening_addresses(port):
+    """The local addresses a TCP socket listens on at ``port`` (from /proc/net/tcp)."""
+    found = []
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, port_hex = local.split(":")
+        if state == "0A" and int(port_hex, 16) == port:  # 0A: LISTEN
+            found.append(socket.inet_ntoa(bytes.fromhex(address)[::-1]))
+    return found
+
+
+def test_rank_0s_store_listens_only_on_the_published_address():
+    from hpcddp.comm.rendezvous import connect_store
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    store = connect_store("127.0.0.1", port, 0, 1, timeout_s=10)
+    store.set("key", "value")
+    assert store.get("key") == b"value"
+    assert listening_addresses(port) == ["127.0.0.1"]  # not 0.0.0.0: no other network sees it

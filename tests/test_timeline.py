@@ -119,6 +119,18 @@ def test_single_process_timeline_from_init_argument(tmp_path):
     assert set(spans) == {(0, 0)}  # a world of one reduces nothing
 
 
+def test_a_link_planted_at_the_old_temporary_name_is_never_followed(tmp_path):
+    trace_path = tmp_path / "one.json"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (tmp_path / ".one.json.tmp").symlink_to(victim)  # the name earlier versions wrote through
+    script = tmp_path / "one.py"
+    script.write_text(TRAIN.replace("{timeline_arg}", f"timeline={str(trace_path)!r}"))
+    subprocess.run([sys.executable, str(script)], check=True, timeout=120, cwd=ROOT, capture_output=True)
+    assert victim.read_text() == "keep me"
+    assert load(trace_path)[1][(0, None)] == "rank 0"
+
+
 def test_timeline_must_be_a_path():
     from hpcddp.config import InitConfig
 

@@ -10,6 +10,7 @@ every rank ends with them) before torch.distributed is asked to connect.
 from __future__ import annotations
 
 import datetime
+import errno
 import os
 import socket
 
@@ -60,6 +61,32 @@ def join_process_group(
     )
 
 
+def _serve_store(address: str, port: int, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """Rank 0's store, listening only on ``address`` when it is one of this node's addresses.
+
+    The store accepts any client that reaches it (torch's TCPStore has no
+    authentication): bound to the published address, it is not offered on the node's
+    other networks. For an address that is not this node's (a MASTER_ADDR naming
+    another interface, or a host name) it listens on every interface, and rank 0's
+    own client goes through loopback, because torch retries a MASTER_ADDR that is not
+    rank 0's for the whole timeout before the other ranks could report it in seconds.
+    """
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((address, port))
+        listener.listen(max(128, world_size))
+    except OSError as err:
+        listener.close()
+        if err.errno != errno.EADDRNOTAVAIL and not isinstance(err, socket.gaierror):
+            raise
+        return dist.TCPStore("127.0.0.1", port, world_size, True, timeout=timeout, wait_for_workers=False)
+    # The store owns the socket from here (detach: Python must not close it).
+    return dist.TCPStore(
+        address, port, world_size, True, timeout=timeout, wait_for_workers=False, master_listen_fd=listener.detach()
+    )
+
+
 def connect_store(
     address: str,
     port: int,
@@ -89,11 +116,8 @@ def connect_store(
     store, error = None, None
     if rank == 0:
         try:
-            # The server listens on every interface; rank 0's own client goes through
-            # loopback, because torch retries a MASTER_ADDR that is not rank 0's for the
-            # whole timeout before the other ranks could report it in seconds.
-            store = dist.TCPStore("127.0.0.1", port, world_size, True, timeout=timeout, wait_for_workers=False)
-        except RuntimeError as err:
+            store = _serve_store(address, port, world_size, timeout)
+        except (RuntimeError, OSError) as err:
             error = (
                 f"rank 0 ({socket.gethostname()}) cannot serve the rendezvous on port {port} "
                 f"({str(err).splitlines()[0]}): set MASTER_PORT to a free port, or unset it to let hpcddp pick one"
