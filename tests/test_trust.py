@@ -303,3 +303,32 @@ def test_a_joined_rank_beside_long_allreduces_is_not_a_deadlock(tmp_path):
     out = result.stdout
     assert result.returncode == 0 and out.count("DONE") == 2, out
     assert ABORTED not in out, out
+
+
+def test_allreduce_beyond_mpis_32_bit_counts_is_right_at_bounded_memory(tmp_path):
+    # Issue 18: 2^31 + 16 int8 elements failed with MPI_ERR_ARG; 2 GiB of fp16 was OOM-killed at 11.8 GB.
+    result, _ = launch(
+        tmp_path,
+        """
+        import resource, torch, hpcddp
+        hpcddp.init()
+        rank = hpcddp.rank()
+        x = torch.full((2**31 + 16,), rank + 1, dtype=torch.int8)
+        x[-1] = 5 * (rank + 1)  # the last element lies past the first 2^31
+        hpcddp.allreduce_(x, op="sum")
+        int8 = bool((x[:-1] == 3).all()) and x[-1].item() == 15
+        del x
+        y = torch.full((2**30 + 8,), 0.5 * (rank + 1), dtype=torch.float16)  # 2 GiB + 16 bytes
+        y[-1] = 2.0 * (rank + 1)
+        hpcddp.allreduce_(y, op="sum")
+        fp16 = bool((y[:-1] == 1.5).all()) and y[-1].item() == 6.0
+        del y
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        print(f"RESULT {rank} {int8} {fp16} {peak:.2f}", flush=True)
+        """,
+    )
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:]
+    results = re.findall(r"RESULT (\d) (\w+) (\w+) ([\d.]+)", out)
+    assert sorted(r[:3] for r in results) == [("0", "True", "True"), ("1", "True", "True")], out[-3000:]
+    assert max(float(r[3]) for r in results) < 6.0, f"peak resident GiB per rank: {results}"  # 2 GiB tensor + one copy

@@ -78,3 +78,21 @@ def test_communicator_forced_hierarchical_reduces_every_dtype_and_op():
                 torch.testing.assert_close(blocking, expected, msg=f"{dtype} {op} (blocking)")
     finally:
         comm.close()
+
+
+@pytest.mark.parametrize("shape", [(200, 97), (7, 3001), (3, 5, 4099)])
+def test_forced_hierarchical_allreduce_of_any_shape_matches_the_sum(shape):
+    # Issue 18: a 2-D tensor of 64 KiB and more failed with "mismatch in send count" (shards cut along dim 0).
+    comm = MPICommunicator(hierarchical=True)
+    size = hpcddp.size()
+    try:
+        base = [torch.arange(int(np.prod(shape)), dtype=torch.float64).reshape(shape) % 89 + r for r in range(size)]
+        expected = torch.stack(base).sum(0)
+        mine = base[hpcddp.rank()].clone()
+        comm.allreduce_(mine, ReduceOp.SUM)
+        torch.testing.assert_close(mine, expected, rtol=0, atol=0)
+        transposed = base[hpcddp.rank()].transpose(0, -1).clone().transpose(0, -1)  # non-contiguous, same values
+        comm.allreduce_async_(transposed, ReduceOp.SUM).wait()
+        torch.testing.assert_close(transposed, expected, rtol=0, atol=0)
+    finally:
+        comm.close()
