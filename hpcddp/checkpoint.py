@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ._atomic import probe_writable, write_atomically
+from ._checkpoint_owner import check_not_owned_by_another_job, claim
 from ._checksum import UNVERIFIED, save_with_checksum, verify_checksum
 
 __all__ = [
@@ -110,6 +111,7 @@ def save_checkpoint(
     if rank == 0:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
+            claim(target.parent)
             _write_atomically(target, state)
             if keep_last is not None:
                 for old in find_checkpoints(target.parent)[:-keep_last]:
@@ -145,20 +147,30 @@ def check_checkpoint_dir(directory: str | os.PathLike) -> Path:
         directory: the checkpoint directory.
 
     Raises:
-        ValueError: on every rank, naming the directory and the reason.
+        ValueError: on every rank, naming the directory and the reason (unwritable, or
+            owned by another job that still runs: ``hpcddp._checkpoint_owner``).
     """
     directory = Path(directory)
     rank, size = _rank_and_size()
-    problem = probe_writable(directory) if rank == 0 else None
+    problem = None
+    if rank == 0:
+        unwritable = probe_writable(directory)
+        if unwritable is not None:
+            problem = (
+                f"checkpoint directory {str(directory)!r} is not writable on rank 0 ({unwritable}): "
+                "choose a writable directory (e.g. on a shared filesystem)"
+            )
+        else:
+            try:
+                claim(directory)
+            except RuntimeError as err:
+                problem = str(err)
     if size > 1:
         from .collectives import broadcast_object
 
         problem = broadcast_object(problem, root_rank=0)
     if problem is not None:
-        raise ValueError(
-            f"checkpoint directory {str(directory)!r} is not writable on rank 0 ({problem}): "
-            "choose a writable directory (e.g. on a shared filesystem)"
-        )
+        raise ValueError(problem)
     return directory
 
 
@@ -174,8 +186,9 @@ def load_checkpoint(
     (a shared filesystem on several nodes). A file whose checksum does not match
     (flipped bytes, a torn write) or that does not load is skipped with a warning
     naming it, and the next older one is tried. Given a directory after
-    ``hpcddp.init()``, it is a collective: the ranks agree on one step (the newest
-    that every rank found intact) and all load it, so that replicas never resume from
+    ``hpcddp.init()``, it is a collective (call it on every rank): the ranks agree on
+    one step (the newest that every rank lists, no newer than any rank's newest intact
+    one) and all load it, so that replicas never resume from
     different steps; a rank that cannot load that step fails on every rank.
 
     Args:
@@ -200,7 +213,7 @@ def load_checkpoint(
             if path.suffix == ".pt":
                 raise FileNotFoundError(f"checkpoint {path} does not exist: pass a checkpoint file or directory")
             if _rank_and_size()[1] > 1:
-                _agree_on_step(path, None)  # the others may see the directory: they must hear of this rank
+                _agree_on_step(path, None, [])  # the others may see the directory: they must hear of this rank
             return None
         state, problem = _load_intact(path, map_location, weights_only)
         if problem is not None:
@@ -208,6 +221,8 @@ def load_checkpoint(
         return state
     found = find_checkpoints(path)
     rank, size = _rank_and_size()
+    if size == 1 and (owned := check_not_owned_by_another_job(path)) is not None:
+        raise ValueError(owned)
     skipped = []
     newest, state = None, None
     for candidate in reversed(found):
@@ -217,7 +232,7 @@ def load_checkpoint(
             break
         skipped.append(f"{candidate.name} ({problem})")
         log.warning("hpcddp rank %d: skipping damaged checkpoint %s: %s", rank, candidate, problem)
-    chosen = _agree_on_step(path, newest) if size > 1 else newest
+    chosen = _agree_on_step(path, newest, found) if size > 1 else newest
     if chosen is None:
         if skipped:
             raise ValueError(
@@ -239,31 +254,55 @@ def load_checkpoint(
     return state
 
 
-def _agree_on_step(directory: Path, newest: Path | None) -> Path | None:
-    """Every rank's newest intact checkpoint in ``directory`` -> the one all load (the oldest of them)."""
+def _step_of(path: Path) -> int:
+    return int(_NAME.fullmatch(path.name).group(1))
+
+
+def _agree_on_step(directory: Path, newest: Path | None, found: list[Path]) -> Path | None:
+    """The checkpoint every rank loads: the newest step that every rank lists and none found damaged.
+
+    Args:
+        directory: the checkpoint directory (as this rank names it).
+        newest: this rank's newest intact checkpoint, or None.
+        found: every checkpoint this rank lists.
+    """
     from .collectives import allgather_object
     from .stall import patient_collectives
 
-    mine = None if newest is None else int(_NAME.fullmatch(newest.name).group(1))
+    mine = None if newest is None else _step_of(newest)
+    owned = check_not_owned_by_another_job(directory) if directory.is_dir() else None
     with patient_collectives():  # reading and hashing large files takes as long as it takes
-        steps = allgather_object(mine)
-    if all(step is None for step in steps):
+        views = allgather_object((mine, [_step_of(p) for p in found], owned))
+    owned = next((problem for *_, problem in views if problem is not None), None)
+    if owned is not None:
+        raise ValueError(owned)
+    newest_steps = [step for step, *_ in views]
+    if all(step is None for step in newest_steps):
         return None
-    if any(step is None for step in steps):
-        blind = [r for r, step in enumerate(steps) if step is None]
+    seen = max(step for step in newest_steps if step is not None)
+    if any(step is None for step in newest_steps):
+        blind = [r for r, step in enumerate(newest_steps) if step is None]
         raise ValueError(
-            f"rank(s) {blind} find no intact checkpoint in {directory}, while rank {steps.index(max(s for s in steps if s is not None))} "
-            f"finds step {max(s for s in steps if s is not None)}: checkpoint_dir must be one directory shared by every "
-            "node (a shared filesystem), or remove the checkpoints to start afresh"
+            f"rank(s) {blind} find no intact checkpoint in {directory}, while rank {newest_steps.index(seen)} "
+            f"finds step {seen}: checkpoint_dir must be one directory shared by every node (a shared "
+            "filesystem), or remove the checkpoints to start afresh"
         )
-    if len(set(steps)) > 1 and _rank_and_size()[0] == 0:
+    everywhere = set.intersection(*(set(listed) for _, listed, _ in views))
+    candidates = [step for step in everywhere if step <= min(newest_steps)]
+    if not candidates:
+        raise ValueError(
+            f"the ranks find no checkpoint in {directory} that every rank has intact (newest intact per rank: "
+            f"{newest_steps}): checkpoint_dir must be one directory shared by every node"
+        )
+    chosen = max(candidates)
+    if len(set(newest_steps)) > 1 and _rank_and_size()[0] == 0:
         log.warning(
             "hpcddp: the ranks' newest intact checkpoints in %s are steps %s: every rank loads step %d",
             directory,
-            sorted(set(steps)),
-            min(steps),
+            sorted(set(newest_steps)),
+            chosen,
         )
-    return directory / _checkpoint_name(min(steps))
+    return directory / _checkpoint_name(chosen)
 
 
 def _raise_if_any_failed(chosen: Path, problem: str | None) -> None:

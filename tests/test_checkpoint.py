@@ -1,5 +1,6 @@
 """hpcddp.checkpoint in one process: atomic writes, keep_last, newest-complete selection, exact RNG round trip."""
 
+import json
 import os
 import random
 import subprocess
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 import hpcddp
-from hpcddp.checkpoint import find_checkpoints
+from hpcddp.checkpoint import check_checkpoint_dir, find_checkpoints
 
 
 class Unpicklable:
@@ -38,7 +39,7 @@ def test_an_exception_while_writing_leaves_no_file_behind(tmp_path):
     hpcddp.save_checkpoint(tmp_path, {"step": 1})
     with pytest.raises(RuntimeError, match="disk full"):
         hpcddp.save_checkpoint(tmp_path, {"step": 2, "bad": Unpicklable()})
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint-000001.pt"]
+    assert sorted(os.listdir(tmp_path)) == [".hpcddp-owner", "checkpoint-000001.pt"]  # the owner: this job
     assert hpcddp.load_checkpoint(tmp_path)["step"] == 1
 
 
@@ -178,6 +179,36 @@ def test_a_full_disk_names_the_checkpoint_and_keeps_the_older_one(tmp_path):
         with pytest.raises(OSError, match=r"No space left on device while writing checkpoint .*checkpoint-000002\.pt"):
             hpcddp.save_checkpoint(full, {"step": 2, "w": torch.ones(1_000_000)})
         assert hpcddp.load_checkpoint(full)["step"] == 1
-        assert [p.name for p in full.iterdir()] == ["checkpoint-000001.pt"]  # no temporary file left
+        assert sorted(p.name for p in full.iterdir()) == [".hpcddp-owner", "checkpoint-000001.pt"]  # no temporary
     finally:
         subprocess.run(["umount", str(full)], check=False)
+
+
+def test_a_directory_another_running_job_saves_into_is_refused_until_that_job_ends(tmp_path):
+    from hpcddp._checkpoint_owner import _start_time
+
+    other = subprocess.Popen(["sleep", "60"])  # rank 0 of the other job
+    try:
+        owner = {
+            "job": "mpi:other-job",
+            "host": os.uname().nodename,
+            "pid": other.pid,
+            "started": _start_time(other.pid),
+        }
+        (tmp_path / ".hpcddp-owner").write_text(json.dumps(owner))
+        expected = (
+            rf"checkpoint directory '{tmp_path}' belongs to another job \(mpi:other-job, rank 0 on .*pid {other.pid}\)"
+        )
+        with pytest.raises(RuntimeError, match=expected):
+            hpcddp.save_checkpoint(tmp_path, {"step": 2})
+        with pytest.raises(ValueError, match=expected):
+            hpcddp.load_checkpoint(tmp_path)
+        with pytest.raises(ValueError, match=expected):
+            check_checkpoint_dir(tmp_path)
+        assert find_checkpoints(tmp_path) == []  # nothing written
+    finally:
+        other.kill()
+        other.wait()
+    hpcddp.save_checkpoint(tmp_path, {"step": 2})  # that job ended: this one takes the directory over
+    assert hpcddp.load_checkpoint(tmp_path)["step"] == 2
+    assert json.loads((tmp_path / ".hpcddp-owner").read_text())["pid"] == os.getpid()

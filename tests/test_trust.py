@@ -72,7 +72,8 @@ def test_a_world_collective_longer_than_stall_timeout_after_a_subgroup_is_right(
     assert ABORTED not in out, out
 
 
-def test_a_point_to_point_deadlock_ends_the_job_at_once_naming_both_ranks(tmp_path):
+@pytest.mark.parametrize("check", ["1", "0"])  # "0": the allreduce waits in MPI, which busy-polls
+def test_a_point_to_point_deadlock_ends_the_job_at_once_naming_both_ranks(tmp_path, check):
     result, took = launch(
         tmp_path,
         """
@@ -86,7 +87,7 @@ def test_a_point_to_point_deadlock_ends_the_job_at_once_naming_both_ranks(tmp_pa
             dist.recv(t, 0)
         print("UNREACHABLE", flush=True)
         """,
-        env={"HPCDDP_STALL_TIMEOUT": "2"},
+        env={"HPCDDP_STALL_TIMEOUT": "2", "HPCDDP_CHECK_COLLECTIVES": check},
     )
     out = result.stdout
     assert result.returncode != 0 and "UNREACHABLE" not in out, out

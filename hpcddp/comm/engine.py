@@ -190,19 +190,27 @@ class Engine:
     def submit_callback(self, run: Callable[[], None]) -> EngineHandle:
         """Queue ``run`` (a future's callback) at this point of the order, not logged as an operation (rule 3)."""
         handle = EngineHandle(self, "callback", _CALLBACK)
-        return self._enqueue(_Operation(run, _CALLBACK, None, handle, None, logged=False), wake=True)
+        return self._enqueue(_Operation(run, _CALLBACK, None, handle, None, logged=False), wake=True, claim=True)
 
-    def _enqueue(self, op: _Operation, wake: bool) -> EngineHandle:
+    def _enqueue(self, op: _Operation, wake: bool, claim: bool = False) -> EngineHandle:
+        """Queue ``op``; run it at once on the runner (rule 3), or, with ``claim``, in this thread when idle."""
         me = threading.get_ident()
         with self._cond:
             self._check_open(op.desc.op)
             inline = self._runner == me
-            if not inline:
+            claimed = claim and not inline and self._runner is None and not self._items
+            if claimed:
+                self._runner = me  # nothing queued: here and now is the same point of the order
+            elif not inline:
                 self._items.append(op)
                 if wake and self._runner is None:
                     self._cond.notify()
-        if inline:  # rule 3
-            self._execute(op)
+        if inline or claimed:
+            try:
+                self._execute(op)
+            finally:
+                if claimed:
+                    self._release()
         return op.handle
 
     def run(self, name: str, body: Callable[[], Any], *, sig: Signature | None = None, shape=None, dtype=None):

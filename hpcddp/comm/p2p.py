@@ -36,6 +36,7 @@ __all__ = ["Message", "PointToPoint", "describe_tensors"]
 
 #: bytes per data message: MPI counts are 32-bit, so larger tensors travel as several messages
 CHUNK_BYTES = 1 << 30
+_FIRST_GAP_S, _LONGEST_GAP_S = 1e-3, 10e-3
 
 
 def describe_tensors(tensors) -> str:
@@ -159,6 +160,10 @@ class PointToPoint:
         self._sent = itertools.count()
         self._lock = threading.Lock()
         self._awaiting_header: dict[int, Message] = {}
+        # progress() backs off while no header arrives (1 ms doubling to 10 ms), so that
+        # many receives in flight cost a waiting rank little CPU; a new receive resets it.
+        self._next_scan = 0.0
+        self._scan_gap = 0.0
         #: called after a receive is posted (the engine's idle thread then tests it)
         self.on_pending = None
 
@@ -197,6 +202,7 @@ class PointToPoint:
         with self._lock:
             message._header = self.comm.irecv(source=self.MPI.ANY_SOURCE if source is None else source, tag=tag)
             self._awaiting_header[id(message)] = message
+            self._next_scan = self._scan_gap = 0.0
         if self.on_pending is not None:
             self.on_pending()
         return message
@@ -212,12 +218,16 @@ class PointToPoint:
 
     def progress(self) -> None:
         """Test the headers of receives in flight and post their data (from any waiting thread)."""
-        if not self._awaiting_header:
+        now = time.monotonic()
+        if not self._awaiting_header or now < self._next_scan:
             return
         with self._lock:
             waiting = list(self._awaiting_header.values())
         for message in waiting:
             message.try_poll()
+        arrived = len(self._awaiting_header) < len(waiting)
+        self._scan_gap = 0.0 if arrived else min(max(2 * self._scan_gap, _FIRST_GAP_S), _LONGEST_GAP_S)
+        self._next_scan = now + self._scan_gap
 
     def take_data(self, message: Message, header) -> None:
         """Post the rest of a receive once its header names the sender, what it sent and its data tag."""

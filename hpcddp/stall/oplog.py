@@ -120,6 +120,8 @@ class _Activity:
         self.lock = threading.Lock()
         self.progress = 0
         self.waits: dict[int, tuple[str | None, str, float]] = {}
+        #: thread ident -> how many of its waits are open (threads inside hpcddp)
+        self.inside: dict[int, int] = {}
         self._tokens = itertools.count()
 
 
@@ -138,16 +140,23 @@ def wait_begins(log: OperationLog | None, what: object) -> int:
     """Record that this thread blocks until ``what`` (an operation or message of ``log``) completes; return a token."""
     token = next(_activity._tokens)
     entry = (None if log is None else log.key, what, time.monotonic())
+    me = threading.get_ident()
     with _activity.lock:
         _activity.waits[token] = entry
+        _activity.inside[me] = _activity.inside.get(me, 0) + 1
         _activity.progress += 1
     return token
 
 
 def wait_ends(token: int) -> None:
     """Record that the wait of ``token`` is over."""
+    me = threading.get_ident()
     with _activity.lock:
         del _activity.waits[token]
+        if _activity.inside.get(me, 0) > 1:
+            _activity.inside[me] -= 1
+        else:
+            _activity.inside.pop(me, None)
         _activity.progress += 1
 
 
@@ -183,8 +192,8 @@ class OperationLog:
         self._recent: deque[tuple[int, Descriptor]] = deque(maxlen=history)
         # Several at once: nested operations (a callback's collective inside another's
         # completion), or gloo/nccl, whose operations overlap. The oldest is reported.
-        # seq -> (descriptor, since, blocking: a user's thread runs it and waits for it)
-        self._running: dict[int, tuple[Descriptor, float, bool]] = {}
+        # seq -> (descriptor, since, blocking: the ident of the user's thread that runs it and waits, else 0)
+        self._running: dict[int, tuple[Descriptor, float, int]] = {}
         self._p2p: dict[int, tuple[str, int, int, float]] = {}
         self._p2p_tokens = itertools.count(1)
 
@@ -200,7 +209,7 @@ class OperationLog:
             self.started += 1
             self.changes += 1
             seq = self.started
-            self._running[seq] = (pending, now, blocking)
+            self._running[seq] = (pending, now, threading.get_ident() if blocking else 0)
             self._recent.append((seq, pending))
             self._last_start = now
             if pending.step is not None:
@@ -253,6 +262,7 @@ class OperationLog:
                 "changes": self.changes,
                 "running": [(d._replace(seq=seq), age) for seq, d, age, _ in running],
                 "blocking": any(b for *_, b in running),
+                "blocking_threads": [b for *_, b in running if b],
                 "p2p": [(kind, peer, tag, now - t) for kind, peer, tag, t in self._p2p.values()],
                 "recent": [d._replace(seq=seq) for seq, d in self._recent],
                 "last_step": self.last_step,
@@ -311,7 +321,25 @@ def rank_status(rank: int) -> dict:
         "comms": comms,
         "waits": waits,
         "progress": progress,
-        # CPU seconds of the whole process: a thread that computes shows here (hpcddp.stall.verdict.stable)
-        "cpu": time.process_time(),
+        "cpu": _cpu_outside_hpcddp({t for c in comms.values() for t in c["blocking_threads"]}),
         "clock": now,
     }
+
+
+def _cpu_outside_hpcddp(blocking: set[int]) -> dict[int, float]:
+    """CPU seconds of each Python thread that is not inside hpcddp now (hpcddp.stall.verdict.stable).
+
+    Left out: hpcddp's own threads and threads waiting in hpcddp or running an
+    operation they wait for (MPI may busy-poll there: that is waiting, not computing).
+    """
+    with _activity.lock:
+        inside = blocking | _activity.inside.keys()
+    times = {}
+    for thread in threading.enumerate():
+        if thread.ident is None or thread.ident in inside or thread.name.startswith("hpcddp-"):
+            continue
+        try:
+            times[thread.ident] = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+        except (OSError, AttributeError):  # the thread ended meanwhile, or no per-thread clocks here
+            continue
+    return times

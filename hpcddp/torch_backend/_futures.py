@@ -10,7 +10,8 @@ shapes agree. ``OrderedFuture`` fixes the point instead: ``then`` and
 ``add_done_callback`` queue the callback on the communicator's engine where they are
 called, in program order, so it runs on the runner after the work and before anything
 submitted after the attaching call, on every rank alike (rule 3 of
-``hpcddp.comm.engine``). Its ``wait()`` on the runner runs the queue up to it, so a
+``hpcddp.comm.engine``). When nothing is queued (the usual case for a future that has
+completed) the callback runs at once in the attaching thread, as torch runs it. Its ``wait()`` on the runner runs the queue up to it, so a
 callback may wait for a work submitted later without waiting for itself.
 
 Callbacks that torch attaches in C++ (DDP's reducer) keep torch's behaviour: they run
@@ -55,7 +56,10 @@ class OrderedFuture(torch.futures.Future):
             try:
                 value = callback(self._settled())
             except Exception as err:  # noqa: BLE001 - delivered through the returned future
-                result.set_exception(err)
+                # torch hands a callback's error to the waiter as a RuntimeError
+                wrapped = RuntimeError(f"{type(err).__name__}: {err}")
+                wrapped.__cause__ = err
+                result.set_exception(wrapped)
             else:
                 result.set_result(value)
 

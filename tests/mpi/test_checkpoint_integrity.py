@@ -36,7 +36,7 @@ def test_unwritable_directory_fails_on_every_rank_at_start(tmp_path):
             pass
 
 
-def node_views(tmp_path, steps):
+def node_views(tmp_path, steps, torn=True):
     """One directory per rank, as each node would see a shared one: rank 1's newest file is torn."""
     directory = tmp_path / f"view-of-rank-{hpcddp.rank()}"
     directory.mkdir()
@@ -45,7 +45,7 @@ def node_views(tmp_path, steps):
         from hpcddp.checkpoint import _write_atomically
 
         _write_atomically(directory / f"checkpoint-{step:06d}.pt", {"step": step, "w": torch.full((4,), float(step))})
-    if hpcddp.rank() == 1:
+    if torn and hpcddp.rank() == 1:
         newest = directory / f"checkpoint-{max(steps):06d}.pt"
         newest.write_bytes(newest.read_bytes()[:-50])
     return directory
@@ -61,3 +61,9 @@ def test_a_rank_that_cannot_load_the_agreed_step_fails_on_every_rank(tmp_path):
     directory = node_views(tmp_path, [7])  # rank 1 has only the torn one
     with pytest.raises(ValueError, match=r"rank\(s\) \[1\] find no intact checkpoint"):
         hpcddp.load_checkpoint(directory)
+
+
+def test_ranks_that_list_different_steps_load_the_newest_every_rank_has(tmp_path):
+    steps = [10, 20] if hpcddp.rank() == 0 else [10, 15]  # e.g. a stale directory listing on one node
+    state = hpcddp.load_checkpoint(node_views(tmp_path, steps, torn=False))
+    assert hpcddp.allgather_object(state["step"]) == [10] * hpcddp.size()

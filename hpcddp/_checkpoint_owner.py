@@ -1,0 +1,132 @@
+"""One job per checkpoint directory: an owner file that names the job writing there.
+
+Two jobs that share a checkpoint directory delete each other's checkpoints
+(``keep_last``) and resume from each other's steps. Rank 0 of the job that saves into
+a directory therefore claims it with ``.hpcddp-owner`` (its job id, host, pid and the
+pid's start time), created exclusively. Another job finds the claim and stops with
+one line naming the owner, unless the owner is gone: the same job (a Slurm requeue
+keeps its job id), a process that no longer runs on this host, or a Slurm job that
+``squeue`` no longer lists. The claim is removed when the owner exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+
+__all__ = ["OWNER_FILE", "check_not_owned_by_another_job", "claim"]
+
+OWNER_FILE = ".hpcddp-owner"
+
+_claimed: set[Path] = set()
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[19]  # field 22: start time in clock ticks
+    except (OSError, IndexError):
+        return None
+
+
+def _job_id() -> str:
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm:{os.environ['SLURM_JOB_ID']}"
+    for name in ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "PMI_JOBID"):
+        if os.environ.get(name):
+            return f"mpi:{os.environ[name]}"
+    return f"process:{socket.gethostname()}:{os.getpid()}"
+
+
+def _me() -> dict:
+    pid = os.getpid()
+    return {"job": _job_id(), "host": socket.gethostname(), "pid": pid, "started": _start_time(pid)}
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _owner_is_gone(owner: dict) -> bool:
+    if owner.get("host") == socket.gethostname():
+        started = _start_time(int(owner.get("pid", -1)))
+        return started is None or started != owner.get("started")
+    job = str(owner.get("job", ""))
+    if job.startswith("slurm:"):
+        try:
+            listed = subprocess.run(
+                ["squeue", "-h", "-j", job.removeprefix("slurm:"), "-o", "%T"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return listed.returncode != 0 or not listed.stdout.strip()
+    return False
+
+
+def _problem(directory: Path, owner: dict) -> str:
+    path = directory / OWNER_FILE
+    return (
+        f"checkpoint directory {str(directory)!r} belongs to another job ({owner.get('job')}, rank 0 on "
+        f"{owner.get('host')}, pid {owner.get('pid')}): two jobs sharing one checkpoint directory delete and "
+        f"resume each other's checkpoints; give this job its own directory, or delete {path} if that job has ended"
+    )
+
+
+def check_not_owned_by_another_job(directory: Path) -> str | None:
+    """Return why this job must not use ``directory`` (another live job owns it), or None."""
+    owner = _read(directory / OWNER_FILE)
+    if owner is None or owner.get("job") == _job_id() or _owner_is_gone(owner):
+        return None
+    return _problem(directory, owner)
+
+
+def claim(directory: Path) -> None:
+    """Make this job the owner of ``directory`` (rank 0, before writing there).
+
+    Raises:
+        RuntimeError: another job that still runs owns it.
+    """
+    directory = Path(directory)
+    if directory in _claimed:
+        return
+    path = directory / OWNER_FILE
+    record = json.dumps(_me())
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        problem = check_not_owned_by_another_job(directory)
+        if problem is not None:
+            raise RuntimeError(problem) from None
+        # The owner is gone, or it was this job: take it over (a private temporary file, renamed).
+        fd, replacement = tempfile.mkstemp(prefix=f"{OWNER_FILE}.", suffix=".tmp", dir=directory)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(record)
+        os.chmod(replacement, 0o644)
+        os.replace(replacement, path)
+    else:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(record)
+    _claimed.add(directory)
+    if len(_claimed) == 1:
+        atexit.register(_release_all)
+
+
+def _release_all() -> None:
+    me = _me()
+    for directory in _claimed:
+        path = directory / OWNER_FILE
+        owner = _read(path)
+        if owner is not None and owner.get("pid") == me["pid"] and owner.get("host") == me["host"]:
+            path.unlink(missing_ok=True)
+    _claimed.clear()
