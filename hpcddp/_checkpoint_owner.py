@@ -6,32 +6,42 @@ a directory therefore claims it with ``.hpcddp-owner`` (its job id, host, pid an
 pid's start time), created exclusively. Another job finds the claim and stops with
 one line naming the owner, unless the owner is gone: the same job (a Slurm requeue
 keeps its job id), a process that no longer runs on this host, or a Slurm job that
-``squeue`` no longer lists. The claim is removed when the owner exits.
+``squeue`` no longer lists. An owner on another node outside Slurm cannot be
+checked: a warning names it and the job goes on (a job that died with a lost node
+must not lock its successor out). The claim is removed when the owner exits.
 """
 
 from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import socket
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 __all__ = ["OWNER_FILE", "check_not_owned_by_another_job", "claim"]
 
 OWNER_FILE = ".hpcddp-owner"
 
+log = logging.getLogger("hpcddp")
+
 _claimed: set[Path] = set()
 
 
 def _start_time(pid: int) -> str | None:
+    """The start time of a running process ``pid`` (to tell it from a later one with its pid), else None."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[19]  # field 22: start time in clock ticks
-    except (OSError, IndexError):
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
         return None
+    if len(fields) < 20 or fields[0] in ("Z", "X"):  # a killed process nobody has reaped yet is gone too
+        return None
+    return fields[19]  # field 22 of /proc/PID/stat: start time in clock ticks
 
 
 def _job_id() -> str:
@@ -57,8 +67,13 @@ def _read(path: Path) -> dict | None:
 
 def _owner_is_gone(owner: dict) -> bool:
     if owner.get("host") == socket.gethostname():
-        started = _start_time(int(owner.get("pid", -1)))
-        return started is None or started != owner.get("started")
+        # A job killed a moment ago may still be exiting: give it two seconds.
+        deadline = time.monotonic() + 2.0
+        while _start_time(int(owner.get("pid", -1))) == owner.get("started"):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
     job = str(owner.get("job", ""))
     if job.startswith("slurm:"):
         try:
@@ -69,9 +84,20 @@ def _owner_is_gone(owner: dict) -> bool:
                 timeout=10,
             )
         except (OSError, subprocess.TimeoutExpired):
-            return False
-        return listed.returncode != 0 or not listed.stdout.strip()
-    return False
+            listed = None
+        if listed is not None:
+            return listed.returncode != 0 or not listed.stdout.strip()
+    # Another node, and no scheduler to ask: a job that died there (a lost node) must not
+    # lock its successor out, so only warn.
+    log.warning(
+        "hpcddp: a checkpoint directory's owner file names job %s (rank 0 on %s, pid %s), which cannot be "
+        "checked from this node: this job goes on; two jobs sharing one checkpoint directory delete and resume "
+        "each other's checkpoints",
+        owner.get("job"),
+        owner.get("host"),
+        owner.get("pid"),
+    )
+    return True
 
 
 def _problem(directory: Path, owner: dict) -> str:
