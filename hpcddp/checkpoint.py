@@ -100,7 +100,8 @@ def save_checkpoint(
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
     target = Path(path_or_dir)
-    if target.suffix != ".pt":
+    directory_mode = target.suffix != ".pt"
+    if directory_mode:
         if step is None:
             step = state.get("step") if isinstance(state, dict) else None
         if not isinstance(step, int) or step < 0:
@@ -111,7 +112,8 @@ def save_checkpoint(
     if rank == 0:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            claim(target.parent)
+            if directory_mode:  # a named file leaves its directory to others
+                claim(target.parent)
             _write_atomically(target, state)
             if keep_last is not None:
                 for old in find_checkpoints(target.parent)[:-keep_last]:
@@ -221,8 +223,9 @@ def load_checkpoint(
         return state
     found = find_checkpoints(path)
     rank, size = _rank_and_size()
-    if size == 1 and (owned := check_not_owned_by_another_job(path)) is not None:
-        raise ValueError(owned)
+    if rank == 0 and (owned := check_not_owned_by_another_job(path)) is not None:
+        # Reading disturbs nobody (an evaluation beside training); saving here would be refused.
+        log.warning("hpcddp: loading from %s, which another job still writes: %s", path, owned)
     skipped = []
     newest, state = None, None
     for candidate in reversed(found):
@@ -270,13 +273,9 @@ def _agree_on_step(directory: Path, newest: Path | None, found: list[Path]) -> P
     from .stall import patient_collectives
 
     mine = None if newest is None else _step_of(newest)
-    owned = check_not_owned_by_another_job(directory) if directory.is_dir() else None
     with patient_collectives():  # reading and hashing large files takes as long as it takes
-        views = allgather_object((mine, [_step_of(p) for p in found], owned))
-    owned = next((problem for *_, problem in views if problem is not None), None)
-    if owned is not None:
-        raise ValueError(owned)
-    newest_steps = [step for step, *_ in views]
+        views = allgather_object((mine, [_step_of(p) for p in found]))
+    newest_steps = [step for step, _ in views]
     if all(step is None for step in newest_steps):
         return None
     seen = max(step for step in newest_steps if step is not None)
@@ -287,7 +286,7 @@ def _agree_on_step(directory: Path, newest: Path | None, found: list[Path]) -> P
             f"finds step {seen}: checkpoint_dir must be one directory shared by every node (a shared "
             "filesystem), or remove the checkpoints to start afresh"
         )
-    everywhere = set.intersection(*(set(listed) for _, listed, _ in views))
+    everywhere = set.intersection(*(set(listed) for _, listed in views))
     candidates = [step for step in everywhere if step <= min(newest_steps)]
     if not candidates:
         raise ValueError(

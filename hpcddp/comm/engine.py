@@ -211,6 +211,9 @@ class Engine:
             finally:
                 if claimed:
                     self._release()
+            stop = op.handle._error
+            if claimed and stop is not None and not isinstance(stop, Exception):
+                raise stop  # Ctrl-C or sys.exit() in a callback run here: this thread stops, as without hpcddp
         return op.handle
 
     def run(self, name: str, body: Callable[[], Any], *, sig: Signature | None = None, shape=None, dtype=None):

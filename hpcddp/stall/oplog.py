@@ -326,20 +326,23 @@ def rank_status(rank: int) -> dict:
     }
 
 
-def _cpu_outside_hpcddp(blocking: set[int]) -> dict[int, float]:
-    """CPU seconds of each Python thread that is not inside hpcddp now (hpcddp.stall.verdict.stable).
+def _cpu_outside_hpcddp(blocking: set[int]) -> float:
+    """CPU seconds this process spent outside hpcddp's waits (hpcddp.stall.verdict.stable).
 
-    Left out: hpcddp's own threads and threads waiting in hpcddp or running an
-    operation they wait for (MPI may busy-poll there: that is waiting, not computing).
+    The whole process (every thread, torch's intra-op threads and threads that ended
+    included) less the threads inside hpcddp now: hpcddp's own, and those waiting in
+    hpcddp or running an operation they wait for (MPI may busy-poll there: that is
+    waiting, not computing). Which threads are inside cannot change between two
+    snapshots with the same progress counter, so differences are exact.
     """
+    total = time.process_time()
     with _activity.lock:
         inside = blocking | _activity.inside.keys()
-    times = {}
     for thread in threading.enumerate():
-        if thread.ident is None or thread.ident in inside or thread.name.startswith("hpcddp-"):
+        if thread.ident is None or not (thread.ident in inside or thread.name.startswith("hpcddp-")):
             continue
         try:
-            times[thread.ident] = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+            total -= time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
         except (OSError, AttributeError):  # the thread ended meanwhile, or no per-thread clocks here
             continue
-    return times
+    return total

@@ -60,6 +60,9 @@ class OrderedFuture(torch.futures.Future):
                 wrapped = RuntimeError(f"{type(err).__name__}: {err}")
                 wrapped.__cause__ = err
                 result.set_exception(wrapped)
+            except BaseException as err:  # Ctrl-C, sys.exit: the future fails, and the attaching thread stops
+                result.set_exception(RuntimeError(f"the callback was stopped by {type(err).__name__}"))
+                raise
             else:
                 result.set_result(value)
 

@@ -148,13 +148,32 @@ def test_a_callback_may_wait_for_a_work_submitted_after_it():
     later, attached = {}, threading.Event()
 
     def wait_for_the_later_work(_future):
+        if threading.current_thread() is threading.main_thread() and not attached.is_set():
+            return None  # the work had finished and the queue was idle: it ran at once, in then()
         attached.wait(30)
         return later["work"].get_future().wait()
 
-    chained = dist.all_reduce(torch.ones(2), async_op=True).get_future().then(wait_for_the_later_work)
+    # 4 MB: still being reduced when the callback is attached (queued), almost always.
+    chained = dist.all_reduce(torch.ones(1 << 20), async_op=True).get_future().then(wait_for_the_later_work)
     later["work"] = dist.all_reduce(torch.full((2,), 2.0), async_op=True)
     attached.set()
-    assert chained.wait()[0].tolist() == [2.0 * size] * 2
+    result = chained.wait()
+    assert result is None or result[0].tolist() == [2.0 * size] * 2
+    later["work"].wait()
+
+
+def test_ctrl_c_in_a_callback_that_runs_at_once_stops_the_attaching_thread():
+    work = dist.all_reduce(torch.ones(2), async_op=True)
+    work.wait()
+    time.sleep(0.05)  # the queue is idle: then() runs the callback here and now, as torch does
+
+    def interrupted(_future):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        work.get_future().then(interrupted)
+    chained = work.get_future().then(lambda future: future.value()[0] * 2)
+    assert chained.done() and chained.wait().tolist() == [2.0 * dist.get_world_size()] * 2
 
 
 # ---- point-to-point messages complete by themselves ---------------------------------------------
