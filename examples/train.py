@@ -307,8 +307,9 @@ def main(argv=None) -> dict:
             if args.save_final and rank == 0:
                 torch.save(model.state_dict(), args.save_final)
         else:
-            requeued = preemption.requeue()
-            log.info("stopped at step %d%s", position.step, ", job requeued" if requeued else "")
+            # Said before the requeue: Slurm may end the job (and its output) the moment it is requeued.
+            log.info("stopped at step %d", position.step)
+            preemption.requeue()
         if args.json and rank == 0:
             with open(args.json, "w") as fh:
                 json.dump(metrics, fh, indent=2)
