@@ -74,8 +74,6 @@ log = logging.getLogger("hpcddp")
 
 _SPIN_S = 50e-6
 _LONGEST_SLEEP_S = 250e-6
-#: how often an idle communication thread tests receives in flight (rule 6)
-_IDLE_PROGRESS_S = 1e-3
 
 
 def wait_for_request(request, progress: Callable[[], None] | None = None) -> None:
@@ -132,7 +130,7 @@ class Engine:
         log: where operations are recorded (registered with the stall inspector by the caller).
         name: the communication thread is called ``hpcddp-<name>``.
         messages: the communicator's point-to-point layer (its ``progress()`` and
-            ``pending()``), moved on by every wait here (rule 6).
+            ``next_progress_in()``), moved on by every wait here (rule 6).
     """
 
     def __init__(self, comm, MPI, log: oplog.OperationLog, name: str = "mpi", messages=None) -> None:
@@ -258,8 +256,10 @@ class Engine:
                 while self._runner is not None or not self._items:
                     if self._closed and not self._items:
                         return
-                    if self._messages is not None and self._messages.pending():
-                        self._cond.wait(_IDLE_PROGRESS_S)
+                    # Receives in flight: wake when the point-to-point layer tests them next (rule 6).
+                    gap = None if self._messages is None else self._messages.next_progress_in()
+                    if gap is not None:
+                        self._cond.wait(gap)
                         self._cond.release()
                         try:
                             self._messages.progress()

@@ -212,9 +212,11 @@ class PointToPoint:
         with self._lock:
             self._awaiting_header.pop(id(message), None)
 
-    def pending(self) -> bool:
-        """True while a receive waits for its header."""
-        return bool(self._awaiting_header)
+    def next_progress_in(self) -> float | None:
+        """Seconds until ``progress`` tests headers again (0: now), or None when no receive waits for one."""
+        if not self._awaiting_header:
+            return None
+        return max(0.0, self._next_scan - time.monotonic())
 
     def progress(self) -> None:
         """Test the headers of receives in flight and post their data (from any waiting thread)."""

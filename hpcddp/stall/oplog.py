@@ -119,9 +119,8 @@ class _Activity:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.progress = 0
-        self.waits: dict[int, tuple[str | None, str, float]] = {}
-        #: thread ident -> how many of its waits are open (threads inside hpcddp)
-        self.inside: dict[int, int] = {}
+        #: token -> (communicator key, what, since, the waiting thread's ident)
+        self.waits: dict[int, tuple[str | None, object, float, int]] = {}
         self._tokens = itertools.count()
 
 
@@ -139,24 +138,17 @@ _KEEP_CLOSED = 1000
 def wait_begins(log: OperationLog | None, what: object) -> int:
     """Record that this thread blocks until ``what`` (an operation or message of ``log``) completes; return a token."""
     token = next(_activity._tokens)
-    entry = (None if log is None else log.key, what, time.monotonic())
-    me = threading.get_ident()
+    entry = (None if log is None else log.key, what, time.monotonic(), threading.get_ident())
     with _activity.lock:
         _activity.waits[token] = entry
-        _activity.inside[me] = _activity.inside.get(me, 0) + 1
         _activity.progress += 1
     return token
 
 
 def wait_ends(token: int) -> None:
     """Record that the wait of ``token`` is over."""
-    me = threading.get_ident()
     with _activity.lock:
         del _activity.waits[token]
-        if _activity.inside.get(me, 0) > 1:
-            _activity.inside[me] -= 1
-        else:
-            _activity.inside.pop(me, None)
         _activity.progress += 1
 
 
@@ -312,7 +304,7 @@ def rank_status(rank: int) -> dict:
     comms = {log.key: log.status() for log in logs()}
     now = time.monotonic()
     with _activity.lock:
-        waits = [(key, str(what), now - since) for key, what, since in _activity.waits.values()]
+        waits = [(key, str(what), now - since) for key, what, since, _ in _activity.waits.values()]
         progress = _activity.progress
     waits += [(key, str(c["running"][0][0]), c["running"][0][1]) for key, c in comms.items() if c["blocking"]]
     progress += closed + sum(c["changes"] for c in comms.values())
@@ -337,7 +329,7 @@ def _cpu_outside_hpcddp(blocking: set[int]) -> float:
     """
     total = time.process_time()
     with _activity.lock:
-        inside = blocking | _activity.inside.keys()
+        inside = blocking | {thread for *_, thread in _activity.waits.values()}
     for thread in threading.enumerate():
         if thread.ident is None or not (thread.ident in inside or thread.name.startswith("hpcddp-")):
             continue
