@@ -8,24 +8,10 @@ hpcddp.broadcast_parameters(model.state_dict(), root_rank=0)
 """
 
 from . import _requirements  # noqa: F401 - first: an old torch fails here, naming the fix
-from .averaging import PeriodicModelAverager
-from .bootstrap import (
-    backend,
-    communicator,
-    device,
-    init,
-    is_initialized,
-    local_rank,
-    local_size,
-    node_rank,
-    num_nodes,
-    rank,
-    shutdown,
-    size,
-)
-from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .checkpoint import TrainingProgress, load_checkpoint, restore_training_state, save_checkpoint, training_state
-from .collectives import (
+from .collectives.averaging import PeriodicModelAverager
+from .collectives.parameters import broadcast_optimizer_state, broadcast_parameters
+from .collectives.tensors import (
     allgather,
     allgather_async,
     allgather_object,
@@ -46,13 +32,27 @@ from .collectives import (
 )
 from .comm.agreement import CollectiveMismatchError
 from .comm.base import Handle, ReduceOp
-from .config import InitConfig
-from .join import join
-from .optimizer import DistributedOptimizer
-from .preemption import PreemptionHandler
+from .ddp.join import join
+from .ddp.optimizer import DistributedOptimizer
+from .fault.preemption import PreemptionHandler
+from .runtime.config import InitConfig
+from .runtime.lifecycle import init
+from .runtime.state import (
+    backend,
+    communicator,
+    device,
+    is_initialized,
+    local_rank,
+    local_size,
+    node_rank,
+    num_nodes,
+    rank,
+    shutdown,
+    size,
+)
 from .torch_backend.autoinit import enable as _route_mpi_backend_name
 
-_route_mpi_backend_name()  # init_process_group("mpi") calls hpcddp.init() when the script did not
+_route_mpi_backend_name(init)  # init_process_group("mpi") calls hpcddp.init() when the script did not
 
 __version__ = "0.1.0"
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from hpcddp.buckets import MB, assign_buckets, build_buckets
+from hpcddp.ddp.buckets import MB, assign_buckets, build_buckets
 
 
 def tensors(*sizes, dtype=torch.float32):

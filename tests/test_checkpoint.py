@@ -1,4 +1,4 @@
-"""hpcddp.checkpoint in one process: atomic writes, keep_last, newest-complete selection, exact RNG round trip."""
+"""hpcddp.checkpoint.store in one process: atomic writes, keep_last, newest-complete selection, exact RNG round trip."""
 
 import json
 import os
@@ -185,7 +185,7 @@ def test_a_full_disk_names_the_checkpoint_and_keeps_the_older_one(tmp_path):
 
 
 def test_a_directory_another_running_job_saves_into_is_refused_until_that_job_ends(tmp_path, caplog):
-    from hpcddp._checkpoint_owner import _start_time
+    from hpcddp.checkpoint.owner import _start_time
 
     other = subprocess.Popen(["sleep", "60"])  # rank 0 of the other job
     try:

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from hpcddp.cli import main
-from hpcddp.launch import LaunchConfig, build_launch_command
+from hpcddp.runtime.launch import LaunchConfig, build_launch_command
 
 from .conftest import ROOT
 
@@ -155,7 +155,7 @@ def test_signals_reach_every_rank():
 
 
 def test_ranks_that_never_finish_fail_the_job_even_when_the_launcher_says_0(tmp_path, monkeypatch, capsys):
-    from hpcddp.supervise import supervise
+    from hpcddp.fault.supervise import supervise
 
     # A launcher as Open MPI 5.0's mpirun after losing a node: both ranks started, rank 1
     # was killed (no finished mark), and it exits 0.

@@ -6,8 +6,8 @@ import torch
 from hpcddp.comm.agreement import Signature, agreement_vector, disagrees, mismatch_message, signature
 from hpcddp.comm.base import ReduceOp, even_splits, parse_op, splits_error
 from hpcddp.comm.local import LocalCommunicator
-from hpcddp.config import InitConfig
 from hpcddp.env.settings import read_settings
+from hpcddp.runtime.config import InitConfig
 
 
 def test_local_operations_are_the_identity_with_checked_arguments():

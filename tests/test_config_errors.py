@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import hpcddp
-from hpcddp import bootstrap
-from hpcddp.device import NodePeer, select_device, set_cpu_threads
 from hpcddp.env import RankLayout, detect_environment
 from hpcddp.env.mpi import check_launcher_agrees
 from hpcddp.env.settings import read_settings
+from hpcddp.runtime import state as bootstrap_state
+from hpcddp.runtime.device import NodePeer, select_device, set_cpu_threads
 from hpcddp.testing import run_mpi
 
 from .conftest import ROOT
@@ -29,7 +29,7 @@ def fresh(monkeypatch):
     for name in list(os.environ):
         if name.startswith(LAUNCHER_PREFIXES) or name in LAUNCHER_NAMES:
             monkeypatch.delenv(name)
-    monkeypatch.setattr(bootstrap, "_runtime", None)
+    monkeypatch.setattr(bootstrap_state, "_runtime", None)
     yield monkeypatch
     hpcddp.shutdown()
 
@@ -97,7 +97,7 @@ def peer(*gpus, cpus=(0,)):
 )
 def test_threads_split_a_shared_cpu_mask(monkeypatch, mask, peers, local_size, expected):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(sys.modules["hpcddp.device"], "usable_cpus", lambda: frozenset(mask))
+    monkeypatch.setattr(sys.modules["hpcddp.runtime.device"], "usable_cpus", lambda: frozenset(mask))
     monkeypatch.setattr("os.cpu_count", lambda: 4)
     before = torch.get_num_threads()
     layout = RankLayout(rank=0, world_size=local_size, local_rank=0, local_size=local_size, node_rank=0, num_nodes=1)
@@ -231,11 +231,11 @@ def test_stall_settings_from_environment_and_arguments(fresh):
         hpcddp.init(stall_action="ignore")
     fresh.setenv("HPCDDP_STALL_TIMEOUT", "7")
     hpcddp.init(stall_action="warn")
-    config = bootstrap._runtime.config
+    config = bootstrap_state._runtime.config
     assert (config.stall_timeout, config.stall_action) == (7.0, "warn")
     hpcddp.shutdown()
     hpcddp.init(stall_timeout=0)  # the argument wins over the environment
-    assert bootstrap._runtime.config.stall_timeout == 0
+    assert bootstrap_state._runtime.config.stall_timeout == 0
 
 
 def test_an_older_torch_than_the_tested_ones_fails_at_import_naming_the_fix():

@@ -227,7 +227,7 @@ def test_stall_inspector_off_costs_nothing_and_finishes(tmp_path):
         + """
     train(3)
     import threading
-    from hpcddp import stall
+    from hpcddp.fault import stall
     threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("hpcddp-"))
     print(f"rank {hpcddp.rank()} inspector={stall.current() is not None} threads={threads}", flush=True)
     """,

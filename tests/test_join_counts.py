@@ -12,7 +12,7 @@ import torch
 
 from hpcddp.comm.base import Handle, ReduceOp
 from hpcddp.comm.local import LocalCommunicator
-from hpcddp.reducer import Reducer
+from hpcddp.ddp.reducer import Reducer
 
 SIZE, ACTIVE = 300, 291
 

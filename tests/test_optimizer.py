@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from hpcddp.comm.base import Communicator, ReduceOp, completed
 from hpcddp.comm.local import LocalCommunicator
-from hpcddp.optimizer import DistributedOptimizer
+from hpcddp.ddp.optimizer import DistributedOptimizer
 
 
 class TwinRanks(Communicator):

@@ -79,8 +79,8 @@ def test_slurm_node_address_comes_from_scontrol_not_dns(monkeypatch):
 
 
 def test_exported_interface_follows_the_rendezvous_unless_the_user_set_one(monkeypatch, caplog):
-    from hpcddp.bootstrap import _export_rendezvous
     from hpcddp.env import Rendezvous
+    from hpcddp.runtime.bootstrap import _export_rendezvous
 
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)

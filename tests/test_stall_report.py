@@ -4,9 +4,11 @@ import threading
 
 import pytest
 
-from hpcddp.stall import Descriptor, OperationLog, collective_tag, explain_stall, oplog, patient_collectives
-from hpcddp.stall.report import exit_reason
-from hpcddp.stall.verdict import Exit, judge, stable
+from hpcddp.comm import oplog
+from hpcddp.comm.oplog import Descriptor, OperationLog, collective_tag, patient_collectives
+from hpcddp.fault.stall import explain_stall
+from hpcddp.fault.stall.report import exit_reason
+from hpcddp.fault.stall.verdict import Exit, judge, stable
 
 WORLD = "world"
 

@@ -132,7 +132,7 @@ def test_a_link_planted_at_the_old_temporary_name_is_never_followed(tmp_path):
 
 
 def test_timeline_must_be_a_path():
-    from hpcddp.config import InitConfig
+    from hpcddp.runtime.config import InitConfig
 
     with pytest.raises(ValueError, match="timeline must be a file path, got ''"):
         InitConfig(timeline="")

@@ -40,9 +40,10 @@ class _AfterTorchImport(importlib.abc.MetaPathFinder):
         def exec_then_enable(module):
             exec_module(module)
             try:
+                from hpcddp.runtime.lifecycle import init
                 from hpcddp.torch_backend.autoinit import enable
 
-                enable()
+                enable(init)
             except Exception as err:  # noqa: BLE001 - the script must still run as it would without hpcddp
                 print(f"hpcddp: init_process_group('mpi') not routed to hpcddp: {err}", file=sys.stderr)
 

@@ -20,7 +20,7 @@ def ensure_process_group():
     from ..comm.rendezvous import join_process_group
 
     backend = "nccl" if hpcddp.device().type == "cuda" else "gloo"
-    from ..bootstrap import launcher_comm
+    from ..runtime.state import launcher_comm
 
     join_process_group(
         backend, hpcddp.rank(), hpcddp.size(), timeout_s=600, device=hpcddp.device(), mpi_comm=launcher_comm()

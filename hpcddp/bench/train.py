@@ -88,7 +88,7 @@ def _make_step(variant: str, workload: Workload, hpcddp_options: dict) -> tuple[
         optimizer = hpcddp.DistributedOptimizer(_optimizer(model), model.named_parameters(), **options)
         runner = model
     elif variant == "local-sgd":
-        from ..averaging import PeriodicModelAverager
+        from ..collectives.averaging import PeriodicModelAverager
 
         hpcddp.broadcast_parameters(model.state_dict(), root_rank=0)
         optimizer = _AveragingOptimizer(_optimizer(model), model, PeriodicModelAverager(LOCAL_SGD_PERIOD))

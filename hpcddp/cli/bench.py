@@ -34,7 +34,7 @@ def _size(ctx, param, value):
 
 def _launcher_rank() -> int:
     """This process's rank as the launcher set it, before hpcddp.init() (0 when alone)."""
-    from .._abort import launcher_rank
+    from ..fault.abort import launcher_rank
 
     return launcher_rank() or 0
 

@@ -26,7 +26,7 @@ def info(as_json: bool) -> None:
     """
     import hpcddp
 
-    from ..diagnostics import (
+    from .diagnostics import (
         check_backends,
         describe_rank,
         gpu_facts,

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..stall import oplog
+from . import oplog
 from .agreement import agreement_vector, disagrees, mismatch_error, signature
 from .base import Handle, ReduceOp, alltoall_splits, as_splits, even_splits, splits_error
 

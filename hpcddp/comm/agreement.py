@@ -17,6 +17,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .base import ranks_text
+
 __all__ = [
     "CollectiveArgumentError",
     "CollectiveMismatchError",
@@ -140,10 +142,6 @@ def all_joined(reduced: Sequence[int]) -> bool:
     return len(reduced) > 4 and int(reduced[3]) == 1
 
 
-def _ranks(ranks: Sequence[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
 def mismatch_error(signatures: Sequence[Signature]) -> CollectiveMismatchError:
     """Return the exception every rank raises for these gathered signatures."""
     if any(s.error is not None for s in signatures):
@@ -161,7 +159,7 @@ def mismatch_message(all_signatures: Sequence[Signature]) -> str:
     signatures = [s for s in all_signatures if s.op != JOINED.op]
     if joined and signatures and len({s.compared() for s in signatures}) == 1 and not any(s.error for s in signatures):
         return (
-            f"{signatures[0].op} cannot run while {_ranks(joined)} {'has' if len(joined) == 1 else 'have'} joined "
+            f"{signatures[0].op} cannot run while {ranks_text(joined)} {'has' if len(joined) == 1 else 'have'} joined "
             "(hvd.join): only sum and average allreduces continue until every rank joins"
         )
     first = signatures[0]
@@ -176,8 +174,8 @@ def mismatch_message(all_signatures: Sequence[Signature]) -> str:
     if buckets and others:
         bucket, other = all_signatures[buckets[0]], all_signatures[others[0]]
         return (
-            f"{_ranks(buckets)} {'was' if len(buckets) == 1 else 'were'} reducing gradients ({bucket.name}: "
-            f"{_describe(bucket)}) while {_ranks(others)} called {_describe(other)}: {_ranks(others)} skipped a "
+            f"{ranks_text(buckets)} {'was' if len(buckets) == 1 else 'were'} reducing gradients ({bucket.name}: "
+            f"{_describe(bucket)}) while {ranks_text(others)} called {_describe(other)}: {ranks_text(others)} skipped a "
             "backward pass or called step() without one, or ran out of data; every rank must run the same number "
             "of backward passes (wrap uneven data in hpcddp.join(optimizer))"
         )
@@ -192,7 +190,7 @@ def mismatch_message(all_signatures: Sequence[Signature]) -> str:
                 "shape": "shape" if first.op not in _ROWS_MAY_DIFFER else "shape after the first dimension",
                 "step": "optimizer step",
             }.get(field, field.replace("_", " "))
-            parts = ", ".join(f"{_ranks(ranks)} {_show(value)}" for value, ranks in groups.items())
+            parts = ", ".join(f"{ranks_text(ranks)} {_show(value)}" for value, ranks in groups.items())
             differences.append(f"{label} differs ({parts})")
     return f"{what}: the ranks disagree: {'; '.join(differences)}; {_cause(ranked)}"
 
@@ -209,7 +207,7 @@ def _is_bucket(sig: Signature) -> bool:
 def _cause(ranked: list[tuple[int, Signature]]) -> str:
     steps = sorted({s.step for _, s in ranked if _is_bucket(s)})
     if len(steps) > 1:
-        ahead = _ranks([r for r, s in ranked if s.step == steps[-1]])
+        ahead = ranks_text([r for r, s in ranked if s.step == steps[-1]])
         return (
             f"{ahead} took a step without reducing gradients: it skipped a backward pass or called step() without "
             "one; every rank must run the same number of backward passes (wrap uneven data in hpcddp.join(optimizer))"

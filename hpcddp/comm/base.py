@@ -128,6 +128,12 @@ def completed(result: Any, name: str = "") -> Handle:
     return handle
 
 
+def ranks_text(ranks) -> str:
+    """Name ranks in messages: ``rank 3`` or ``ranks 0, 2`` (sorted)."""
+    ranks = sorted(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
 def split_ranks_error(ranks, size: int) -> str | None:
     """Return what is wrong with ``ranks`` as the members of a sub-communicator, or None."""
     values = list(ranks)

@@ -48,7 +48,7 @@ handing its operations to an ``Engine``; none makes its own MPI calls on a commu
    250 us): MPI's own polling would take the core a training thread shares with it.
 8. **Everything is visible.** The runner records every operation in the
    communicator's ``OperationLog``, the point-to-point layer every message, and every
-   blocking wait says what it waits for (``hpcddp.stall.oplog.waiting``): the stall
+   blocking wait says what it waits for (``hpcddp.comm.oplog.waiting``): the stall
    inspector judges from these alone, on its own communicator.
 """
 
@@ -63,7 +63,7 @@ from typing import Any
 
 import numpy as np
 
-from ..stall import oplog
+from . import oplog
 from ._mpi_buffers import explain_failure
 from .agreement import JOINED, Signature, agreement_vector, mismatch_error, some_joined
 from .base import Handle, ReduceOp

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._mpi import import_mpi, require_thread_multiple
-from ..stall import oplog
+from ..runtime.mpi_import import import_mpi, require_thread_multiple
+from . import oplog
 from ._mpi_buffers import (
     MPIOps,
     bytes_view,

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from ..stall import oplog
+from . import oplog
 from .agreement import CollectiveMismatchError
 from .base import Handle
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..env.network import describe_interfaces, list_interfaces, probe_tcp
+from .base import ranks_text
 
 __all__ = ["CONNECT_TIMEOUT_S", "connect_store", "join_process_group"]
 
@@ -130,7 +131,7 @@ def connect_store(
         failed = [r for r, e in enumerate(mpi_comm.allgather(error)) if e]
         if failed and error is None:
             error = (
-                f"rank {rank}: the rendezvous at {address}:{port} failed on {_ranks(failed)}; "
+                f"rank {rank}: the rendezvous at {address}:{port} failed on {ranks_text(failed)}; "
                 "their lines say why and what to change"
             )
     if error is not None:
@@ -148,7 +149,3 @@ def _unreachable(rank: int, address: str, port: int, waited: float, failure: str
         f"the nodes (this node has {describe_interfaces(list_interfaces())}), or MASTER_ADDR to an address of "
         "rank 0 that this node reaches"
     )
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))

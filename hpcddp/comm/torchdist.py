@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..stall import oplog
+from . import oplog
 from ._torchdist_ops import DIST_OPS, TorchDistOps, WorkHandle, explain_timeout
 from .base import Communicator, Handle, ReduceOp, completed, split_ranks_error
 
@@ -27,7 +27,7 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
 
     torch.distributed cannot say which rank is missing: the operations are recorded
     in an OperationLog, which the stall inspector reads over MPI when MPI started the
-    ranks (``hpcddp.stall``).
+    ranks (``hpcddp.fault.stall``).
 
     Args:
         backend: "gloo" or "nccl"; the process group must already be initialised.

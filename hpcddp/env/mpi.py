@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Mapping
 
-from .._mpi import import_mpi, mpi_launcher_present
+from ..runtime.mpi_import import import_mpi, mpi_launcher_present
 from .base import ClusterEnvironment, RankLayout, Rendezvous, read_int
 from .network import (
     choose_rendezvous_interface,

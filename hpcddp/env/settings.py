@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ..config import BACKENDS
+from ..runtime.config import BACKENDS
 from .base import read_value
 
 __all__ = ["RUN_STATUS_VARIABLE", "read_float", "read_settings", "run_status_dir"]
@@ -105,5 +105,5 @@ def read_settings(environ: Mapping[str, str]) -> dict[str, Any]:
 
 
 def run_status_dir(environ: Mapping[str, str]) -> str | None:
-    """Return the status directory ``hpcddp run`` gave this rank, or None (see ``hpcddp._run_status``)."""
+    """Return the status directory ``hpcddp run`` gave this rank, or None (see ``hpcddp.fault.run_status``)."""
     return environ.get(RUN_STATUS_VARIABLE) or None

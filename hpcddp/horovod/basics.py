@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import bootstrap
 from ..comm.base import ReduceOp
+from ..runtime import lifecycle, state
 
 __all__ = [
     "Adasum", "Average", "HorovodInternalError", "Max", "Min", "Product", "Sum", "ccl_built", "cross_rank",
@@ -44,7 +44,7 @@ def init(comm=None, process_sets=None) -> None:
             f"hpcddp.horovod.init supports only the global communicator, got comm={comm!r}: "
             "drop it and use process_sets= (hvd.add_process_set) for subsets of ranks"
         )
-    bootstrap.init()
+    lifecycle.init()
     _compute_cross()
     if process_sets not in (None, "dynamic"):
         from .process_sets import add_process_set
@@ -56,11 +56,11 @@ def init(comm=None, process_sets=None) -> None:
 def _compute_cross() -> tuple[int, int]:
     # Horovod's "cross" group: the ranks with this local rank, one per node that has it.
     global _cross
-    from ..collectives import allgather_object
+    from ..collectives.tensors import allgather_object
 
-    local_ranks = allgather_object(bootstrap.local_rank())
-    mine = [r for r, local in enumerate(local_ranks) if local == bootstrap.local_rank()]
-    _cross = (mine.index(bootstrap.rank()), len(mine))
+    local_ranks = allgather_object(state.local_rank())
+    mine = [r for r, local in enumerate(local_ranks) if local == state.local_rank()]
+    _cross = (mine.index(state.rank()), len(mine))
     return _cross
 
 
@@ -84,21 +84,21 @@ def shutdown() -> None:
     from .process_sets import forget_process_sets
 
     _cross = None
-    if bootstrap.is_initialized():
+    if state.is_initialized():
         forget_process_sets()
-    bootstrap.shutdown()
+    state.shutdown()
 
 
-is_initialized = bootstrap.is_initialized
-size = bootstrap.size
-rank = bootstrap.rank
-local_size = bootstrap.local_size
-local_rank = bootstrap.local_rank
+is_initialized = state.is_initialized
+size = state.size
+rank = state.rank
+local_size = state.local_size
+local_rank = state.local_rank
 
 
 def mpi_threads_supported() -> bool:
     """Return True when MPI runs with MPI_THREAD_MULTIPLE (hpcddp's communication thread needs it)."""
-    from .._mpi import import_mpi
+    from ..runtime.mpi_import import import_mpi
 
     MPI = import_mpi()
     return MPI.Query_thread() == MPI.THREAD_MULTIPLE
@@ -115,7 +115,7 @@ def mpi_built() -> bool:
 
 def mpi_enabled() -> bool:
     """Return True when collectives go through MPI."""
-    return bootstrap.backend() == "mpi"
+    return state.backend() == "mpi"
 
 
 def gloo_built() -> bool:
@@ -125,7 +125,7 @@ def gloo_built() -> bool:
 
 def gloo_enabled() -> bool:
     """Return True when collectives go through gloo."""
-    return bootstrap.backend() == "gloo"
+    return state.backend() == "gloo"
 
 
 def nccl_built() -> int:
@@ -160,17 +160,17 @@ def rocm_built() -> bool:
 
 
 def start_timeline(file_path, mark_cycles=False) -> None:
-    """Start recording hpcddp's timeline to ``file_path`` (see ``hpcddp.timeline``); collective.
+    """Start recording hpcddp's timeline to ``file_path`` (see ``hpcddp.observe.timeline``); collective.
 
     ``mark_cycles`` is accepted for Horovod's signature (hpcddp has no cycles).
     """
-    from ..timeline import start
+    from ..observe.timeline import start
 
     start(file_path)
 
 
 def stop_timeline() -> None:
     """Stop recording and write the timeline file (rank 0); collective."""
-    from ..timeline import stop
+    from ..observe.timeline import stop
 
     stop()

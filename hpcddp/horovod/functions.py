@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .. import bootstrap
+from ..runtime.state import device
 from .process_sets import communicator_of, global_process_set, set_rank
 from .vector_ops import broadcast_async_
 
@@ -71,7 +71,7 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=glob
         payload = buffer.getvalue()
     payload = broadcast_object(payload, root_rank, process_set=process_set)
     if comm.rank != set_rank(process_set, root_rank):
-        state = torch.load(io.BytesIO(payload), map_location=bootstrap.device(), weights_only=False)
+        state = torch.load(io.BytesIO(payload), map_location=device(), weights_only=False)
         optimizer.load_state_dict(state)
 
 

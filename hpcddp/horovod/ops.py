@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ..comm.base import Handle, ReduceOp, parse_op
-from ..stall import collective_tag
+from ..comm.oplog import collective_tag
 from .basics import Adasum, Average, Sum
 from .compression import Compression
 from .process_sets import communicator_of, global_process_set

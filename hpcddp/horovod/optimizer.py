@@ -9,10 +9,11 @@ import warnings
 import weakref
 from collections.abc import Iterator
 
-from .. import bootstrap, collectives
-from .._optimizer_args import check_backward_passes
-from ..join import shadow_until_all_joined, sync_from_last_joiner
-from ..optimizer import DistributedOptimizer as _HpcddpOptimizer
+from ..collectives import tensors as collectives
+from ..ddp.join import shadow_until_all_joined, sync_from_last_joiner
+from ..ddp.optimizer import DistributedOptimizer as _HpcddpOptimizer
+from ..ddp.optimizer_args import check_backward_passes
+from ..runtime import state
 from .basics import Average
 from .compression import OPTIMIZER_COMPRESSION, Compression
 from .ops import resolve_op
@@ -171,7 +172,7 @@ def join(device=-1) -> int:
         joined_at = optimizer.reducer.num_reductions
         shadow_until_all_joined(optimizer)
         return sync_from_last_joiner(optimizer.reducer, joined_at)
-    comm = bootstrap.communicator()
+    comm = state.communicator()
     try:
         return comm.join()
     except NotImplementedError:  # gloo/nccl: no stand-in for the others' collectives

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .. import bootstrap
 from ..comm.base import Communicator
+from ..runtime import state
 
 __all__ = [
     "ProcessSet", "add_process_set", "communicator_of", "global_process_set", "remove_process_set", "set_rank",
@@ -24,7 +24,7 @@ class ProcessSet:
 
     def __init__(self, ranks: Sequence[int] | object) -> None:
         if hasattr(ranks, "Get_group"):  # an mpi4py communicator: its members in COMM_WORLD numbering
-            from .._mpi import import_mpi
+            from ..runtime.mpi_import import import_mpi
 
             MPI = import_mpi()
             ranks = MPI.Group.Translate_ranks(
@@ -37,14 +37,14 @@ class ProcessSet:
 
     def _communicator(self) -> Communicator:
         if self is global_process_set:
-            return bootstrap.communicator()
+            return state.communicator()
         if self.process_set_id is None:
             raise ValueError(
                 f"process set {self.ranks} is not registered: call hvd.add_process_set on every rank first"
             )
         if self._comm is None:
             raise ValueError(
-                f"rank {bootstrap.rank()} is not in process set {self.ranks}: call collectives of a process set "
+                f"rank {state.rank()} is not in process set {self.ranks}: call collectives of a process set "
                 "only on its members"
             )
         return self._comm
@@ -52,20 +52,20 @@ class ProcessSet:
     def size(self) -> int | None:
         """Return the number of ranks in the set (None before ``init``)."""
         if self is global_process_set:
-            return bootstrap.size() if bootstrap.is_initialized() else None
+            return state.size() if state.is_initialized() else None
         return None if self.ranks is None else len(self.ranks)
 
     def rank(self) -> int | None:
         """Return this process's rank within the set, or None if it is not a member."""
         if self is global_process_set:
-            return bootstrap.rank() if bootstrap.is_initialized() else None
-        return self.ranks.index(bootstrap.rank()) if self.included() else None
+            return state.rank() if state.is_initialized() else None
+        return self.ranks.index(state.rank()) if self.included() else None
 
     def included(self) -> bool | None:
         """Return True if this process belongs to the set."""
         if self is global_process_set:
-            return bootstrap.is_initialized() or None
-        return bootstrap.rank() in self.ranks
+            return state.is_initialized() or None
+        return state.rank() in self.ranks
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, ProcessSet):
@@ -102,8 +102,8 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     for existing in _registered.values():
         if existing.ranks == process_set.ranks:
             raise ValueError(f"a process set with ranks {process_set.ranks} exists already ({existing!r})")
-    process_set._comm = bootstrap.communicator().split(process_set.ranks)
-    bootstrap.at_shutdown(forget_process_sets)
+    process_set._comm = state.communicator().split(process_set.ranks)
+    state.at_shutdown(forget_process_sets)
     process_set.process_set_id = _next_id
     _registered[_next_id] = process_set
     _next_id += 1
@@ -118,7 +118,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     """
     if process_set is global_process_set or _registered.get(process_set.process_set_id) is not process_set:
         return False
-    bootstrap.communicator().barrier()  # every rank removes it, none while others still use it
+    state.communicator().barrier()  # every rank removes it, none while others still use it
     del _registered[process_set.process_set_id]
     if process_set._comm is not None:
         process_set._comm.close()
@@ -130,7 +130,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 def communicator_of(process_set: ProcessSet | None) -> Communicator:
     """Return the communicator that runs ``process_set``'s collectives (the global one for None)."""
     if process_set is None:
-        return bootstrap.communicator()
+        return state.communicator()
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be a ProcessSet (hvd.add_process_set), got {type(process_set).__name__}")
     return process_set._communicator()
@@ -139,7 +139,7 @@ def communicator_of(process_set: ProcessSet | None) -> Communicator:
 def set_rank(process_set: ProcessSet | None, root_rank: int, argument: str = "root_rank") -> int:
     """Return the position in ``process_set`` of global rank ``root_rank`` (Horovod names roots globally)."""
     if process_set is None or process_set is global_process_set:
-        size = bootstrap.size()
+        size = state.size()
         if not 0 <= root_rank < size:
             raise ValueError(f"{argument} must be in [0, {size}), got {root_rank}")
         return root_rank

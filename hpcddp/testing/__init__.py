@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 
-from ..launch import mpirun_command
+from ..runtime.launch import mpirun_command
 
 __all__ = ["MPIRunResult", "run_mpi", "run_pytest_on_ranks"]
 

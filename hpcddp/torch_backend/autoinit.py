@@ -11,6 +11,7 @@ at ``import hpcddp`` and, for scripts that never import hpcddp, from the
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 from torch.distributed import distributed_c10d as c10d
 
@@ -28,8 +29,12 @@ def _names_mpi(backend) -> bool:
     return any(part.rpartition(":")[2] in _SERVED for part in parts)
 
 
-def enable() -> None:
-    """Make ``init_process_group`` with ``"mpi"`` or ``"hpcddp"`` call ``hpcddp.init()`` first (idempotent)."""
+def enable(init: Callable[[], None]) -> None:
+    """Make ``init_process_group`` with ``"mpi"`` or ``"hpcddp"`` call ``init`` first (idempotent).
+
+    Args:
+        init: ``hpcddp.init`` (passed in: the backend is one of the features ``init`` starts).
+    """
     if getattr(c10d.init_process_group, "__hpcddp_autoinit__", False):
         return
     original = c10d.init_process_group
@@ -37,13 +42,13 @@ def enable() -> None:
     @functools.wraps(original)
     def init_process_group(backend=None, *args, **kwargs):
         global _busy
-        from .. import bootstrap
+        from ..runtime import state
 
-        if _busy or bootstrap.is_initialized() or not _names_mpi(backend):
+        if _busy or state.is_initialized() or not _names_mpi(backend):
             return original(backend, *args, **kwargs)
         _busy = True
         try:
-            bootstrap.init()
+            init()
         finally:
             _busy = False
         # init() installed the backend and may have wrapped this function again: call what is there now.

@@ -45,31 +45,31 @@ def mpi_routed() -> bool:
 def _world_communicator():
     """hpcddp's MPI communicator when init() chose MPI, else one over the launcher's ranks."""
     global _world
-    from .. import bootstrap
     from ..comm.mpi import MPICommunicator
+    from ..runtime import state
 
-    comm = bootstrap.communicator()
+    comm = state.communicator()
     if isinstance(comm, MPICommunicator):
         return comm
     if _world is None:
-        mpi_comm = bootstrap.launcher_comm()
-        if mpi_comm is None and bootstrap.size() == 1:
-            from .._mpi import import_mpi
+        mpi_comm = state.launcher_comm()
+        if mpi_comm is None and state.size() == 1:
+            from ..runtime.mpi_import import import_mpi
 
             mpi_comm = import_mpi().COMM_WORLD  # a plain process: MPI's world of one
         if mpi_comm is None:
             raise RuntimeError(
                 f"torch.distributed backend {BACKEND_NAME!r} needs ranks started by an MPI launcher, but "
-                f"hpcddp.init() found {bootstrap.environment_name()}: launch with mpirun or srun --mpi=pmix, "
+                f"hpcddp.init() found {state.environment_name()}: launch with mpirun or srun --mpi=pmix, "
                 "or use backend='gloo'"
             )
-        _world = _own(bootstrap.new_mpi_communicator(mpi_comm))
+        _world = _own(state.new_mpi_communicator(mpi_comm))
     return _world
 
 
 def _own(comm):
     if not _owned:
-        from ..bootstrap import at_shutdown
+        from ..runtime.state import at_shutdown
 
         at_shutdown(_close)
     _owned.append(comm)
@@ -93,11 +93,11 @@ def new_group_over(global_ranks: list[int] | None, backend_name: str = BACKEND_N
     ranks = list(global_ranks)
     if world.rank not in ranks:
         return None
-    from .. import bootstrap
+    from ..runtime import state
 
     sub = world.create_group(ranks)
     try:
-        comm = _own(bootstrap.new_mpi_communicator(sub))
+        comm = _own(state.new_mpi_communicator(sub))
         comm.check_collectives = world.check_collectives
     finally:
         sub.Free()

@@ -11,8 +11,8 @@ def gloo():
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        from hpcddp.bootstrap import launcher_comm
         from hpcddp.comm.rendezvous import join_process_group
+        from hpcddp.runtime.state import launcher_comm
 
         join_process_group("gloo", hpcddp.rank(), hpcddp.size(), mpi_comm=launcher_comm())
     return dist

@@ -42,7 +42,7 @@ def node_views(tmp_path, steps, torn=True):
     directory.mkdir()
     for step in steps:
         torch.save({"step": step}, directory / "plain.pt")  # not a checkpoint name: ignored
-        from hpcddp.checkpoint import _write_atomically
+        from hpcddp.checkpoint.store import _write_atomically
 
         _write_atomically(directory / f"checkpoint-{step:06d}.pt", {"step": step, "w": torch.full((4,), float(step))})
     if torn and hpcddp.rank() == 1:

@@ -10,7 +10,7 @@ from hpcddp.comm.torchdist import TorchDistCommunicator
 @pytest.fixture(params=["mpi", "gloo"], autouse=True, scope="module")
 def backend(request, gloo):
     """Run every test here on hpcddp's mpi backend and on torch.distributed's gloo."""
-    runtime = hpcddp.bootstrap._runtime
+    runtime = hpcddp.runtime.state._runtime
     saved = runtime.comm
     if request.param == "gloo":
         runtime.comm = TorchDistCommunicator("gloo", torch.device("cpu"))

@@ -16,7 +16,7 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 @pytest.fixture(params=["mpi", "gloo"], autouse=True, scope="module")
 def comm(request, gloo):
     """Every test runs on hpcddp's mpi backend and on gloo; ``hpcddp.*`` uses the same one."""
-    runtime = hpcddp.bootstrap._runtime
+    runtime = hpcddp.runtime.state._runtime
     saved = runtime.comm
     if request.param == "gloo":
         runtime.comm = TorchDistCommunicator("gloo", torch.device("cpu"))

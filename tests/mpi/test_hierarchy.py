@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import hpcddp
-from hpcddp._mpi import import_mpi
 from hpcddp.comm.base import ReduceOp
 from hpcddp.comm.hierarchy import NodeHierarchy
 from hpcddp.comm.mpi import MPICommunicator
+from hpcddp.runtime.mpi_import import import_mpi
 
 
 def layouts(size):

@@ -255,7 +255,7 @@ def test_a_receive_of_the_wrong_shape_raises_and_leaves_the_tensor_alone():
 
 
 def test_new_and_destroyed_groups_leave_no_thread_or_communicator_behind():
-    from hpcddp.stall import oplog
+    from hpcddp.comm import oplog
 
     _, size = rank_size()
     ranks = [0, 1]

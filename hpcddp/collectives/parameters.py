@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from ._consistency import check_same_parameters
-from .bootstrap import communicator, device
+from ..ddp.consistency import check_same_parameters
+from ..runtime.state import communicator, device
 
 __all__ = ["broadcast_optimizer_state", "broadcast_parameters"]
 

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ._site import with_site_dir
+from .._site import with_site_dir
 
 __all__ = [
     "DAEMON_KEEPALIVE",

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .comm.base import Communicator, ReduceOp
+from ..comm.base import Communicator, ReduceOp
 
 __all__ = ["PeriodicModelAverager"]
 
@@ -51,7 +51,7 @@ class PeriodicModelAverager:
                 stacklevel=2,
             )
         if communicator is None:
-            from .bootstrap import communicator as current
+            from ..runtime.state import communicator as current
 
             communicator = current()
         self.period = period

@@ -75,7 +75,7 @@ class PreemptionHandler:
                 "PreemptionHandler must be entered on the main thread (Python runs signal handlers there)"
             )
         if self.checkpoint_dir is not None:
-            from .checkpoint import check_checkpoint_dir
+            from ..checkpoint.store import check_checkpoint_dir
 
             check_checkpoint_dir(self.checkpoint_dir)
         for signum in self.signals:
@@ -118,11 +118,11 @@ class PreemptionHandler:
         self._calls += 1
         if self._calls % self.check_every:
             return False
-        from .bootstrap import is_initialized, size
+        from ..runtime.state import is_initialized, size
 
         flag = torch.tensor([1.0 if self.received else 0.0])
         if is_initialized() and size() > 1:
-            from .collectives import allreduce
+            from ..collectives.tensors import allreduce
 
             flag = allreduce(flag, op="max")
         self._stop = bool(flag.item())
@@ -140,13 +140,13 @@ class PreemptionHandler:
         again with the same id. Collective: call it on every rank,
         after the checkpoint is saved, so that no rank exits before the request.
         """
-        from .bootstrap import is_initialized, rank, size
+        from ..runtime.state import is_initialized, rank, size
 
         requeued = False
         if not is_initialized() or rank() == 0:
             requeued = _scontrol_requeue(os.environ.get("SLURM_JOB_ID", ""))
         if is_initialized() and size() > 1:
-            from .collectives import broadcast_object
+            from ..collectives.tensors import broadcast_object
 
             requeued = broadcast_object(requeued, root_rank=0)
         self._requeued = requeued

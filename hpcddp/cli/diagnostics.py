@@ -50,7 +50,7 @@ def software_versions() -> dict[str, str]:
     """Return the versions of hpcddp, Python, torch, mpi4py and numpy (or why one is missing)."""
     import torch
 
-    from . import __version__
+    from .. import __version__
 
     versions = {"hpcddp": __version__, "python": platform.python_version(), "torch": torch.__version__}
     for module in ("mpi4py", "numpy"):
@@ -80,7 +80,7 @@ def mpi_facts() -> dict[str, str]:
     when mpi4py cannot be imported.
     """
     try:
-        from ._mpi import import_mpi
+        from ..runtime.mpi_import import import_mpi
 
         MPI = import_mpi()
     except ImportError as err:
@@ -102,7 +102,7 @@ def torch_backend_facts(mpi: dict[str, str]) -> dict[str, str]:
     Args:
         mpi: ``mpi_facts()``.
     """
-    from .torch_backend import mpi_routed
+    from ..torch_backend import mpi_routed
 
     if mpi["library"].startswith("not available"):
         return {"backend": "hpcddp: not available (needs mpi4py)"}
@@ -165,32 +165,33 @@ def try_backends(checks: list[BackendCheck]) -> None:
     COMM_WORLD, gloo and nccl through a torch.distributed group made for the test
     (at the MASTER_ADDR/MASTER_PORT that ``hpcddp.init()`` exported).
     """
-    from . import bootstrap
+    from ..runtime import state
 
     for check in checks:
         if not check.available:
             continue
         start = time.perf_counter()
         try:
-            value = _allreduce_ones(check.name, bootstrap.backend() == check.name)
+            value = _allreduce_ones(check.name, state.backend() == check.name)
         except Exception as err:  # noqa: BLE001 - reported, not raised: this is a diagnosis
             check.works, check.test = False, f"failed: {type(err).__name__}: {err}"
             continue
         elapsed = (time.perf_counter() - start) * 1e6
-        check.works = value == bootstrap.size()
-        verdict = "ok" if check.works else f"WRONG: got {value:g}, expected {bootstrap.size()}"
-        check.test = f"allreduce over {bootstrap.size()} rank(s) {verdict} ({elapsed:.0f} us)"
+        check.works = value == state.size()
+        verdict = "ok" if check.works else f"WRONG: got {value:g}, expected {state.size()}"
+        check.test = f"allreduce over {state.size()} rank(s) {verdict} ({elapsed:.0f} us)"
 
 
 def _allreduce_ones(backend: str, active: bool) -> float:
     import torch
 
-    from . import bootstrap, collectives
+    from ..collectives import tensors as collectives
+    from ..runtime import state
 
     if active:
-        return collectives.allreduce(torch.ones(4, device=bootstrap.device()), op="sum")[0].item()
+        return collectives.allreduce(torch.ones(4, device=state.device()), op="sum")[0].item()
     if backend == "mpi":
-        from ._mpi import import_mpi
+        from ..runtime.mpi_import import import_mpi
 
         return float(import_mpi().COMM_WORLD.allreduce(1.0))
     import torch.distributed as dist
@@ -199,11 +200,9 @@ def _allreduce_ones(backend: str, active: bool) -> float:
     group = dist.new_group(backend=backend) if dist.is_initialized() else None
     created = group is None
     if created:
-        from .comm.rendezvous import join_process_group
+        from ..comm.rendezvous import join_process_group
 
-        join_process_group(
-            backend, bootstrap.rank(), bootstrap.size(), device=device, mpi_comm=bootstrap.launcher_comm()
-        )
+        join_process_group(backend, state.rank(), state.size(), device=device, mpi_comm=state.launcher_comm())
     try:
         ones = torch.ones(4, device=device)
         dist.all_reduce(ones, group=group)
@@ -217,19 +216,19 @@ def describe_rank() -> dict[str, Any]:
     """Return where this initialised rank runs: rank, host, local rank, node, device, threads, CPUs."""
     import torch
 
-    from . import bootstrap
+    from ..runtime import state
 
     try:
         cpus = sorted(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cpus = []
     return {
-        "rank": bootstrap.rank(),
+        "rank": state.rank(),
         "host": socket.gethostname(),
-        "local_rank": bootstrap.local_rank(),
-        "node_rank": bootstrap.node_rank(),
-        "device": str(bootstrap.device()),
-        "backend": bootstrap.backend(),
+        "local_rank": state.local_rank(),
+        "node_rank": state.node_rank(),
+        "device": str(state.device()),
+        "backend": state.backend(),
         "threads": torch.get_num_threads(),
         "cpus": _ranges(cpus),
     }

@@ -11,11 +11,8 @@ One ``Reducer`` owns the reduction of a set of parameters, as DDP's C++ Reducer 
 - at the end of a reducing backward pass the rest is launched and waited for, so
   gradients are final when ``backward()`` returns, as with DDP (GradScaler.unscale_,
   gradient clipping and logging see the averaged gradients);
-- the last bucket carries a few control numbers along with the gradients: how many
-  ranks still have data (join), whether a rank saw a parameter become trainable,
-  and which ranks had a non-finite local gradient. No extra collective per step.
-  They travel in the bucket's dtype, so every number is a sum of at most 256 ones
-  (bf16 counts exactly to 256): ranks are counted in groups of 256.
+- the last bucket carries a few control numbers along with the gradients (join,
+  unfrozen parameters, non-finite gradients: ``control``), no extra collective per step.
 
 States of one reduction (changed only under ``_lock``: autograd may run the hooks of
 parameters on different devices on its device threads at once):
@@ -46,61 +43,24 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.autograd import Variable
 
-from . import timeline
-from ._autograd import queue_on_outer_backward
-from ._consistency import check_same_parameters
-from ._trainable import average_loose_grads, watch_frozen
-from .buckets import MB, Bucket, adopt_grad, build_buckets, drop_unused_grads, probe_nonfinite
-from .comm.base import Communicator, Handle, ReduceOp
-from .stall import collective_tag
+from ..comm.base import Communicator, Handle, ReduceOp
+from ..comm.oplog import collective_tag
+from ..observe import timeline
+from .autograd_hooks import at_end_of_backward
+from .buckets import Bucket, adopt_grad, build_buckets, drop_unused_grads, probe_nonfinite
+from .consistency import check_same_parameters
+from .control import ControlNumbers
+from .slots import GradSlot, fill_bucket, reset_bucket_grads
+from .timing import ReductionTimes
+from .trainable import average_loose_grads, require_trainable, watch_frozen
 
 __all__ = ["ReductionTimes", "Reducer"]
 
 log = logging.getLogger("hpcddp")
-
-# Control numbers at the end of the last bucket (summed over ranks like the gradients):
-# whether a parameter became trainable, then the ranks with data per group of 256 ranks,
-# then one non-finite flag per rank.
-_CHANGED, _ACTIVE = 0, 1
-#: ranks counted in one control number: sums of ones stay exact in bf16 up to 256
-_RANKS_PER_COUNT = 256
-
-
-@dataclass
-class _Slot:
-    """Where one parameter's gradient lives, and what this reduction knows about it."""
-
-    bucket: int
-    view: torch.Tensor
-    name: str
-    #: got a gradient on this rank since the last reduction
-    used: bool = False
-    #: the view holds gradient / predivide (written so by the hook), not a raw sum
-    scaled: bool = False
-    #: the backward pass ``count`` belongs to, and the accumulations seen in it
-    pass_id: int = -1
-    count: int = 0
-    #: accumulations per backward pass, learned (a weight used outside and inside a
-    #: reentrant torch.utils.checkpoint accumulates twice)
-    expected: int = 1
-
-
-@dataclass
-class ReductionTimes:
-    """perf_counter timestamps of the last reduction, for overlap checks and timelines."""
-
-    backward_start: float = 0.0
-    backward_end: float = 0.0
-    bucket_launch: list[float] = field(default_factory=list)
-    #: when each bucket's buffer went to the backend (after predivide and compression)
-    bucket_submit: list[float] = field(default_factory=list)
-    bucket_done: list[float] = field(default_factory=list)
 
 
 class Reducer:
@@ -118,7 +78,7 @@ class Reducer:
         predivide: gradients are divided by this before the sum and the sum
             multiplied by ``predivide / size`` after it (op AVERAGE).
         backward_passes_per_step: reduce once every this many backward passes.
-        record_timeline: record bucket reductions in ``hpcddp.timeline``.
+        record_timeline: record bucket reductions in ``hpcddp.observe.timeline``.
     """
 
     def __init__(
@@ -171,19 +131,14 @@ class Reducer:
         self._handles: list[Handle] = []
         self._hooks: list[Any] = []
         self._buckets: list[Bucket] = []
-        self._slots: dict[int, _Slot] = {}
-        self._bucket_slots: list[list[_Slot]] = []
+        self._slots: dict[int, GradSlot] = {}
+        self._bucket_slots: list[list[GradSlot]] = []
+        self._control = ControlNumbers(comm.rank, comm.size)
         self._pending: list[int] = []
         self._next_launch = 0
         self._local_sums: list[torch.Tensor] = []
         if comm.size > 1:
-            trainable = self._trainable()
-            if not trainable:
-                # Unfreezing is noticed through the buckets' control numbers: some must exist.
-                raise ValueError(
-                    f"none of the {len(self.named)} parameters requires grad: set requires_grad=True on those "
-                    "to train before building the DistributedOptimizer"
-                )
+            trainable = require_trainable(self.named)
             check_same_parameters(comm, trainable, "DistributedOptimizer")
             self._build(trainable)
 
@@ -224,7 +179,7 @@ class Reducer:
         """
         if not self._buckets:
             return
-        if self._pass_open:  # a pass whose end autograd never reported (see _close_pass)
+        if self._pass_open:  # a pass whose end autograd never reported (see autograd_hooks.at_end_of_backward)
             self._end_pass()
         started = time.perf_counter()
         if not self._handles and (force or self._passes_since_reduce > 0):
@@ -251,14 +206,7 @@ class Reducer:
             slot.used = False
             slot.scaled = False
         for bucket in self._buckets:
-            if set_to_none:
-                for param in bucket.params:
-                    param.grad = None
-                continue
-            bucket.grads.zero_()
-            for param, view in zip(bucket.params, bucket.views):
-                if param.grad is not view:
-                    param.grad = view
+            reset_bucket_grads(bucket, set_to_none)
         self._passes_since_reduce = 0
 
     def close(self) -> None:
@@ -280,16 +228,14 @@ class Reducer:
         """Make buckets for ``trainable`` and hook every parameter, watching the frozen ones."""
         self.close()
         cap, first, wire_dtype = self._bucket_args
-        self._nonfinite_at = _ACTIVE + -(-self.comm.size // _RANKS_PER_COUNT)
-        control_size = self._nonfinite_at + self.comm.size
-        self._buckets = build_buckets([p for _, p in trainable], cap, first, wire_dtype, control_size)
+        self._buckets = build_buckets([p for _, p in trainable], cap, first, wire_dtype, self._control.size)
         names = {id(p): name for name, p in trainable}
         self._slots = {}
         self._bucket_slots = []
         for bucket in self._buckets:
             slots = []
             for param, view in zip(bucket.params, bucket.views):
-                slot = _Slot(bucket=bucket.index, view=view, name=names[id(param)])
+                slot = GradSlot(bucket=bucket.index, view=view, name=names[id(param)])
                 self._slots[id(param)] = slot
                 slots.append(slot)
                 if param.grad is not None:  # None stays None: DDP's mark of an unused parameter
@@ -313,40 +259,15 @@ class Reducer:
         if not self._pass_open:
             self._open_pass()
         slot = self._slots[id(param)]
-        if slot.pass_id != self._pass_id:
-            slot.pass_id, slot.count = self._pass_id, 0
-        slot.count += 1
-        slot.used = True
-        if self._learning:
-            slot.expected = max(slot.expected, slot.count)
-        if not self._pass_reduces:
-            adopt_grad(param, slot.view)  # accumulate locally, in the bucket
-            return
-        if slot.bucket < self._next_launch or (slot.count > slot.expected and slot.scaled):
-            raise RuntimeError(
-                f"parameter {slot.name!r} received gradient #{slot.count} of one backward pass, more than the "
-                f"{slot.expected} of the first pass, after its share was reduced or scaled: its gradient "
-                "would be wrong. A parameter used more often in one backward pass than in the first (reentrant "
-                "torch.utils.checkpoint, a layer reused a varying number of times) cannot be reduced while "
-                "backward runs: use torch.utils.checkpoint(..., use_reentrant=False), or use it equally often "
-                "in every pass"
-            )
-        if slot.count > slot.expected:  # a raw sum in a bucket not yet sent: still right
-            slot.expected = slot.count
-        grad = param.grad
-        if grad is not slot.view and grad.is_sparse:  # nn.Embedding(sparse=True): reduced dense
-            grad = grad.to_dense()
-        if grad is not slot.view:
-            if self._learning or slot.expected > 1 or self._op is not ReduceOp.AVERAGE:
-                # Several accumulations may land in the view: keep it a raw sum, divided at launch.
-                adopt_grad(param, slot.view)
-            else:
-                # A fresh gradient: divide it on its way into the bucket, which spares
-                # a separate pass over the buffer at launch.
-                torch.div(grad, self._predivide, out=slot.view)
-                param.grad = slot.view
-                slot.scaled = True
-        if self._learning:
+        slot.land(
+            param,
+            self._pass_id,
+            learning=self._learning,
+            reduces=self._pass_reduces,
+            launched=slot.bucket < self._next_launch,
+            divide_by=self._predivide if self._op is ReduceOp.AVERAGE else None,
+        )
+        if not self._pass_reduces or self._learning:
             return
         if slot.count == slot.expected:
             self._pending[slot.bucket] -= 1
@@ -369,34 +290,18 @@ class Reducer:
         self._pass_id += 1
         self._pass_reduces = self._sync and self._passes_since_reduce + 1 >= self.backward_passes_per_step
         self.times.backward_start = time.perf_counter()
-        Variable._execution_engine.queue_callback(self._close_pass)
-
-    def _close_pass(self) -> None:
-        node = torch._C._current_autograd_node()
-        if node is not None:
-            # The pass opened inside a reentrant backward (torch.utils.checkpoint with
-            # use_reentrant=True), whose end is not the end of the outer backward:
-            # close when the outer one ends instead.
-            pass_id = self._pass_id
-            if not queue_on_outer_backward(
-                node, self._close_pass, lambda: self._pass_open and self._pass_id == pass_id
-            ):
-                self._end_pass()
-            return
-        self._end_pass()
+        pass_id = self._pass_id
+        at_end_of_backward(self._end_pass, lambda: self._pass_open and self._pass_id == pass_id)
 
     def _end_pass(self) -> None:
         with self._lock:
-            self._end_pass_locked()
-
-    def _end_pass_locked(self) -> None:
-        self._pass_open = False
-        self._passes_since_reduce += 1
-        self._learning = False
-        self.times.backward_end = time.perf_counter()
-        if self._pass_reduces:
-            self._launch_all()
-            self._finish(self.times.backward_end)
+            self._pass_open = False
+            self._passes_since_reduce += 1
+            self._learning = False
+            self.times.backward_end = time.perf_counter()
+            if self._pass_reduces:
+                self._launch_all()
+                self._finish(self.times.backward_end)
 
     # -- launching -----------------------------------------------------------------------------
     def _launch_ready(self) -> None:
@@ -415,39 +320,15 @@ class Reducer:
 
     def _launch(self, bucket: Bucket) -> None:
         index = bucket.index
-        if index == 0 or len(self.times.bucket_launch) != len(self._buckets):
-            self.times.bucket_launch = [0.0] * len(self._buckets)
-            self.times.bucket_submit = [0.0] * len(self._buckets)
-            self.times.bucket_done = [0.0] * len(self._buckets)
-        self.times.bucket_launch[index] = time.perf_counter()
-        used, unscaled = [], []
-        for param, slot in zip(bucket.params, self._bucket_slots[index]):
-            if not slot.scaled:
-                adopt_grad(param, slot.view)
-                unscaled.append(slot.view)
-            used.append(slot.used)
-        if self._op is ReduceOp.AVERAGE and self._predivide != 1.0 and unscaled:
-            # Divide before summing, as DDP does: it keeps fp16 sums in range.
-            if len(unscaled) == len(bucket.views):
-                bucket.grads.div_(self._predivide)
-            else:
-                for view in unscaled:
-                    view.div_(self._predivide)
-        bucket.used.copy_(torch.tensor(used, dtype=bucket.used.dtype))
+        self.times.launched(index, len(self._buckets))
+        fill_bucket(bucket, self._bucket_slots[index], self._predivide if self._op is ReduceOp.AVERAGE else None)
         self._local_sums[index] = probe_nonfinite(bucket.grads)
         if bucket.control is not None:
-            self._write_control(bucket.control)
+            self._control.write(bucket.control, self.has_data, self._saw_new_trainable, self._local_sums)
         payload = bucket.buffer if bucket.wire is None else bucket.wire.copy_(bucket.buffer)
         with collective_tag(f"bucket {index} of step {self.steps_taken}", self.steps_taken):
             self.times.bucket_submit[index] = time.perf_counter()
             self._handles.append(self.comm.allreduce_async_(payload, ReduceOp.SUM))
-
-    def _write_control(self, control: torch.Tensor) -> None:
-        control.zero_()
-        control[_ACTIVE + self.comm.rank // _RANKS_PER_COUNT] = 1.0 if self.has_data else 0.0
-        control[_CHANGED] = 1.0 if self._saw_new_trainable else 0.0
-        sums = torch.stack([s.to(control.device) for s in self._local_sums])
-        control[self._nonfinite_at + self.comm.rank] = torch.isfinite(sums).all().logical_not()
 
     # -- finishing ------------------------------------------------------------------------------
     def _finish(self, started: float) -> None:
@@ -462,28 +343,15 @@ class Reducer:
             copy_out_start = time.perf_counter()
             if bucket.wire is not None:
                 bucket.buffer.copy_(bucket.wire)
-            # When the backend finished it, not when we looked: that shows the overlap.
-            self.times.bucket_done[bucket.index] = handle.completed_at or copy_out_start
-            if recorder is not None:
-                recorder.bucket_reduction(
-                    bucket.index,
-                    self.times.bucket_launch[bucket.index],
-                    self.times.bucket_submit[bucket.index],
-                    handle,
-                    (copy_out_start, time.perf_counter()),
-                    step=self.num_reductions,
-                    mib=round(bucket.nbytes / MB, 3),
-                )
-        control = self._buckets[-1].control.tolist()
-        self.active_ranks = sum(round(count) for count in control[_ACTIVE : self._nonfinite_at])
-        self.nonfinite_ranks = [r for r, flag in enumerate(control[self._nonfinite_at :]) if flag]
+            self.times.done(bucket, handle, copy_out_start, recorder, self.num_reductions)
+        changed, self.active_ranks, self.nonfinite_ranks = self._control.read(self._buckets[-1].control)
         self._postscale()
         if self.set_to_none and not self.zero_unused:
             for bucket in self._buckets:
                 drop_unused_grads(bucket)
         self.num_reductions += 1
         self._reset_reduction()
-        if control[_CHANGED]:
+        if changed:
             self._adopt_new_trainable()
         if recorder is not None:
             recorder.span("synchronize", started, time.perf_counter())

@@ -4,7 +4,7 @@ Every communicator keeps an ``OperationLog``: the operations it has started, in 
 order every member rank must share (numbered from 1), the one(s) running, and the
 point-to-point messages in flight. Threads that block in hpcddp (a ``wait()``, a
 blocking collective) say so with ``waiting``. Nothing here sends anything: the
-inspector reads ``rank_status()`` when it needs to (see ``hpcddp.stall.inspector``).
+inspector reads ``rank_status()`` when it needs to (see ``hpcddp.fault.stall.inspector``).
 Recording is a few dictionary operations under a lock per event, on the hot path.
 """
 
@@ -319,7 +319,7 @@ def rank_status(rank: int) -> dict:
 
 
 def _cpu_outside_hpcddp(blocking: set[int]) -> float:
-    """CPU seconds this process spent outside hpcddp's waits (hpcddp.stall.verdict.stable).
+    """CPU seconds this process spent outside hpcddp's waits (hpcddp.fault.stall.verdict.stable).
 
     The whole process (every thread, torch's intra-op threads and threads that ended
     included) less the threads inside hpcddp now: hpcddp's own, and those waiting in

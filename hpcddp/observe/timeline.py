@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ._atomic import probe_writable, write_atomically
+from ..checkpoint.atomic import probe_writable, write_atomically
 
 __all__ = ["TRAINING_TRACK", "Timeline", "bucket_track", "current", "start", "stop"]
 
@@ -242,11 +242,11 @@ def start(path: str | os.PathLike) -> Timeline:
         path: where rank 0 writes the trace when ``stop()`` or ``hpcddp.shutdown()`` runs.
     """
     global _recorder
-    from . import bootstrap
+    from ..runtime import state
 
     if _recorder is not None:
         raise RuntimeError(f"a timeline is already being recorded to {_recorder.path}: stop() it first")
-    comm = bootstrap.communicator()
+    comm = state.communicator()
     problem = probe_writable(Path(path).parent) if comm.rank == 0 else None
     if comm.size > 1:
         problem = comm.broadcast_object(problem, 0)
@@ -260,17 +260,17 @@ def start(path: str | os.PathLike) -> Timeline:
     recorder.install_module_hooks()
     _recorder = recorder
     # Written at shutdown, or at exit for scripts that never call it.
-    bootstrap.at_shutdown(stop)
+    state.at_shutdown(stop)
     return recorder
 
 
 def stop() -> Path | None:
     """Stop recording and write the trace on rank 0 (returns its path there); collective."""
     global _recorder
-    from . import bootstrap
+    from ..runtime import state
 
     recorder, _recorder = _recorder, None
     if recorder is None:
         return None
     recorder.remove_module_hooks()
-    return recorder.write(bootstrap.communicator())
+    return recorder.write(state.communicator())

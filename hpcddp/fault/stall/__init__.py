@@ -1,6 +1,7 @@
 """The stall inspector: name the ranks that keep the others waiting, and end a job that cannot go on.
 
-- ``oplog``: what each communicator on this rank is doing (recorded by every road to MPI);
+- ``hpcddp.comm.oplog`` (not here: the communicators write it): what each communicator on
+  this rank is doing;
 - ``verdict``: lost, exited, deadlocked or slow, judged from every rank's status;
 - ``report``: the message naming the operation, the missing ranks and the likely cause;
 - ``inspector``: the thread on each rank, and rank 0's questions to the others.
@@ -11,22 +12,14 @@ One inspector runs per process, over every communicator hpcddp made (``start``).
 from __future__ import annotations
 
 from .inspector import StallInspector
-from .oplog import Descriptor, OperationLog, collective_tag, describe, patient_collectives, register, unregister
 from .report import explain_stall
 
 __all__ = [
-    "Descriptor",
-    "OperationLog",
     "StallInspector",
-    "collective_tag",
     "current",
-    "describe",
     "explain_stall",
     "leave",
-    "patient_collectives",
-    "register",
     "start",
-    "unregister",
 ]
 
 _inspector: StallInspector | None = None

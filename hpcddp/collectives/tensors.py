@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from .bootstrap import communicator
-from .comm.base import Handle, ReduceOp, parse_op
+from ..comm.base import Handle, ReduceOp, parse_op
+from ..runtime.state import communicator
 
 # Every collective here is checked first: the ranks compare shapes, dtypes, roots and
 # ops (one small message) and raise CollectiveMismatchError alike when they differ

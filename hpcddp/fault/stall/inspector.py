@@ -28,7 +28,7 @@ import socket
 import threading
 import time
 
-from . import oplog
+from ...comm import oplog
 from .report import exit_reason, explain_stall
 from .verdict import Exit, judge, stable, stuck_operations
 
@@ -55,7 +55,7 @@ class StallInspector:
     ANSWER_WITHIN_S = 10.0
 
     def __init__(self, comm, timeout: float, action: str, abort_after: float = 0) -> None:
-        from .._mpi import import_mpi
+        from ...runtime.mpi_import import import_mpi
 
         self._MPI = import_mpi()
         self._comm = comm.Dup()
@@ -198,7 +198,7 @@ class StallInspector:
         first = self._gather()
         verdict = judge(first, self._exits)
         if verdict == "deadlock":
-            # Certain only if nothing changed meanwhile: see hpcddp.stall.verdict.
+            # Certain only if nothing changed meanwhile: see hpcddp.fault.stall.verdict.
             if self._stop.wait(self._interval):
                 return
             second = self._gather()
@@ -266,7 +266,7 @@ class StallInspector:
     def _report(self, report: str, reason: str | None, code: int = 1) -> None:
         """Abort for ``reason`` (with stall_action="abort"), else warn at most once per ``timeout``."""
         if reason is not None and self.action == "abort":
-            from .._abort import abort_job
+            from ..abort import abort_job
 
             abort_job(f"{report}\n[hpcddp stall inspector] aborting the job: {reason}", use_mpi=True, code=code)
         if time.monotonic() < self._next_report:

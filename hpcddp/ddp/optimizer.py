@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from . import timeline
-from ._optimizer_args import check_arguments, collect_parameters
+from ..comm.base import Communicator, ReduceOp
+from ..observe import timeline
 from .buckets import MB, Bucket
-from .comm.base import Communicator, ReduceOp
+from .optimizer_args import check_arguments, collect_parameters
 from .reducer import Reducer, ReductionTimes
 
 __all__ = ["DistributedOptimizer"]
@@ -99,7 +99,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._optimizer = optimizer
         default_comm = communicator is None
         if default_comm:
-            from .bootstrap import communicator as current
+            from ..runtime.state import communicator as current
 
             communicator = current()
         predivide = communicator.size if gradient_predivide_factor is None else gradient_predivide_factor

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .comm.base import Communicator
+from ..comm.base import Communicator, ranks_text
 
 __all__ = ["check_same_parameters", "describe_difference"]
 
@@ -26,10 +26,6 @@ def _signature(named: Sequence[tuple[str, torch.Tensor]]) -> Signature:
 def _entry(item) -> str:
     name, shape, dtype = item
     return f"{name!r} {list(shape)} {dtype}"
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 def describe_difference(signatures: Sequence[Signature], what: str) -> str | None:
@@ -49,7 +45,7 @@ def describe_difference(signatures: Sequence[Signature], what: str) -> str | Non
         for rank, entry in enumerate(entries):
             groups.setdefault(entry, []).append(rank)
         parts = [
-            f"{_ranks(ranks)} {'has no such parameter' if e is None else 'have ' + _entry(e)}"
+            f"{ranks_text(ranks)} {'has no such parameter' if e is None else 'have ' + _entry(e)}"
             for e, ranks in groups.items()
         ]
         counts = sorted({len(s) for s in signatures})
@@ -59,7 +55,7 @@ def describe_difference(signatures: Sequence[Signature], what: str) -> str | Non
         differ = [r for r, e in enumerate(entries) if e != entries[0]]
         return (
             f"{what}: the ranks hold different parameters: parameter #{index} differs on "
-            f"{_ranks(differ)} from rank 0: {'; '.join(parts)}{count_note}; every rank must build "
+            f"{ranks_text(differ)} from rank 0: {'; '.join(parts)}{count_note}; every rank must build "
             "the same model (same layers, order, shapes and dtypes) before wrapping it"
         )
     return None

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .env.base import RankLayout
+from ..env.base import RankLayout
 
 __all__ = ["NodePeer", "describe_self", "select_device", "set_cpu_threads", "usable_cpus", "visible_gpu_ids"]
 

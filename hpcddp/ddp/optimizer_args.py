@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .comm.base import ReduceOp, parse_op
+from ..comm.base import ReduceOp, parse_op
 
 __all__ = [
     "COMPRESSIONS",

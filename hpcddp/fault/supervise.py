@@ -1,7 +1,7 @@
 """Run the launcher (mpirun, srun) as ``hpcddp run``'s child and report how the job really ended.
 
 ``exec`` would hand the terminal straight to the launcher, but then nobody could tell
-that Open MPI 5.0's mpirun exits 0 after losing a node (see ``hpcddp._run_status``),
+that Open MPI 5.0's mpirun exits 0 after losing a node (see ``hpcddp.fault.run_status``),
 nor say that a Ctrl-C stopped the job. Signals that schedulers and users send to
 ``hpcddp run`` (TERM, USR1, USR2, HUP; INT when it does not come from the terminal)
 are passed on to the launcher, which passes them to the ranks.
@@ -17,8 +17,8 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 
-from ._run_status import unfinished_ranks
-from .env.settings import RUN_STATUS_VARIABLE
+from ..env.settings import RUN_STATUS_VARIABLE
+from .run_status import unfinished_ranks
 
 __all__ = ["INTERRUPTED_EXIT_CODE", "supervise"]
 

@@ -1,6 +1,6 @@
 """The stall report: which operation waits, which ranks are missing or different, and the likely cause.
 
-Pure functions over the inspector's snapshot (see ``hpcddp.stall.verdict``); every rank
+Pure functions over the inspector's snapshot (see ``hpcddp.fault.stall.verdict``); every rank
 is named by its rank in the whole job, also inside a sub-communicator.
 """
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ...comm.base import ranks_text
 from .verdict import Exit, stuck_operations
 
 __all__ = ["explain_stall", "ranks_text"]
@@ -17,12 +18,6 @@ _SKIPPED = (
     "it skipped a backward or called step() early, ran out of data (wrap the loop in "
     "hpcddp.join(optimizer)), or is busy outside hpcddp (evaluation, checkpointing, a slow data loader)"
 )
-
-
-def ranks_text(ranks) -> str:
-    """``rank 3`` or ``ranks 0, 2``."""
-    ranks = sorted(ranks)
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 def _where(members: Sequence[int], size: int) -> str:

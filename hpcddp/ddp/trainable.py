@@ -2,14 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from .comm.base import Communicator, ReduceOp
+from ..comm.base import Communicator, ReduceOp
 
-__all__ = ["average_loose_grads", "watch_frozen"]
+__all__ = ["average_loose_grads", "require_trainable", "watch_frozen"]
+
+
+def require_trainable(named: Sequence[tuple[str, torch.nn.Parameter]]) -> list[tuple[str, torch.nn.Parameter]]:
+    """Return the (name, parameter) pairs that require grad; raise when there are none.
+
+    Args:
+        named: the optimizer's (name, parameter) pairs.
+    """
+    trainable = [(name, p) for name, p in named if p.requires_grad]
+    if not trainable:
+        # Unfreezing is noticed through the buckets' control numbers: some must exist.
+        raise ValueError(
+            f"none of the {len(named)} parameters requires grad: set requires_grad=True on those "
+            "to train before building the DistributedOptimizer"
+        )
+    return trainable
 
 
 def watch_frozen(param: torch.nn.Parameter, callback: Callable[[torch.nn.Parameter], None]) -> Any:

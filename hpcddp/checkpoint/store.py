@@ -1,4 +1,4 @@
-"""Checkpoints that survive preemption: atomic save on rank 0, load on every rank, exact resume.
+"""Checkpoints that survive preemption: atomic save on rank 0, load on every rank.
 
     state = hpcddp.training_state(model, optimizer, epoch=epoch, batch_in_epoch=i, step=step)
     hpcddp.save_checkpoint("ckpt/", state, keep_last=3)       # ckpt/checkpoint-000123.pt
@@ -19,42 +19,31 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ._atomic import probe_writable, write_atomically
-from ._checkpoint_owner import check_not_owned_by_another_job, claim
-from ._checksum import UNVERIFIED, save_with_checksum, verify_checksum
+from .atomic import probe_writable, write_atomically
+from .checksum import UNVERIFIED, save_with_checksum, verify_checksum
+from .owner import check_not_owned_by_another_job, claim
+from .training_state import rank_and_size
 
 __all__ = [
-    "TrainingProgress",
     "check_checkpoint_dir",
     "find_checkpoints",
     "load_checkpoint",
-    "restore_training_state",
     "save_checkpoint",
-    "training_state",
 ]
 
 log = logging.getLogger("hpcddp")
 
 _NAME = re.compile(r"checkpoint-(\d+)\.pt")
-_FORMAT = 1
 
 
 def _checkpoint_name(step: int) -> str:
     return f"checkpoint-{step:06d}.pt"
-
-
-def _rank_and_size() -> tuple[int, int]:
-    from .bootstrap import is_initialized, rank, size
-
-    return (rank(), size()) if is_initialized() else (0, 1)
 
 
 def find_checkpoints(directory: str | os.PathLike) -> list[Path]:
@@ -107,7 +96,7 @@ def save_checkpoint(
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0 to name a checkpoint in {target}/, got {step!r}: pass step=")
         target = target / _checkpoint_name(step)
-    rank, size = _rank_and_size()
+    rank, size = rank_and_size()
     error = None
     if rank == 0:
         try:
@@ -127,8 +116,8 @@ def save_checkpoint(
             if size == 1:
                 raise
     if size > 1:
-        from .collectives import broadcast_object
-        from .stall import patient_collectives
+        from ..collectives.tensors import broadcast_object
+        from ..comm.oplog import patient_collectives
 
         # The other ranks wait here for as long as the write takes: not a stall.
         with patient_collectives():
@@ -150,10 +139,10 @@ def check_checkpoint_dir(directory: str | os.PathLike) -> Path:
 
     Raises:
         ValueError: on every rank, naming the directory and the reason (unwritable, or
-            owned by another job that still runs: ``hpcddp._checkpoint_owner``).
+            owned by another job that still runs: ``hpcddp.checkpoint.owner``).
     """
     directory = Path(directory)
-    rank, size = _rank_and_size()
+    rank, size = rank_and_size()
     problem = None
     if rank == 0:
         unwritable = probe_writable(directory)
@@ -168,7 +157,7 @@ def check_checkpoint_dir(directory: str | os.PathLike) -> Path:
             except RuntimeError as err:
                 problem = str(err)
     if size > 1:
-        from .collectives import broadcast_object
+        from ..collectives.tensors import broadcast_object
 
         problem = broadcast_object(problem, root_rank=0)
     if problem is not None:
@@ -207,14 +196,14 @@ def load_checkpoint(
     """
     path = Path(dir_or_path)
     if map_location is None:
-        from .bootstrap import device, is_initialized
+        from ..runtime.state import device, is_initialized
 
         map_location = device() if is_initialized() else "cpu"
     if not path.is_dir():
         if not path.exists():
             if path.suffix == ".pt":
                 raise FileNotFoundError(f"checkpoint {path} does not exist: pass a checkpoint file or directory")
-            if _rank_and_size()[1] > 1:
+            if rank_and_size()[1] > 1:
                 _agree_on_step(path, None, [])  # the others may see the directory: they must hear of this rank
             return None
         state, problem = _load_intact(path, map_location, weights_only)
@@ -222,7 +211,7 @@ def load_checkpoint(
             raise ValueError(f"checkpoint {path} is damaged: {problem}")
         return state
     found = find_checkpoints(path)
-    rank, size = _rank_and_size()
+    rank, size = rank_and_size()
     if rank == 0 and (owned := check_not_owned_by_another_job(path)) is not None:
         # Reading disturbs nobody (an evaluation beside training); saving here would be refused.
         log.warning("hpcddp: loading from %s, which another job still writes: %s", path, owned)
@@ -269,8 +258,8 @@ def _agree_on_step(directory: Path, newest: Path | None, found: list[Path]) -> P
         newest: this rank's newest intact checkpoint, or None.
         found: every checkpoint this rank lists.
     """
-    from .collectives import allgather_object
-    from .stall import patient_collectives
+    from ..collectives.tensors import allgather_object
+    from ..comm.oplog import patient_collectives
 
     mine = None if newest is None else _step_of(newest)
     with patient_collectives():  # reading and hashing large files takes as long as it takes
@@ -294,7 +283,7 @@ def _agree_on_step(directory: Path, newest: Path | None, found: list[Path]) -> P
             f"{newest_steps}): checkpoint_dir must be one directory shared by every node"
         )
     chosen = max(candidates)
-    if len(set(newest_steps)) > 1 and _rank_and_size()[0] == 0:
+    if len(set(newest_steps)) > 1 and rank_and_size()[0] == 0:
         log.warning(
             "hpcddp: the ranks' newest intact checkpoints in %s are steps %s: every rank loads step %d",
             directory,
@@ -305,8 +294,8 @@ def _agree_on_step(directory: Path, newest: Path | None, found: list[Path]) -> P
 
 
 def _raise_if_any_failed(chosen: Path, problem: str | None) -> None:
-    from .collectives import allgather_object
-    from .stall import patient_collectives
+    from ..collectives.tensors import allgather_object
+    from ..comm.oplog import patient_collectives
 
     with patient_collectives():
         problems = allgather_object(problem)
@@ -334,114 +323,3 @@ def _load_intact(path: Path, map_location: Any, weights_only: bool) -> tuple[Any
         return None, f"it has no checksum and does not load: {type(err).__name__}: {err}"
     log.debug("hpcddp: loaded checkpoint %s", path)
     return state, None
-
-
-def _rng_state() -> dict[str, Any]:
-    # Plain ints, lists and tensors only, so that torch.load(weights_only=True) accepts it.
-    version, internal, gauss = random.getstate()
-    rng: dict[str, Any] = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    try:
-        import numpy as np
-    except ImportError:
-        return rng
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    rng["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
-    return rng
-
-
-def _set_rng_state(rng: dict[str, Any]) -> None:
-    version, internal, gauss = rng["python"]
-    random.setstate((version, tuple(internal), gauss))
-    torch.set_rng_state(rng["torch"].cpu())
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"].cpu())
-    if "numpy" in rng:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = rng["numpy"]
-        np.random.set_state((kind, keys.cpu().numpy().astype("uint32"), pos, has_gauss, cached))
-
-
-def training_state(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    *,
-    epoch: int,
-    batch_in_epoch: int,
-    step: int,
-    extra: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Capture everything an exact resume needs; call it on every rank at a step boundary.
-
-    Each rank's RNG states (python, numpy, torch CPU and CUDA) are gathered, so
-    ranks that draw different random numbers resume with their own streams.
-
-    Args:
-        model: the model (its ``state_dict()``).
-        optimizer: the optimizer or DistributedOptimizer (its ``state_dict()``).
-        epoch: the epoch in progress (what ``sampler.set_epoch`` was given).
-        batch_in_epoch: batches of ``epoch`` already done; a resume skips them.
-        step: optimizer steps done so far (names the checkpoint file).
-        extra: anything else to keep (ints, floats, strings, tensors, lists, dicts).
-    """
-    from .bootstrap import is_initialized, size
-
-    rng = _rng_state()
-    rng_per_rank = [rng]
-    if is_initialized() and size() > 1:
-        from .collectives import allgather_object
-
-        rng_per_rank = allgather_object(rng)
-    return {
-        "format": _FORMAT,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "epoch": epoch,
-        "batch_in_epoch": batch_in_epoch,
-        "step": step,
-        "world_size": len(rng_per_rank),
-        "rng": rng_per_rank,
-        "extra": dict(extra or {}),
-    }
-
-
-@dataclass
-class TrainingProgress:
-    """Where a restored run continues: skip ``batch_in_epoch`` batches of ``epoch``."""
-
-    epoch: int
-    batch_in_epoch: int
-    step: int
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def restore_training_state(
-    state: dict[str, Any],
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-) -> TrainingProgress:
-    """Load model, optimizer and this rank's RNG states from ``state``; return the position.
-
-    Args:
-        state: a dict from ``training_state`` (e.g. via ``load_checkpoint``).
-        model: receives ``state["model"]``.
-        optimizer: receives ``state["optimizer"]``; None leaves it alone.
-    """
-    if not isinstance(state, dict) or state.get("format") != _FORMAT:
-        raise ValueError(f"state must come from hpcddp.training_state (format {_FORMAT}), got {type(state).__name__}")
-    model.load_state_dict(state["model"])
-    if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
-    rank, size = _rank_and_size()
-    rngs = state["rng"]
-    if len(rngs) != size:
-        log.warning(
-            "hpcddp: checkpoint was saved by %d rank(s), this job has %d: every rank restores rank 0's RNG "
-            "state, so random draws will not match the original run",
-            len(rngs),
-            size,
-        )
-    _set_rng_state(rngs[rank] if len(rngs) == size else rngs[0])
-    return TrainingProgress(state["epoch"], state["batch_in_epoch"], state["step"], dict(state.get("extra", {})))

@@ -1,0 +1,21 @@
+"""Checkpoints that survive preemption and exact resume.
+
+- ``store``: ``save_checkpoint`` (atomic, on rank 0), ``load_checkpoint`` (collective:
+  the newest step every rank can read), ``check_checkpoint_dir``;
+- ``training_state``: what an exact resume needs, and restoring it;
+- ``atomic``, ``checksum``, ``owner``: the write, the integrity check and the claim of
+  a directory by one job.
+"""
+
+from .store import check_checkpoint_dir, find_checkpoints, load_checkpoint, save_checkpoint
+from .training_state import TrainingProgress, restore_training_state, training_state
+
+__all__ = [
+    "TrainingProgress",
+    "check_checkpoint_dir",
+    "find_checkpoints",
+    "load_checkpoint",
+    "restore_training_state",
+    "save_checkpoint",
+    "training_state",
+]

@@ -1,0 +1,6 @@
+"""hpcddp's own collectives for training scripts, all through the job's communicator.
+
+- ``tensors``: ``hpcddp.allreduce`` & co., their async forms and the object collectives;
+- ``parameters``: ``broadcast_parameters`` and ``broadcast_optimizer_state``;
+- ``averaging``: ``PeriodicModelAverager`` (local SGD).
+"""

@@ -1,0 +1,129 @@
+"""Where one parameter's gradient lives in its bucket, how each accumulation lands there, and how
+the bucket is readied for its reduction and reset by ``zero_grad``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .buckets import Bucket, adopt_grad
+
+__all__ = ["GradSlot", "fill_bucket", "reset_bucket_grads"]
+
+
+@dataclass
+class GradSlot:
+    """One parameter's gradient view in a bucket, and what this reduction knows about it."""
+
+    bucket: int
+    view: torch.Tensor
+    name: str
+    #: got a gradient on this rank since the last reduction
+    used: bool = False
+    #: the view holds gradient / predivide (written so by the hook), not a raw sum
+    scaled: bool = False
+    #: the backward pass ``count`` belongs to, and the accumulations seen in it
+    pass_id: int = -1
+    count: int = 0
+    #: accumulations per backward pass, learned (a weight used outside and inside a
+    #: reentrant torch.utils.checkpoint accumulates twice)
+    expected: int = 1
+
+    def land(
+        self,
+        param: torch.nn.Parameter,
+        pass_id: int,
+        *,
+        learning: bool,
+        reduces: bool,
+        launched: bool,
+        divide_by: float | None,
+    ) -> None:
+        """Count one accumulation of ``param.grad`` in backward pass ``pass_id`` and put it in the view.
+
+        Args:
+            param: the parameter whose gradient just accumulated.
+            pass_id: the backward pass in progress.
+            learning: the first pass, which learns how often each parameter accumulates.
+            reduces: this pass ends in a reduction (else it only accumulates locally).
+            launched: the bucket's reduction already started.
+            divide_by: divide a fresh gradient by this on its way in (op AVERAGE), or None.
+        """
+        if self.pass_id != pass_id:
+            self.pass_id, self.count = pass_id, 0
+        self.count += 1
+        self.used = True
+        if learning:
+            self.expected = max(self.expected, self.count)
+        if not reduces:
+            adopt_grad(param, self.view)  # accumulate locally, in the bucket
+            return
+        if launched or (self.count > self.expected and self.scaled):
+            raise RuntimeError(
+                f"parameter {self.name!r} received gradient #{self.count} of one backward pass, more than the "
+                f"{self.expected} of the first pass, after its share was reduced or scaled: its gradient "
+                "would be wrong. A parameter used more often in one backward pass than in the first (reentrant "
+                "torch.utils.checkpoint, a layer reused a varying number of times) cannot be reduced while "
+                "backward runs: use torch.utils.checkpoint(..., use_reentrant=False), or use it equally often "
+                "in every pass"
+            )
+        if self.count > self.expected:  # a raw sum in a bucket not yet sent: still right
+            self.expected = self.count
+        grad = param.grad
+        if grad is not self.view and grad.is_sparse:  # nn.Embedding(sparse=True): reduced dense
+            grad = grad.to_dense()
+        if grad is self.view:
+            return
+        if learning or self.expected > 1 or divide_by is None:
+            # Several accumulations may land in the view: keep it a raw sum, divided at launch.
+            adopt_grad(param, self.view)
+        else:
+            # A fresh gradient: divide it on its way into the bucket, which spares
+            # a separate pass over the buffer at launch.
+            torch.div(grad, divide_by, out=self.view)
+            param.grad = self.view
+            self.scaled = True
+
+
+def fill_bucket(bucket: Bucket, slots: Sequence[GradSlot], divide_by: float | None) -> None:
+    """Ready ``bucket`` for its reduction: every gradient in its view, divided, used flags set.
+
+    Args:
+        bucket: the bucket about to be launched.
+        slots: its parameters' slots, in the bucket's order.
+        divide_by: divide the gradients not yet divided by this (op AVERAGE), or None.
+    """
+    used, unscaled = [], []
+    for param, slot in zip(bucket.params, slots):
+        if not slot.scaled:
+            adopt_grad(param, slot.view)
+            unscaled.append(slot.view)
+        used.append(slot.used)
+    if divide_by is not None and divide_by != 1.0 and unscaled:
+        # Divide before summing, as DDP does: it keeps fp16 sums in range.
+        if len(unscaled) == len(bucket.views):
+            bucket.grads.div_(divide_by)
+        else:
+            for view in unscaled:
+                view.div_(divide_by)
+    bucket.used.copy_(torch.tensor(used, dtype=bucket.used.dtype))
+
+
+def reset_bucket_grads(bucket: Bucket, set_to_none: bool) -> None:
+    """Reset the bucket's gradients as torch's ``zero_grad`` does, keeping its views.
+
+    Args:
+        bucket: the bucket.
+        set_to_none: gradients become None (the next backward writes each fresh
+            gradient into its view); False zeroes the buffer and keeps the views.
+    """
+    if set_to_none:
+        for param in bucket.params:
+            param.grad = None
+        return
+    bucket.grads.zero_()
+    for param, view in zip(bucket.params, bucket.views):
+        if param.grad is not view:
+            param.grad = view

@@ -1,0 +1,154 @@
+"""Start this rank: environment -> ranks -> device -> backend -> communicator -> threads.
+
+The core of ``hpcddp.init()`` (``lifecycle`` adds the features that hang off a
+started job: abort on failure, the stall inspector, the torch.distributed backend,
+the timeline).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from ..comm.base import Communicator
+from ..env import ClusterEnvironment, RankLayout, Rendezvous, detect_environment
+from ..env.network import SOCKET_IFNAME_VARIABLES, socket_ifname_hint
+from .config import InitConfig
+from .device import NodePeer, describe_self, select_device, set_cpu_threads
+from .state import Runtime
+
+__all__ = ["start"]
+
+log = logging.getLogger("hpcddp")
+
+
+def start(config: InitConfig) -> Runtime:
+    """Find this rank, pick its device and backend, make its communicator and set its threads.
+
+    Collective over the launcher's ranks (they gather each node's devices).
+
+    Args:
+        config: the settings ``hpcddp.init()`` resolved from its arguments and the environment.
+    """
+    environment = detect_environment()
+    layout = environment.layout()
+    mpi_comm = environment.mpi_comm
+    # Every rank gathers (a collective), so that ranks seeing different GPU counts cannot hang.
+    node_peers = None if mpi_comm is None else _gather_node_peers(mpi_comm)
+    device = select_device(layout, config.allow_gpu_sharing, node_peers)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    chosen = _choose_backend(config.backend, environment, layout, device)
+    _export_variables(environment, layout)
+    _export_rendezvous(environment.rendezvous(config.interface))
+    comm = _create_communicator(chosen, environment, layout, device, config)
+    comm.check_collectives = config.check_collectives
+    threads = set_cpu_threads(layout, config.num_threads, node_peers)
+    return Runtime(config, environment, layout, device, comm, threads)
+
+
+def _gather_node_peers(mpi_comm) -> list[NodePeer]:
+    from .mpi_import import import_mpi
+
+    node = mpi_comm.Split_type(import_mpi().COMM_TYPE_SHARED)
+    try:
+        return node.allgather(describe_self())
+    finally:
+        node.Free()
+
+
+def _choose_backend(requested: str, environment: ClusterEnvironment, layout: RankLayout, device) -> str:
+    if requested == "nccl" and device.type != "cuda":
+        raise RuntimeError("backend='nccl' needs CUDA, but torch sees no GPU: use backend='mpi' or 'gloo'")
+    if requested == "mpi" and environment.mpi_comm is None and layout.world_size > 1:
+        raise RuntimeError(
+            f"backend='mpi' needs ranks started by an MPI launcher, but this job was started by "
+            f"{environment.name}: launch with mpirun or srun --mpi=pmix, or use backend='gloo'"
+        )
+    if requested != "auto":
+        return requested
+    if device.type == "cuda":
+        return "nccl"
+    if environment.mpi_comm is not None:
+        return "mpi"
+    return "local" if layout.world_size == 1 else "gloo"
+
+
+def _create_communicator(name: str, environment, layout: RankLayout, device, config: InitConfig) -> Communicator:
+    if name == "local":
+        from ..comm.local import LocalCommunicator
+
+        return LocalCommunicator()
+    if name == "mpi":
+        from ..comm.mpi import MPICommunicator
+
+        if environment.mpi_comm is None:  # a single process that asked for MPI
+            from .mpi_import import import_mpi
+
+            return MPICommunicator(import_mpi().COMM_WORLD, hierarchical=config.hierarchical_allreduce)
+        return MPICommunicator(environment.mpi_comm, hierarchical=config.hierarchical_allreduce)
+    import torch.distributed as dist
+
+    from ..comm.rendezvous import join_process_group
+    from ..comm.torchdist import TorchDistCommunicator
+
+    if not dist.is_initialized():
+        join_process_group(
+            name,
+            layout.rank,
+            layout.world_size,
+            timeout_s=config.dist_timeout,
+            device=device,
+            mpi_comm=environment.mpi_comm,
+        )
+    return TorchDistCommunicator(name, device)
+
+
+def _export_variables(environment: ClusterEnvironment, layout: RankLayout) -> None:
+    """Export torchrun's variables so code that uses torch.distributed directly works."""
+    values = {
+        "RANK": layout.rank,
+        "WORLD_SIZE": layout.world_size,
+        "LOCAL_RANK": layout.local_rank,
+        "LOCAL_WORLD_SIZE": layout.local_size,
+        "NODE_RANK": layout.node_rank,
+    }
+    for name, value in values.items():
+        current = os.environ.get(name)
+        if current is not None and current != str(value):
+            log.warning("hpcddp: overriding %s=%s with %s from %s", name, current, value, environment.name)
+        os.environ[name] = str(value)
+
+
+def _export_rendezvous(rendezvous: Rendezvous) -> None:
+    """Export torch.distributed's MASTER_ADDR/MASTER_PORT and gloo's and NCCL's interface.
+
+    The environment decided (under MPI: rank 0's choice, broadcast to all). A rank
+    whose own differing MASTER_* value is replaced is warned; GLOO_SOCKET_IFNAME and
+    NCCL_SOCKET_IFNAME set by the user are kept, with a warning when they name
+    another interface than the one that reaches rank 0.
+    """
+    for name, value in (("MASTER_ADDR", rendezvous.address), ("MASTER_PORT", str(rendezvous.port))):
+        current = os.environ.get(name)
+        if current and current != value:
+            log.warning("hpcddp: overriding %s=%s with %s", name, current, value)
+        os.environ[name] = value
+    if rendezvous.interface is None:
+        return
+    source = "HPCDDP_IFACE" if rendezvous.interface_named else f"the interface that reaches {rendezvous.address}"
+    for name in SOCKET_IFNAME_VARIABLES:
+        current = os.environ.get(name, "").strip()
+        if not current:
+            os.environ[name] = rendezvous.interface
+        elif current != rendezvous.interface and socket_ifname_hint({name: current}) == current:
+            log.warning(
+                "hpcddp: %s=%s differs from %s (%s): keeping %s; unset it to use %s",
+                name,
+                current,
+                rendezvous.interface,
+                source,
+                name,
+                rendezvous.interface,
+            )
