@@ -90,7 +90,7 @@ def test_mkdocs_build_is_strict_and_renders_every_public_name(tmp_path):
             continue
         assert path in rendered, f"{path} is public but the API reference does not render it"
         # griffe keeps a submodule over a re-exported function of the same name unless
-        # docs/_griffe/reexports.py puts the function back: the page would document the module.
+        # no submodule shares a public name: the page would document the module.
         if not inspect.ismodule(obj):
             assert rendered[path] != "module", f"{path} is rendered as a module, but it is {obj!r}"
 

@@ -2,13 +2,13 @@
 
 - ``store``: ``save_checkpoint`` (atomic, on rank 0), ``load_checkpoint`` (collective:
   the newest step every rank can read), ``check_checkpoint_dir``;
-- ``training_state``: what an exact resume needs, and restoring it;
+- ``resume``: what an exact resume needs (``training_state``), and restoring it;
 - ``atomic``, ``checksum``, ``owner``: the write, the integrity check and the claim of
   a directory by one job.
 """
 
 from .store import check_checkpoint_dir, find_checkpoints, load_checkpoint, save_checkpoint
-from .training_state import TrainingProgress, restore_training_state, training_state
+from .resume import TrainingProgress, restore_training_state, training_state
 
 __all__ = [
     "TrainingProgress",

@@ -28,7 +28,7 @@ import torch
 from .atomic import probe_writable, write_atomically
 from .checksum import UNVERIFIED, save_with_checksum, verify_checksum
 from .owner import check_not_owned_by_another_job, claim
-from .training_state import rank_and_size
+from .resume import rank_and_size
 
 __all__ = [
     "check_checkpoint_dir",
