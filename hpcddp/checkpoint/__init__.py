@@ -7,8 +7,8 @@
   a directory by one job.
 """
 
-from .store import check_checkpoint_dir, find_checkpoints, load_checkpoint, save_checkpoint
 from .resume import TrainingProgress, restore_training_state, training_state
+from .store import check_checkpoint_dir, find_checkpoints, load_checkpoint, save_checkpoint
 
 __all__ = [
     "TrainingProgress",
