@@ -35,6 +35,7 @@ from .comm.base import Handle, ReduceOp
 from .ddp.join import join
 from .ddp.optimizer import DistributedOptimizer
 from .fault.preemption import PreemptionHandler
+from .observe import timeline as timeline  # hpcddp.timeline.start(path) / stop(): part of a run
 from .runtime.config import InitConfig
 from .runtime.lifecycle import init
 from .runtime.state import (

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcddp.testing import run_mpi, run_pytest_on_ranks
+from hpcddp.testing import assert_pytest_passed, run_mpi, run_pytest_on_ranks
 
 from .cluster_jobs import (
     TRAIN_PY,
@@ -80,8 +80,7 @@ def test_layout_and_ddp_equivalence_across_nodes(cluster, backend):
     result = run_pytest_on_ranks(
         4, suites, timeout=400, cwd=ROOT, hostfile=cluster.hostfile, env={**cluster.env, **env}
     )
-    assert result.returncode == 0, result.stdout[-20000:]
-    assert re.search(r"\d+ passed", result.stdout), result.stdout[-5000:]
+    assert_pytest_passed(result)
 
 
 def test_an_unreachable_rendezvous_is_one_line_per_rank_within_seconds(cluster):

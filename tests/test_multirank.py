@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from hpcddp.testing import run_mpi, run_pytest_on_ranks
+from hpcddp.testing import assert_pytest_passed, run_mpi, run_pytest_on_ranks
 
 from .conftest import ROOT
 
@@ -12,16 +12,9 @@ from .conftest import ROOT
 TIME_LIMIT_S = 600
 
 
-def assert_suite_passed(result, num_ranks):
-    assert result.returncode == 0, (
-        f"mpirun -np {num_ranks} failed (exit {result.returncode}):\n{result.stdout[-20000:]}"
-    )
-    assert "passed" in result.stdout, result.stdout[-5000:]
-
-
 @pytest.mark.parametrize("num_ranks", [2, 4])
 def test_mpi_suite(num_ranks):
-    assert_suite_passed(run_pytest_on_ranks(num_ranks, ["tests/mpi"], timeout=TIME_LIMIT_S, cwd=ROOT), num_ranks)
+    assert_pytest_passed(run_pytest_on_ranks(num_ranks, ["tests/mpi"], timeout=TIME_LIMIT_S, cwd=ROOT))
 
 
 # The communicator's and the Horovod API's suites at an odd world size too (uneven splits, rings,
@@ -30,7 +23,7 @@ THREE_RANK_FILES = ["tests/mpi/test_comm_ops.py", "tests/mpi/test_horovod.py", "
 
 
 def test_comm_suites_at_three_ranks():
-    assert_suite_passed(run_pytest_on_ranks(3, THREE_RANK_FILES, timeout=TIME_LIMIT_S, cwd=ROOT), 3)
+    assert_pytest_passed(run_pytest_on_ranks(3, THREE_RANK_FILES, timeout=TIME_LIMIT_S, cwd=ROOT))
 
 
 def test_time_limit_kills_a_hung_job(tmp_path):

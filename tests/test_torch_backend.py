@@ -6,10 +6,9 @@ distributed checkpoints against gloo in the same processes (see tests/mpi_torch)
 
 import pytest
 
-from hpcddp.testing import run_pytest_on_ranks
+from hpcddp.testing import assert_pytest_passed, run_pytest_on_ranks
 
 from .conftest import ROOT
-from .test_multirank import assert_suite_passed
 
 TIME_LIMIT_S = 300
 
@@ -17,13 +16,13 @@ TIME_LIMIT_S = 300
 @pytest.mark.parametrize("num_ranks", [2, 3])
 def test_torch_backend_suite(num_ranks):
     result = run_pytest_on_ranks(num_ranks, ["tests/mpi_torch"], timeout=TIME_LIMIT_S, cwd=ROOT)
-    assert_suite_passed(result, num_ranks)
+    assert_pytest_passed(result)
 
 
 def test_engine_rules_at_four_ranks():
     """Two APIs on one communicator, torch's comm hooks, messages and groups, at four ranks too."""
     result = run_pytest_on_ranks(4, ["tests/mpi_torch/test_engine_rules.py"], timeout=TIME_LIMIT_S, cwd=ROOT)
-    assert_suite_passed(result, 4)
+    assert_pytest_passed(result)
 
 
 def test_init_process_group_hpcddp_in_a_world_of_one(world_of_one):

@@ -7,6 +7,7 @@ its own process group and kills the whole group when the time limit passes.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from collections.abc import Mapping, Sequence
 
 from ..runtime.launch import mpirun_command
 
-__all__ = ["MPIRunResult", "run_mpi", "run_pytest_on_ranks"]
+__all__ = ["MPIRunResult", "assert_pytest_passed", "run_mpi", "run_pytest_on_ranks"]
 
 
 class MPIRunResult(subprocess.CompletedProcess):
@@ -109,6 +110,19 @@ def run_pytest_on_ranks(
     command += ["-p", "hpcddp.testing.ranks", *paths]
     env = {"HPCDDP_MPI_TESTS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     return run_mpi(num_ranks, command, timeout=timeout, env=env, cwd=cwd, hostfile=hostfile)
+
+
+def assert_pytest_passed(result: MPIRunResult) -> None:
+    """Raise AssertionError, with the end of the job's output, unless a ``run_pytest_on_ranks`` job passed.
+
+    Args:
+        result: what ``run_pytest_on_ranks`` returned.
+    """
+    ranks = result.args[result.args.index("-np") + 1] if "-np" in result.args else "?"
+    assert result.returncode == 0, (
+        f"pytest on {ranks} ranks failed (exit {result.returncode}):\n{result.stdout[-20000:]}"
+    )
+    assert re.search(r"\d+ passed", result.stdout), f"pytest on {ranks} ranks passed nothing:\n{result.stdout[-5000:]}"
 
 
 def _stop(proc: subprocess.Popen) -> str:
