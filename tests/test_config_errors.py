@@ -13,7 +13,7 @@ from hpcddp.env.mpi import check_launcher_agrees
 from hpcddp.env.settings import read_settings
 from hpcddp.runtime import state as bootstrap_state
 from hpcddp.runtime.device import NodePeer, select_device, set_cpu_threads
-from hpcddp.testing import run_mpi
+from hpcddp.testing import run_script
 
 from .conftest import ROOT
 
@@ -146,10 +146,9 @@ def test_world_size_agreeing_or_from_mpirun_daemons_is_fine():
     ids=["world-size", "env-var", "nccl-without-cuda"],
 )
 def test_bad_configuration_under_mpirun_is_one_line_per_rank(tmp_path, init_args, env, message):
-    script = tmp_path / "job.py"
-    script.write_text(f"import hpcddp\nhpcddp.init({init_args})\nprint('UNREACHABLE')\n")
     start = time.monotonic()
-    result = run_mpi(2, [sys.executable, str(script)], timeout=180, env=env, cwd=ROOT)
+    script = f"import hpcddp\nhpcddp.init({init_args})\nprint('UNREACHABLE')\n"
+    result = run_script(2, script, tmp_path, timeout=180, env=env, cwd=ROOT)
     assert not result.timed_out and result.returncode != 0, result.stdout
     assert time.monotonic() - start < 60
     for rank in (0, 1):

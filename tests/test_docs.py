@@ -107,7 +107,7 @@ def test_every_public_name_is_in_the_reference():
     missing = [f"hpcddp.{name}" for name in hpcddp.__all__ if f"hpcddp.{name}" not in documented]
     assert not missing, f"in hpcddp.__all__ but no `::: ` line in docs/reference/: {missing}"
     assert "hpcddp.horovod" in documented
-    for name in ("run_mpi", "run_pytest_on_ranks", "assert_pytest_passed"):
+    for name in ("run_mpi", "run_script", "run_pytest_on_ranks", "assert_pytest_passed"):
         assert f"hpcddp.testing.{name}" in documented
 
 

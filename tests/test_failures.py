@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from hpcddp.testing import run_mpi
+from hpcddp.testing import run_script
 
 from .conftest import ROOT
 
@@ -15,12 +15,8 @@ LIMIT_S = 180  # a busy 2-core machine starts two torch processes in ~10 s
 
 
 def launch(tmp_path, source, env=None, ranks=2):
-    script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(source))
     started = time.time()
-    result = run_mpi(
-        ranks, [sys.executable, str(script)], timeout=LIMIT_S, env={"PYTHONUNBUFFERED": "1", **(env or {})}, cwd=ROOT
-    )
+    result = run_script(ranks, source, tmp_path, timeout=LIMIT_S, env=env, cwd=ROOT)
     assert not result.timed_out, f"the job hung until the time limit:\n{result.stdout[-5000:]}"
     return result, time.time() - started
 

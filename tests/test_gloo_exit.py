@@ -1,9 +1,6 @@
 """A gloo job that leaves torch.distributed itself (dist.destroy_process_group()) still exits cleanly."""
 
-import sys
-import textwrap
-
-from hpcddp.testing import run_mpi
+from hpcddp.testing import run_script
 
 from .conftest import ROOT
 
@@ -28,8 +25,6 @@ SCRIPT = """
 
 
 def test_script_destroying_the_process_group_itself_exits_with_0(tmp_path):
-    script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(SCRIPT))
-    result = run_mpi(2, [sys.executable, str(script)], timeout=180, cwd=ROOT)
+    result = run_script(2, SCRIPT, tmp_path, timeout=180, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-5000:]
     assert "finished 0" in result.stdout and "finished 1" in result.stdout

@@ -11,12 +11,13 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Mapping, Sequence
 
 from ..runtime.launch import mpirun_command
 
-__all__ = ["MPIRunResult", "assert_pytest_passed", "run_mpi", "run_pytest_on_ranks"]
+__all__ = ["MPIRunResult", "assert_pytest_passed", "run_mpi", "run_pytest_on_ranks", "run_script"]
 
 
 class MPIRunResult(subprocess.CompletedProcess):
@@ -86,6 +87,31 @@ def _run_once(command: list[str], timeout: float, full_env: Mapping[str, str], c
     result = MPIRunResult(command, 124 if timed_out else proc.returncode, out, None)
     result.timed_out = timed_out
     return result
+
+
+def run_script(
+    num_ranks: int,
+    source: str,
+    directory: str | os.PathLike,
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+) -> MPIRunResult:
+    """Write ``source`` (dedented) to ``directory/job.py`` and run it on ``num_ranks`` ranks, unbuffered.
+
+    Args:
+        num_ranks: how many ranks to start.
+        source: the Python program every rank runs.
+        directory: where the script is written (a test's ``tmp_path``).
+        timeout: seconds before every rank is killed.
+        env: extra environment variables for the ranks.
+        cwd: working directory.
+    """
+    script = os.path.join(directory, "job.py")
+    with open(script, "w") as file:
+        file.write(textwrap.dedent(source))
+    env = {"PYTHONUNBUFFERED": "1", **(env or {})}
+    return run_mpi(num_ranks, [sys.executable, script], timeout=timeout, env=env, cwd=cwd)
 
 
 def run_pytest_on_ranks(
