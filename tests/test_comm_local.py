@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hpcddp.comm.agreement import Signature, agreement_vector, disagrees, mismatch_message, signature
+from hpcddp.comm.agreement import CollectiveCall, agreement_vector, describe_call, disagrees, mismatch_message
 from hpcddp.comm.base import ReduceOp, even_splits, parse_op, splits_error
 from hpcddp.comm.local import LocalCommunicator
 from hpcddp.env.settings import read_settings
@@ -56,8 +56,8 @@ def test_even_splits_follow_horovod():
 
 
 def test_agreement_vectors_and_message():
-    a = signature("allreduce", torch.ones(2, 3), reduce_op=ReduceOp.SUM, name="grad")
-    b = signature("allreduce", torch.ones(2, 4), reduce_op=ReduceOp.SUM, name="grad")
+    a = describe_call("allreduce", torch.ones(2, 3), reduce_op=ReduceOp.SUM, name="grad")
+    b = describe_call("allreduce", torch.ones(2, 4), reduce_op=ReduceOp.SUM, name="grad")
     combined = [min(x, y) for x, y in zip(agreement_vector(a), agreement_vector(a))]
     assert not disagrees(combined)
     combined = [min(x, y) for x, y in zip(agreement_vector(a), agreement_vector(b))]
@@ -66,9 +66,9 @@ def test_agreement_vectors_and_message():
     assert message.startswith(
         "allreduce of tensor 'grad': the ranks disagree: shape differs (rank 0 [2, 3], rank 1 [2, 4])"
     )
-    bad = Signature("alltoall", error="splits must add up")
+    bad = CollectiveCall("alltoall", error="splits must add up")
     assert disagrees(agreement_vector(bad))
-    assert "rank 1: splits must add up" in mismatch_message([Signature("alltoall"), bad])
+    assert "rank 1: splits must add up" in mismatch_message([CollectiveCall("alltoall"), bad])
 
 
 def test_check_collectives_from_the_environment():

@@ -52,10 +52,8 @@ def test_init_process_group_hpcddp_in_a_world_of_one(world_of_one):
 def test_reductions_mpi_cannot_do_are_refused(dtype, op, error, message):
     import torch
     import torch.distributed as dist
-    from mpi4py import MPI
 
-    from hpcddp.comm._mpi_buffers import MPIOps
-    from hpcddp.torch_backend._buffers import reduce_op_of
+    from hpcddp.comm.reduction import check_reducible, from_torch
 
     with pytest.raises(error, match=message):
-        MPIOps(MPI).check_reducible(getattr(torch, dtype), reduce_op_of(getattr(dist.ReduceOp, op)))
+        check_reducible(getattr(torch, dtype), from_torch(getattr(dist.ReduceOp, op)))

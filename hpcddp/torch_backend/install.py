@@ -101,7 +101,7 @@ def new_group_over(global_ranks: list[int] | None, backend_name: str = BACKEND_N
         comm.check_collectives = world.check_collectives
     finally:
         sub.Free()
-    return ProcessGroupHPCDDP(comm, ranks, backend_name, owns_comm=True)
+    return ProcessGroupHPCDDP(comm, ranks, backend_name, on_shutdown=functools.partial(release, comm))
 
 
 def release(comm) -> None:
