@@ -3,23 +3,22 @@ alltoall); mixed into MPICommunicator, run by its Engine like every other collec
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from ._mpi_buffers import bytes_view, displacements, layout_error, mpi_buffer, row_bytes, staged
+from ._mpi_buffers import bytes_view, displacements, layout_error, mpi_buffer, result_buffer, row_bytes, staged
 from .base import Handle, ReduceOp, alltoall_splits, as_splits, even_splits, splits_error
 from .engine import Collective
 from .reduction import check_reducible, mpi_op
 
-__all__ = ["VectorOps", "run_each"]
+__all__ = ["VectorOps"]
 
 
-def run_each(bodies: list[Callable[[], Any]], result: Any) -> Callable[[], Any]:
-    """Return the runner's work that runs ``bodies`` in order and returns ``result`` (several tensors, one operation)."""
-
+def _run_each(bodies: list[Callable[[], Any]], result: Any) -> Callable[[], Any]:
     def body() -> Any:
         for run in bodies:
             run()
@@ -41,18 +40,32 @@ class VectorOps:
     def plan_reduce(self, tensors, op: ReduceOp, root: int, *, check: str | None = None, error: str | None = None):
         """Return the reduction of ``tensors`` (a tensor or a list: one operation) onto root's."""
         self._check_root(root)
+        make = functools.partial(self.reduce_body, op=op, root=root)
+        return self.plan_each("reduce", tensors, make, check=check, error=error, root=root, reduce_op=op)
+
+    def plan_each(self, name: str, tensors, make_body, *, check, error, **fields) -> Collective:
+        """Return one collective over ``tensors`` (a tensor, or a list: one operation, one agreement).
+
+        Args:
+            name: the collective (``hpcddp.comm.names``).
+            tensors: its tensor or tensors; the result is this argument.
+            make_body: the runner's work for one tensor.
+            check: the tensor's name, for messages.
+            error: what the caller found wrong with this rank's arguments: every rank raises it.
+            fields: more for the agreement (root, reduce_op).
+        """
         listed = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         error = error or next(filter(None, map(layout_error, listed)), None)
-        call = self.call_for(check, "reduce", listed, error=error, root=root, reduce_op=op)
-        bodies = [] if error else [self.reduce_body(t, op, root) for t in listed]
-        body = bodies[0] if len(bodies) == 1 and listed[0] is tensors else run_each(bodies, tensors)
-        return Collective("reduce", body, listed[0] if listed else None, call)
+        call = self.call_for(check, name, listed, error=error, **fields)
+        bodies = [] if error else [make_body(t) for t in listed]
+        body = bodies[0] if len(bodies) == 1 and listed[0] is tensors else _run_each(bodies, tensors)
+        return Collective(name, body, listed[0] if listed else None, call)
 
     def reduce_body(self, tensor: torch.Tensor, op: ReduceOp, root: int):
         """Return the runner's work for reducing ``tensor`` onto ``root`` (the others' tensors stay)."""
         self._check_root(root)
         check_reducible(tensor.dtype, op, "reduce")
-        buf = staged(tensor)
+        buf, write = result_buffer(tensor)
         spec, reduce, comm, MPI = mpi_buffer(self._MPI, buf), mpi_op(self._MPI, tensor.dtype, op), self._comm, self._MPI
         is_root = self.rank == root
 
@@ -63,9 +76,8 @@ class VectorOps:
             comm.Reduce(MPI.IN_PLACE, spec, op=reduce, root=root)
             if op is ReduceOp.AVERAGE:
                 buf.div_(self.size)
-            if buf is not tensor:
-                with torch.no_grad():
-                    tensor.copy_(buf)
+            if write is not None:
+                write(buf)
             return tensor
 
         return body
@@ -131,8 +143,9 @@ class VectorOps:
                     out.copy_(target)
             return out
 
-        # The agreement runs inside the body, after the root's sizes are known.
-        return self.start(Collective("scatter", body, out))
+        # Agreed twice: on the call before any MPI call (rule 4: another API's collective on
+        # a rank fails cleanly), and inside the body on the sizes the root sent.
+        return self.start(Collective("scatter", body, out, call))
 
     def reducescatter_async(
         self, tensor: torch.Tensor, op: ReduceOp, splits: list[int] | None = None, *, check: str | None = None

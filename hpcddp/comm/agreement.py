@@ -19,7 +19,7 @@ import torch
 
 from .base import ranks_text
 from .dtypes import dtype_name
-from .names import ROWS_MAY_DIFFER
+from .names import COLLECTIVES, ROWS_MAY_DIFFER
 from .reduction import ReduceOp
 
 __all__ = [
@@ -101,6 +101,7 @@ def describe_call(
         error: what is wrong with this rank's own arguments, if anything.
         name: the tensor's name, for the message.
     """
+    assert op in COLLECTIVES, f"{op!r} is not named in hpcddp.comm.names"
     shape = dtype = None
     if isinstance(tensor, torch.Tensor):
         shape = tuple(tensor.shape[1:]) if op in ROWS_MAY_DIFFER else tuple(tensor.shape)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import secrets
 from collections.abc import Callable
 from typing import Any
@@ -16,14 +17,13 @@ from ._mpi_buffers import (
     displacements,
     empty_like,
     for_each_piece,
-    layout_error,
     mpi_buffer,
     result_buffer,
     row_bytes,
     staged,
 )
 from ._mpi_into import IntoOps
-from ._mpi_ops import VectorOps, run_each
+from ._mpi_ops import VectorOps
 from .agreement import JOINED, JOINED_VECTOR, CollectiveCall, all_joined, continues_while_joined, describe_call
 from .base import Communicator, Handle, ReduceOp, split_ranks_error
 from .dtypes import dtype_named
@@ -124,15 +124,24 @@ class MPICommunicator(VectorOps, IntoOps, Communicator):
         """Run ``collective`` now and return its result (blocking; in this thread when the queue is idle)."""
         return self.engine.run(collective)
 
-    def create_group(self, ranks: list[int]):
-        """Return an mpi4py communicator over ``ranks`` (this communicator's), COMM_NULL elsewhere.
+    def group_over(self, ranks: list[int]) -> MPICommunicator:
+        """Return a communicator over ``ranks`` (this communicator's, renumbered in list order); members only.
 
         Collective over ``ranks`` only (``MPI_Comm_create_group``, as torch's
         ``new_group`` is called by members alone), so it is not an operation of this
         communicator's order: it runs on the side communicator, outside the queue.
         """
         with oplog.waiting(self.log, "new_group"):
-            return self._side.Create_group(self._side.Get_group().Incl(list(ranks)))
+            return self._child(self._side.Create_group(self._side.Get_group().Incl(list(ranks))))
+
+    def _child(self, sub) -> MPICommunicator:
+        """Return a communicator over the mpi4py communicator ``sub`` (which it duplicates; ``sub`` is freed)."""
+        try:
+            child = MPICommunicator(sub)
+        finally:
+            sub.Free()
+        child.check_collectives = self.check_collectives
+        return child
 
     def close(self) -> None:
         if self.engine.closed:
@@ -180,14 +189,10 @@ class MPICommunicator(VectorOps, IntoOps, Communicator):
             check: the tensor's name, for messages.
             error: what the caller found wrong with this rank's arguments: every rank raises it.
         """
-        listed = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-        if len({t.dtype for t in listed}) > 1:
-            error = error or f"tensors of one dtype are reduced together, got {describe_tensors(listed)}"
-        error = error or next(filter(None, map(layout_error, listed)), None)
-        call = self.call_for(check, "allreduce", listed, error=error, reduce_op=op)
-        bodies = [] if error else [self.allreduce_body(t, op) for t in listed]
-        body = bodies[0] if len(bodies) == 1 and listed[0] is tensors else run_each(bodies, tensors)
-        return Collective("allreduce", body, listed[0] if listed else None, call)
+        if not isinstance(tensors, torch.Tensor) and len({t.dtype for t in tensors}) > 1:
+            error = error or f"tensors of one dtype are reduced together, got {describe_tensors(tensors)}"
+        make = functools.partial(self.allreduce_body, op=op)
+        return self.plan_each("allreduce", tensors, make, check=check, error=error, reduce_op=op)
 
     def allreduce_async_(self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None) -> Handle:
         return self.start(self.plan_allreduce(tensor, op, check=check))
@@ -236,12 +241,8 @@ class MPICommunicator(VectorOps, IntoOps, Communicator):
     def plan_broadcast(self, tensors, root: int, *, check: str | None = None, error: str | None = None):
         """Return the broadcast of root's ``tensors`` (a tensor or a list: one operation) into every rank's."""
         self._check_root(root)
-        listed = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-        error = error or next(filter(None, map(layout_error, listed)), None)
-        call = self.call_for(check, "broadcast", listed, error=error, root=root)
-        bodies = [] if error else [self.broadcast_body(t, root) for t in listed]
-        body = bodies[0] if len(bodies) == 1 and listed[0] is tensors else run_each(bodies, tensors)
-        return Collective("broadcast", body, listed[0] if listed else None, call)
+        make = functools.partial(self.broadcast_body, root=root)
+        return self.plan_each("broadcast", tensors, make, check=check, error=error, root=root)
 
     def broadcast_async_(self, tensor: torch.Tensor, root: int, *, check: str | None = None) -> Handle:
         return self.start(self.plan_broadcast(tensor, root, check=check))
@@ -339,11 +340,4 @@ class MPICommunicator(VectorOps, IntoOps, Communicator):
             return comm.Split(MPI.UNDEFINED, 0)
 
         sub = self.run(Collective("split", body, None, call))
-        if sub == MPI.COMM_NULL:
-            return None
-        try:
-            child = MPICommunicator(sub)
-        finally:
-            sub.Free()
-        child.check_collectives = self.check_collectives
-        return child
+        return None if sub == MPI.COMM_NULL else self._child(sub)
