@@ -78,3 +78,24 @@ def test_check_collectives_from_the_environment():
         read_settings({"HPCDDP_CHECK_COLLECTIVES": "maybe"})
     with pytest.raises(ValueError, match="check_collectives must be True or False"):
         InitConfig(check_collectives="no")
+
+
+def test_one_table_of_reduction_ops_and_of_dtypes():
+    import torch.distributed as dist
+
+    from hpcddp.comm.dtypes import DTYPES, HALF_DTYPES, dtype_name, dtype_named
+    from hpcddp.comm.names import COLLECTIVES, ROWS_MAY_DIFFER
+    from hpcddp.comm.reduction import REDUCTIONS, from_torch, to_torch
+
+    for op in ReduceOp:
+        if op is not ReduceOp.AVERAGE:
+            assert from_torch(to_torch(op)) is op  # torch's op travels as itself
+    assert from_torch(dist.ReduceOp.AVG) is ReduceOp.AVERAGE
+    assert to_torch(ReduceOp.AVERAGE) == dist.ReduceOp.SUM  # an average travels as a sum
+    assert REDUCTIONS[ReduceOp.PRODUCT].mpi == "PROD" and set(REDUCTIONS) == set(ReduceOp)
+    assert HALF_DTYPES == (torch.float16, torch.bfloat16)
+    for dtype in (*DTYPES, torch.bool):
+        assert dtype_named(dtype_name(dtype)) is dtype
+    assert ROWS_MAY_DIFFER <= set(COLLECTIVES)
+    with pytest.raises(ValueError, match="PREMUL_SUM is NCCL-only"):
+        from_torch(dist._make_nccl_premul_sum(2.0))

@@ -57,3 +57,15 @@ def test_reductions_mpi_cannot_do_are_refused(dtype, op, error, message):
 
     with pytest.raises(error, match=message):
         check_reducible(getattr(torch, dtype), from_torch(getattr(dist.ReduceOp, op)))
+
+
+def test_16_bit_float_reductions_are_made_once_per_process():
+    import torch
+    from mpi4py import MPI
+
+    from hpcddp.comm.reduction import ReduceOp, mpi_op
+
+    made = mpi_op(MPI, torch.bfloat16, ReduceOp.SUM)
+    assert mpi_op(MPI, torch.bfloat16, ReduceOp.AVERAGE) is made  # an average travels as the sum
+    assert mpi_op(MPI, torch.float16, ReduceOp.SUM) is not made
+    assert mpi_op(MPI, torch.float32, ReduceOp.MAX) is MPI.MAX
