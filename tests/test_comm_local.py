@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hpcddp.comm.agreement import Signature, agreement_vector, disagrees, mismatch_message, signature
+from hpcddp.comm.agreement import CollectiveCall, agreement_vector, describe_call, disagrees, mismatch_message
 from hpcddp.comm.base import ReduceOp, even_splits, parse_op, splits_error
 from hpcddp.comm.local import LocalCommunicator
 from hpcddp.env.settings import read_settings
@@ -56,8 +56,8 @@ def test_even_splits_follow_horovod():
 
 
 def test_agreement_vectors_and_message():
-    a = signature("allreduce", torch.ones(2, 3), reduce_op=ReduceOp.SUM, name="grad")
-    b = signature("allreduce", torch.ones(2, 4), reduce_op=ReduceOp.SUM, name="grad")
+    a = describe_call("allreduce", torch.ones(2, 3), reduce_op=ReduceOp.SUM, name="grad")
+    b = describe_call("allreduce", torch.ones(2, 4), reduce_op=ReduceOp.SUM, name="grad")
     combined = [min(x, y) for x, y in zip(agreement_vector(a), agreement_vector(a))]
     assert not disagrees(combined)
     combined = [min(x, y) for x, y in zip(agreement_vector(a), agreement_vector(b))]
@@ -66,9 +66,9 @@ def test_agreement_vectors_and_message():
     assert message.startswith(
         "allreduce of tensor 'grad': the ranks disagree: shape differs (rank 0 [2, 3], rank 1 [2, 4])"
     )
-    bad = Signature("alltoall", error="splits must add up")
+    bad = CollectiveCall("alltoall", error="splits must add up")
     assert disagrees(agreement_vector(bad))
-    assert "rank 1: splits must add up" in mismatch_message([Signature("alltoall"), bad])
+    assert "rank 1: splits must add up" in mismatch_message([CollectiveCall("alltoall"), bad])
 
 
 def test_check_collectives_from_the_environment():
@@ -78,3 +78,24 @@ def test_check_collectives_from_the_environment():
         read_settings({"HPCDDP_CHECK_COLLECTIVES": "maybe"})
     with pytest.raises(ValueError, match="check_collectives must be True or False"):
         InitConfig(check_collectives="no")
+
+
+def test_one_table_of_reduction_ops_and_of_dtypes():
+    import torch.distributed as dist
+
+    from hpcddp.comm.dtypes import DTYPES, HALF_DTYPES, dtype_name, dtype_named
+    from hpcddp.comm.names import COLLECTIVES, ROWS_MAY_DIFFER
+    from hpcddp.comm.reduction import REDUCTIONS, from_torch, to_torch
+
+    for op in ReduceOp:
+        if op is not ReduceOp.AVERAGE:
+            assert from_torch(to_torch(op)) is op  # torch's op travels as itself
+    assert from_torch(dist.ReduceOp.AVG) is ReduceOp.AVERAGE
+    assert to_torch(ReduceOp.AVERAGE) == dist.ReduceOp.SUM  # an average travels as a sum
+    assert REDUCTIONS[ReduceOp.PRODUCT].mpi == "PROD" and set(REDUCTIONS) == set(ReduceOp)
+    assert HALF_DTYPES == (torch.float16, torch.bfloat16)
+    for dtype in (*DTYPES, torch.bool):
+        assert dtype_named(dtype_name(dtype)) is dtype
+    assert ROWS_MAY_DIFFER <= set(COLLECTIVES)
+    with pytest.raises(ValueError, match="PREMUL_SUM is NCCL-only"):
+        from_torch(dist._make_nccl_premul_sum(2.0))

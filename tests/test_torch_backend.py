@@ -51,10 +51,20 @@ def test_init_process_group_hpcddp_in_a_world_of_one(world_of_one):
 def test_reductions_mpi_cannot_do_are_refused(dtype, op, error, message):
     import torch
     import torch.distributed as dist
-    from mpi4py import MPI
 
-    from hpcddp.comm._mpi_buffers import MPIOps
-    from hpcddp.torch_backend._buffers import reduce_op_of
+    from hpcddp.comm.reduction import check_reducible, from_torch
 
     with pytest.raises(error, match=message):
-        MPIOps(MPI).check_reducible(getattr(torch, dtype), reduce_op_of(getattr(dist.ReduceOp, op)))
+        check_reducible(getattr(torch, dtype), from_torch(getattr(dist.ReduceOp, op)))
+
+
+def test_16_bit_float_reductions_are_made_once_per_process():
+    import torch
+    from mpi4py import MPI
+
+    from hpcddp.comm.reduction import ReduceOp, mpi_op
+
+    made = mpi_op(MPI, torch.bfloat16, ReduceOp.SUM)
+    assert mpi_op(MPI, torch.bfloat16, ReduceOp.AVERAGE) is made  # an average travels as the sum
+    assert mpi_op(MPI, torch.float16, ReduceOp.SUM) is not made
+    assert mpi_op(MPI, torch.float32, ReduceOp.MAX) is MPI.MAX

@@ -1,25 +1,21 @@
-"""Torch tensors as MPI buffers: dtypes, staging through host memory, reduction ops for 16-bit floats."""
+"""Torch tensors as MPI buffers: staging through host memory, writing results back, pieces MPI can count."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import numpy as np
 import torch
 
-from .base import ReduceOp
+from .dtypes import DTYPES, mpi_datatype, numpy_view
 
 __all__ = [
-    "HALF_DTYPES",
-    "NUMPY_DTYPE_NAMES",
-    "TORCH_TO_NUMPY",
-    "MPIOps",
     "bytes_view",
     "displacements",
-    "dtype_name",
     "empty_like",
     "explain_failure",
     "for_each_piece",
+    "layout_error",
+    "mpi_buffer",
+    "result_buffer",
     "row_bytes",
     "staged",
     "write_back",
@@ -29,28 +25,6 @@ MB = 1 << 20
 #: bytes per MPI call: MPI counts elements in 32-bit ints, and Open MPI's reductions of
 #: larger messages hold several temporary copies (2.2 GB of fp16 grew a rank to 11.8 GB)
 MESSAGE_PIECE_BYTES = 256 * MB
-
-#: dtypes MPI reduces natively, and their numpy types
-TORCH_TO_NUMPY = {
-    torch.float32: np.float32,
-    torch.float64: np.float64,
-    torch.int8: np.int8,
-    torch.uint8: np.uint8,
-    torch.int16: np.int16,
-    torch.int32: np.int32,
-    torch.int64: np.int64,
-}
-#: dtypes MPI reduces natively, by name (the hot path looks names up here)
-NUMPY_DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in TORCH_TO_NUMPY}
-
-# MPI has no standard 16-bit float: these travel as 2-byte integers and are combined
-# by user-defined ops that view the bytes with the right dtype.
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """Return ``dtype``'s name without the ``torch.`` prefix."""
-    return NUMPY_DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
 
 
 def bytes_view(tensor: torch.Tensor) -> np.ndarray:
@@ -93,6 +67,28 @@ def write_back(tensor: torch.Tensor):
     return write_unexpanded
 
 
+def layout_error(tensor: torch.Tensor) -> str | None:
+    """What is wrong with writing a collective's result into ``tensor``, or None.
+
+    An ``expand()``ed tensor is written through its un-expanded view (``write_back``),
+    as gloo does; other views whose elements share memory cannot take one result each.
+    """
+    if torch._debug_has_internal_overlap(tensor) == 1 and write_back(tensor) is None:
+        return (
+            f"the tensor (shape {list(tensor.shape)}, strides {list(tensor.stride())}) has elements that share "
+            "memory (expand(), broadcast views): a collective cannot write one result per element; "
+            "pass tensor.contiguous()"
+        )
+    return None
+
+
+def result_buffer(tensor: torch.Tensor):
+    """The buffer MPI writes ``tensor``'s result into, and ``write(buffer)`` to copy it back (None: it is ``tensor``)."""
+    buffer = staged(tensor)
+    same_memory = buffer.data_ptr() == tensor.data_ptr() and buffer.device == tensor.device
+    return buffer, None if same_memory else write_back(tensor)
+
+
 def for_each_piece(spec) -> list:
     """Split an mpi4py buffer spec (a flat array, or ``[array, datatype]``) into pieces of at most 256 MiB."""
     array, datatype = spec if isinstance(spec, list) else (spec, None)
@@ -116,10 +112,10 @@ def displacements(counts: list[int]) -> list[int]:
 def empty_like(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor like ``tensor``; on the CPU from numpy, which asks Linux for
     transparent huge pages: a fresh 64 MiB torch buffer took 2x as long to fill from MPI."""
-    numpy_dtype = TORCH_TO_NUMPY.get(tensor.dtype)
-    if tensor.device.type != "cpu" or numpy_dtype is None:
+    carried = DTYPES.get(tensor.dtype)
+    if tensor.device.type != "cpu" or carried is None or not carried.native:
         return torch.empty_like(tensor, memory_format=torch.contiguous_format)
-    return torch.from_numpy(np.empty(tuple(tensor.shape), dtype=numpy_dtype))
+    return torch.from_numpy(np.empty(tuple(tensor.shape), dtype=carried.numpy))
 
 
 def explain_failure(err: BaseException, desc) -> BaseException:
@@ -134,60 +130,9 @@ def explain_failure(err: BaseException, desc) -> BaseException:
     return explained
 
 
-class MPIOps:
-    """MPI reduction ops and buffer specs for every dtype hpcddp reduces."""
-
-    def __init__(self, MPI) -> None:
-        self._MPI = MPI
-        self._created: dict[tuple[torch.dtype, ReduceOp], Any] = {}
-        # Averages are sums, divided after.
-        self.plain = {
-            ReduceOp.SUM: MPI.SUM,
-            ReduceOp.AVERAGE: MPI.SUM,
-            ReduceOp.MIN: MPI.MIN,
-            ReduceOp.MAX: MPI.MAX,
-            ReduceOp.PRODUCT: MPI.PROD,
-            ReduceOp.BAND: MPI.BAND,
-            ReduceOp.BOR: MPI.BOR,
-            ReduceOp.BXOR: MPI.BXOR,
-        }
-
-    def check_reducible(self, dtype: torch.dtype, op: ReduceOp, what: str = "allreduce") -> None:
-        """Raise TypeError for a dtype or op MPI cannot reduce."""
-        if dtype not in TORCH_TO_NUMPY and dtype not in HALF_DTYPES:
-            raise TypeError(f"{what} does not support tensors of dtype {dtype}")
-        if op is ReduceOp.AVERAGE and not dtype.is_floating_point:
-            raise TypeError(f"op='average' needs a floating-point tensor, got {dtype}: use op='sum'")
-        if op.bitwise and (dtype.is_floating_point or dtype in HALF_DTYPES):
-            raise TypeError(f"op='{op.value}' needs an integer tensor, got {dtype}")
-
-    def op(self, dtype: torch.dtype, op: ReduceOp):
-        """Return the MPI op reducing ``dtype`` with ``op``."""
-        if dtype not in HALF_DTYPES:
-            return self.plain[op]
-        key = (dtype, op)
-        if key not in self._created:
-            combine = {ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum, ReduceOp.PRODUCT: torch.mul}.get(
-                op, torch.add
-            )
-
-            def reduce_half(inbuf, outbuf, datatype, dtype=dtype, combine=combine):
-                out = torch.frombuffer(outbuf, dtype=dtype)
-                combine(out, torch.frombuffer(inbuf, dtype=dtype), out=out)
-
-            self._created[key] = self._MPI.Op.Create(reduce_half, commute=True)
-        return self._created[key]
-
-    def buffer(self, tensor: torch.Tensor, counts=None, displs=None):
-        """Return an mpi4py buffer spec for a contiguous CPU tensor (element counts, if given)."""
-        if tensor.dtype in HALF_DTYPES:
-            data, datatype = tensor.view(torch.int16).reshape(-1).numpy(), self._MPI.SHORT
-        else:
-            data, datatype = tensor.reshape(-1).numpy(), None
-        if counts is None:
-            return data if datatype is None else [data, datatype]
-        if datatype is None:
-            from mpi4py.util.dtlib import from_numpy_dtype
-
-            datatype = from_numpy_dtype(data.dtype)
-        return [data, counts, displs, datatype] if displs is not None else [data, counts, datatype]
+def mpi_buffer(MPI, tensor: torch.Tensor, counts=None, displs=None) -> list:
+    """Return an mpi4py buffer spec for a contiguous CPU tensor of a dtype MPI reduces (element counts, if given)."""
+    data, datatype = numpy_view(tensor), mpi_datatype(MPI, tensor.dtype)
+    if counts is None:
+        return [data, datatype]
+    return [data, counts, displs, datatype] if displs is not None else [data, counts, datatype]

@@ -11,21 +11,11 @@ import torch
 import torch.distributed as dist
 
 from . import oplog
-from .agreement import agreement_vector, disagrees, mismatch_error, signature
+from .agreement import agreement_vector, describe_call, disagrees, mismatch_error
 from .base import Handle, ReduceOp, alltoall_splits, as_splits, even_splits, splits_error
+from .reduction import check_average, to_torch
 
-__all__ = ["DIST_OPS", "TorchDistOps", "WorkHandle", "explain_timeout"]
-
-DIST_OPS = {
-    ReduceOp.SUM: dist.ReduceOp.SUM,
-    ReduceOp.AVERAGE: dist.ReduceOp.SUM,
-    ReduceOp.MIN: dist.ReduceOp.MIN,
-    ReduceOp.MAX: dist.ReduceOp.MAX,
-    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
-    ReduceOp.BAND: dist.ReduceOp.BAND,
-    ReduceOp.BOR: dist.ReduceOp.BOR,
-    ReduceOp.BXOR: dist.ReduceOp.BXOR,
-}
+__all__ = ["TorchDistOps", "WorkHandle", "explain_timeout"]
 
 
 class WorkHandle(Handle):
@@ -98,21 +88,20 @@ class TorchDistOps:
             if error is not None:
                 raise ValueError(error)
             return
-        sig = signature(op, tensor, error=error, name=check, **fields)
-        vector = torch.tensor(agreement_vector(sig), dtype=torch.int64, device=self.device)
+        call = describe_call(op, tensor, error=error, name=check, **fields)
+        vector = torch.tensor(agreement_vector(call), dtype=torch.int64, device=self.device)
         self._keep(dist.all_reduce(vector, op=dist.ReduceOp.MIN, group=self.group, async_op=True)).wait()
         if disagrees(vector.tolist()):
-            raise mismatch_error(self.allgather_object(sig))
+            raise mismatch_error(self.allgather_object(call))
 
     def reduce_async_(self, tensor: torch.Tensor, op: ReduceOp, root: int, *, check: str | None = None) -> Handle:
-        if op is ReduceOp.AVERAGE and not tensor.dtype.is_floating_point:
-            raise TypeError(f"op='average' needs a floating-point tensor, got {tensor.dtype}: use op='sum'")
+        check_average(tensor.dtype, op)
         dst = self._global(root)
         self._verify(check, "reduce", tensor, root=root, reduce_op=op)
         is_root = self.rank == root
         # Backends may use a non-root's buffer as scratch: reduce a copy there.
         staged = self._on_device(tensor) if is_root else tensor.detach().to(self.device, copy=True).contiguous()
-        work = dist.reduce(staged, dst=dst, op=DIST_OPS[op], group=self.group, async_op=True)
+        work = dist.reduce(staged, dst=dst, op=to_torch(op), group=self.group, async_op=True)
 
         def finish(out: torch.Tensor) -> torch.Tensor:
             if not is_root:
@@ -128,7 +117,7 @@ class TorchDistOps:
         source = self._on_device(tensor.detach())
         if source.dim() == 0:
             source = source.reshape(1)
-        self._verify(check, "gather", source, rows_may_differ=True, root=root)
+        self._verify(check, "gather", source, root=root)
         rows = self.allgather_object(source.shape[0])
         padded = self._padded(source, max(rows))
         pieces = [torch.empty_like(padded) for _ in rows] if self.rank == root else None
@@ -160,7 +149,7 @@ class TorchDistOps:
                 f"out holds {out.numel()} elements but root sends {sizes[self.rank]}"
             )  # fmt: skip
         if self._checking(check):
-            self._verify(check, "scatter", out, rows_may_differ=True, root=root, error=error)
+            self._verify(check, "scatter", out, root=root, error=error)
         elif isinstance(sizes, str):
             raise ValueError(f"scatter was not run: {error}")
         longest = max(sizes)
@@ -184,14 +173,13 @@ class TorchDistOps:
     ) -> Handle:
         if tensor.dim() == 0:
             raise ValueError("reducescatter needs a tensor with at least one dimension, got a scalar")
-        if op is ReduceOp.AVERAGE and not tensor.dtype.is_floating_point:
-            raise TypeError(f"op='average' needs a floating-point tensor, got {tensor.dtype}: use op='sum'")
+        check_average(tensor.dtype, op)
         splits = even_splits(tensor.shape[0], self.size) if splits is None else as_splits(splits)
         error = splits_error(splits, tensor.shape[0], self.size)
         self._verify(check, "reducescatter", tensor, reduce_op=op, splits=splits, error=error)
         # gloo has no reduce_scatter and NCCL's wants equal pieces: reduce all, keep this rank's rows.
         full = tensor.detach().to(self.device, copy=True).contiguous()
-        work = dist.all_reduce(full, op=DIST_OPS[op], group=self.group, async_op=True)
+        work = dist.all_reduce(full, op=to_torch(op), group=self.group, async_op=True)
         start = sum(splits[: self.rank])
         handle = WorkHandle(self._track(work, "reducescatter", full), full, "reducescatter")
         if op is ReduceOp.AVERAGE:
@@ -206,7 +194,7 @@ class TorchDistOps:
         source = self._on_device(tensor.detach())
         rows = source.shape[0]
         splits, error = alltoall_splits(splits, rows, self.size)
-        self._verify(check, "alltoall", source, rows_may_differ=True, error=error)
+        self._verify(check, "alltoall", source, error=error)
         sent = torch.tensor(splits, dtype=torch.int64, device=self.device)
         received = torch.empty_like(sent)
         self._keep(dist.all_to_all_single(received, sent, group=self.group, async_op=True)).wait()

@@ -1,11 +1,11 @@
 """Metadata agreement: every rank describes the collective it is about to run, and they compare.
 
 As Horovod's negotiation, but one small reduction instead of a coordinator: each rank
-hashes its collective's signature (op, shape, dtype, root, reduce op, splits) and the
+hashes its ``CollectiveCall`` (op, shape, dtype, root, reduce op, splits) and the
 ranks reduce ``[hash, -hash, -error]`` with MIN, which yields the smallest and the
 largest hash and whether any rank found its own arguments bad. Every rank gets the same
 three numbers, so on disagreement all of them take the slow path together: gather the
-signatures, build one message, skip the collective and raise CollectiveMismatchError.
+calls, build one message, skip the collective and raise CollectiveMismatchError.
 The communicator is then still in step on every rank.
 """
 
@@ -18,11 +18,14 @@ from typing import Any, NamedTuple
 import torch
 
 from .base import ranks_text
+from .dtypes import dtype_name
+from .names import COLLECTIVES, ROWS_MAY_DIFFER
+from .reduction import ReduceOp
 
 __all__ = [
     "CollectiveArgumentError",
     "CollectiveMismatchError",
-    "Signature",
+    "CollectiveCall",
     "JOINED",
     "JOINED_VECTOR",
     "agreement_vector",
@@ -30,7 +33,8 @@ __all__ = [
     "disagrees",
     "mismatch_error",
     "mismatch_message",
-    "signature",
+    "continues_while_joined",
+    "describe_call",
     "some_joined",
 ]
 
@@ -51,12 +55,13 @@ class CollectiveArgumentError(CollectiveMismatchError, ValueError):
     """
 
 
-class Signature(NamedTuple):
-    """What one rank says about the collective it is about to run."""
+class CollectiveCall(NamedTuple):
+    """What one rank says about the collective it is about to run: the ranks compare these first."""
 
     op: str
-    #: the shape that must agree (allgather/gather/alltoall: without the first dimension)
-    shape: tuple[int, ...] | None = None
+    #: the shape that must agree (``names.ROWS_MAY_DIFFER``: without the first dimension;
+    #: several tensors: the tuple of their shapes)
+    shape: tuple | None = None
     dtype: str | None = None
     root: int | None = None
     reduce_op: str | None = None
@@ -73,24 +78,22 @@ class Signature(NamedTuple):
         return (self.op, self.shape, self.dtype, self.root, self.reduce_op, self.splits, self.step)
 
 
-def signature(
+def describe_call(
     op: str,
-    tensor: torch.Tensor | None = None,
+    tensor: torch.Tensor | Sequence[torch.Tensor] | None = None,
     *,
-    rows_may_differ: bool = False,
     root: int | None = None,
     reduce_op: Any = None,
     splits: Sequence[int] | None = None,
     step: int | None = None,
     error: str | None = None,
     name: str = "",
-) -> Signature:
-    """Describe a collective for the agreement check.
+) -> CollectiveCall:
+    """Describe this rank's next collective for the agreement check.
 
     Args:
-        op: the collective's name ("allreduce", ...).
-        tensor: its tensor, if any.
-        rows_may_differ: the first dimension may differ between ranks (allgather).
+        op: the collective's name (``hpcddp.comm.names``).
+        tensor: its tensor, or its tensors (compared as the tuple of their shapes), if any.
         root: the root rank, for rooted collectives.
         reduce_op: the reduction (a ReduceOp or its name).
         splits: splits that must be the same on every rank.
@@ -98,17 +101,21 @@ def signature(
         error: what is wrong with this rank's own arguments, if anything.
         name: the tensor's name, for the message.
     """
+    assert op in COLLECTIVES, f"{op!r} is not named in hpcddp.comm.names"
     shape = dtype = None
-    if tensor is not None:
-        shape = tuple(tensor.shape[1:]) if rows_may_differ else tuple(tensor.shape)
-        dtype = str(tensor.dtype).removeprefix("torch.")
+    if isinstance(tensor, torch.Tensor):
+        shape = tuple(tensor.shape[1:]) if op in ROWS_MAY_DIFFER else tuple(tensor.shape)
+        dtype = dtype_name(tensor.dtype)
+    elif tensor:  # several tensors of one dtype
+        shape = tuple(tuple(t.shape) for t in tensor) if len(tensor) > 1 else tuple(tensor[0].shape)
+        dtype = dtype_name(tensor[0].dtype)
     reduce_name = getattr(reduce_op, "value", reduce_op)
     splits = None if splits is None else tuple(splits)
-    return Signature(op, shape, dtype, root, reduce_name, splits, step, error, name)
+    return CollectiveCall(op, shape, dtype, root, reduce_name, splits, step, error, name)
 
 
-def _fingerprint(sig: Signature) -> int:
-    digest = hashlib.blake2b(repr(sig.compared()).encode(), digest_size=8).digest()
+def _fingerprint(call: CollectiveCall) -> int:
+    digest = hashlib.blake2b(repr(call.compared()).encode(), digest_size=8).digest()
     # 62 bits: the negation below must stay within int64.
     return int.from_bytes(digest, "little") >> 2
 
@@ -117,14 +124,14 @@ def _fingerprint(sig: Signature) -> int:
 # wins the MIN over a real hash, and its last two entries say "some/all ranks joined".
 _ABOVE_ANY_HASH = 1 << 62
 JOINED_VECTOR = (_ABOVE_ANY_HASH, _ABOVE_ANY_HASH, 0, 1, -1)
-#: the signature a joined rank contributes when the ranks compare signatures
-JOINED = Signature("join")
+#: what a joined rank says when the ranks compare their calls
+JOINED = CollectiveCall("join")
 
 
-def agreement_vector(sig: Signature) -> list[int]:
+def agreement_vector(call: CollectiveCall) -> list[int]:
     """Return this rank's ``[hash, -hash, -error, joined, -joined]``, to be reduced with MIN across ranks."""
-    fingerprint = _fingerprint(sig)
-    return [fingerprint, -fingerprint, -int(sig.error is not None), 0, 0]
+    fingerprint = _fingerprint(call)
+    return [fingerprint, -fingerprint, -int(call.error is not None), 0, 0]
 
 
 def disagrees(reduced: Sequence[int]) -> bool:
@@ -142,37 +149,49 @@ def all_joined(reduced: Sequence[int]) -> bool:
     return len(reduced) > 4 and int(reduced[3]) == 1
 
 
-def mismatch_error(signatures: Sequence[Signature]) -> CollectiveMismatchError:
-    """Return the exception every rank raises for these gathered signatures."""
-    if any(s.error is not None for s in signatures):
-        return CollectiveArgumentError(mismatch_message(signatures))
-    return CollectiveMismatchError(mismatch_message(signatures))
+def continues_while_joined(calls: Sequence[CollectiveCall]) -> bool:
+    """Return True when the ranks that have not joined agree on a sum or average allreduce."""
+    active = [c for c in calls if c.op != JOINED.op]
+    return (
+        bool(active)
+        and len({c.compared() for c in active}) == 1
+        and not any(c.error for c in active)
+        and active[0].op == "allreduce"
+        and active[0].reduce_op in (ReduceOp.SUM.value, ReduceOp.AVERAGE.value)
+    )
 
 
-def mismatch_message(all_signatures: Sequence[Signature]) -> str:
+def mismatch_error(calls: Sequence[CollectiveCall]) -> CollectiveMismatchError:
+    """Return the exception every rank raises for these gathered calls."""
+    if any(s.error is not None for s in calls):
+        return CollectiveArgumentError(mismatch_message(calls))
+    return CollectiveMismatchError(mismatch_message(calls))
+
+
+def mismatch_message(all_calls: Sequence[CollectiveCall]) -> str:
     """Return the one message every rank raises, from every rank's signature (in rank order).
 
     Args:
-        signatures: every rank's Signature, gathered.
+        all_calls: every rank's CollectiveCall, gathered.
     """
-    joined = [r for r, s in enumerate(all_signatures) if s.op == JOINED.op]
-    signatures = [s for s in all_signatures if s.op != JOINED.op]
-    if joined and signatures and len({s.compared() for s in signatures}) == 1 and not any(s.error for s in signatures):
+    joined = [r for r, s in enumerate(all_calls) if s.op == JOINED.op]
+    calls = [s for s in all_calls if s.op != JOINED.op]
+    if joined and calls and len({s.compared() for s in calls}) == 1 and not any(s.error for s in calls):
         return (
-            f"{signatures[0].op} cannot run while {ranks_text(joined)} {'has' if len(joined) == 1 else 'have'} joined "
+            f"{calls[0].op} cannot run while {ranks_text(joined)} {'has' if len(joined) == 1 else 'have'} joined "
             "(hvd.join): only sum and average allreduces continue until every rank joins"
         )
-    first = signatures[0]
-    ranked = [(r, s) for r, s in enumerate(all_signatures) if s.op != JOINED.op]
+    first = calls[0]
+    ranked = [(r, s) for r, s in enumerate(all_calls) if s.op != JOINED.op]
     errors = [(r, s.error) for r, s in ranked if s.error is not None]
-    what = first.op + _named(signatures)
+    what = first.op + _named(calls)
     if errors:
         details = "; ".join(f"rank {r}: {error}" for r, error in errors)
         return f"{what} was not run: {details}"
     buckets = [r for r, s in ranked if _is_bucket(s)]
     others = [r for r, s in ranked if not _is_bucket(s)]
     if buckets and others:
-        bucket, other = all_signatures[buckets[0]], all_signatures[others[0]]
+        bucket, other = all_calls[buckets[0]], all_calls[others[0]]
         return (
             f"{ranks_text(buckets)} {'was' if len(buckets) == 1 else 'were'} reducing gradients ({bucket.name}: "
             f"{_describe(bucket)}) while {ranks_text(others)} called {_describe(other)}: {ranks_text(others)} skipped a "
@@ -183,11 +202,11 @@ def mismatch_message(all_signatures: Sequence[Signature]) -> str:
     differences = []
     for index, field in enumerate(fields):
         groups: dict[Any, list[int]] = {}
-        for r, sig in ranked:
-            groups.setdefault(sig.compared()[index], []).append(r)
+        for r, call in ranked:
+            groups.setdefault(call.compared()[index], []).append(r)
         if len(groups) > 1:
             label = {
-                "shape": "shape" if first.op not in _ROWS_MAY_DIFFER else "shape after the first dimension",
+                "shape": "shape" if first.op not in ROWS_MAY_DIFFER else "shape after the first dimension",
                 "step": "optimizer step",
             }.get(field, field.replace("_", " "))
             parts = ", ".join(f"{ranks_text(ranks)} {_show(value)}" for value, ranks in groups.items())
@@ -195,16 +214,16 @@ def mismatch_message(all_signatures: Sequence[Signature]) -> str:
     return f"{what}: the ranks disagree: {'; '.join(differences)}; {_cause(ranked)}"
 
 
-def _named(signatures: Sequence[Signature]) -> str:
-    names = sorted({s.name for s in signatures if s.name and not _is_bucket(s)})
+def _named(calls: Sequence[CollectiveCall]) -> str:
+    names = sorted({s.name for s in calls if s.name and not _is_bucket(s)})
     return f" of tensor {', '.join(map(repr, names))}" if names else ""
 
 
-def _is_bucket(sig: Signature) -> bool:
-    return sig.step is not None
+def _is_bucket(call: CollectiveCall) -> bool:
+    return call.step is not None
 
 
-def _cause(ranked: list[tuple[int, Signature]]) -> str:
+def _cause(ranked: list[tuple[int, CollectiveCall]]) -> str:
     steps = sorted({s.step for _, s in ranked if _is_bucket(s)})
     if len(steps) > 1:
         ahead = ranks_text([r for r, s in ranked if s.step == steps[-1]])
@@ -215,14 +234,11 @@ def _cause(ranked: list[tuple[int, Signature]]) -> str:
     return "every rank must call the same collectives in the same order with matching arguments"
 
 
-def _describe(sig: Signature) -> str:
+def _describe(call: CollectiveCall) -> str:
     """``allreduce of shape [98] float32``, or ``barrier``."""
-    if sig.shape is None:
-        return sig.op
-    return f"{sig.op} of shape {_show(sig.shape)} {sig.dtype}"
-
-
-_ROWS_MAY_DIFFER = ("allgather", "gather", "alltoall")
+    if call.shape is None:
+        return call.op
+    return f"{call.op} of shape {_show(call.shape)} {call.dtype}"
 
 
 def _show(value: Any) -> str:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import abc
-import enum
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from .reduction import ReduceOp, parse_op
 
 __all__ = [
     "Communicator",
@@ -21,43 +22,6 @@ __all__ = [
     "parse_op",
     "splits_error",
 ]
-
-
-class ReduceOp(enum.Enum):
-    """How a reduction combines the ranks' tensors (the one table: torch's ops map onto these)."""
-
-    SUM = "sum"
-    AVERAGE = "average"
-    MIN = "min"
-    MAX = "max"
-    PRODUCT = "product"
-    BAND = "band"
-    BOR = "bor"
-    BXOR = "bxor"
-
-    @property
-    def bitwise(self) -> bool:
-        """True for the integer-only ops BAND, BOR and BXOR."""
-        return self in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
-
-
-def parse_op(op: str | ReduceOp, argument: str = "op") -> ReduceOp:
-    """Turn ``"average"``/``"sum"``/``"min"``/``"max"``/``"product"``/``"band"``/``"bor"``/``"bxor"``
-    (or a ReduceOp) into a ReduceOp.
-
-    Args:
-        op: the user's value.
-        argument: the argument name to put in the error message.
-    """
-    if isinstance(op, ReduceOp):
-        return op
-    aliases = {"avg": ReduceOp.AVERAGE, "mean": ReduceOp.AVERAGE, "prod": ReduceOp.PRODUCT}
-    key = str(op).lower()
-    try:
-        return aliases.get(key) or ReduceOp(key)
-    except ValueError:
-        choices = ", ".join(repr(o.value) for o in ReduceOp)
-        raise ValueError(f"{argument} must be one of {choices}, got {op!r}") from None
 
 
 class Handle:

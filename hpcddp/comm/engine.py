@@ -1,11 +1,16 @@
 """The rules every road to MPI follows, and the engine that enforces them on one communicator.
 
-hpcddp reaches MPI through several APIs (its own collectives, the DistributedOptimizer's
-gradient buckets, the torch.distributed backend ``"hpcddp"``/``"mpi"``, the Horovod API)
-and from several threads (the training thread, one communication thread per
-communicator, autograd's threads running gradient hooks, torch future callbacks, the
-stall inspector). These rules hold for all of them. Every module follows them by
-handing its operations to an ``Engine``; none makes its own MPI calls on a communicator.
+hpcddp reaches MPI through several APIs and from several threads (the training thread,
+one communication thread per communicator, autograd's threads running gradient hooks,
+torch future callbacks, the stall inspector). There is one road: hpcddp's collectives
+(``hpcddp.collectives``), the DistributedOptimizer's gradient buckets (``hpcddp.ddp``)
+and the Horovod API (``hpcddp.horovod``) call the ``Communicator`` interface; the
+torch.distributed backend ``"hpcddp"``/``"mpi"`` (``hpcddp.torch_backend``) checks
+torch's arguments and calls the MPI communicator's ``plan_*`` methods. Either way
+``MPICommunicator`` plans each collective (its MPI calls, staging, names from ``names``,
+ops from ``reduction``, dtypes from ``dtypes``) and hands it to its ``Engine`` with
+``start`` or ``run``. No module outside ``hpcddp.comm`` makes MPI calls on a communicator.
+These rules hold for every collective on the road:
 
 1. **One runner.** On each communicator at most one thread at a time, the *runner*,
    makes collective MPI calls. It is the communication thread, or a thread that waits
@@ -59,16 +64,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import oplog
 from ._mpi_buffers import explain_failure
-from .agreement import JOINED, Signature, agreement_vector, mismatch_error, some_joined
-from .base import Handle, ReduceOp
+from .agreement import CollectiveCall, agreement_vector, continues_while_joined, mismatch_error, some_joined
+from .base import Handle
+from .dtypes import dtype_name
 
-__all__ = ["Engine", "EngineHandle", "wait_for_request"]
+__all__ = ["Collective", "Engine", "EngineHandle", "wait_for_request"]
 
 log = logging.getLogger("hpcddp")
 
@@ -109,11 +115,31 @@ class EngineHandle(Handle):
         return self._done.is_set() or self._engine.wait_for(self, timeout)
 
 
-class _Operation:
-    __slots__ = ("body", "desc", "handle", "logged", "on_done", "sig")
+class Collective(NamedTuple):
+    """One collective for the engine (``MPICommunicator``'s ``plan_*`` methods make them)."""
 
-    def __init__(self, body, desc, sig, handle, on_done, logged: bool = True) -> None:
-        self.body, self.desc, self.sig, self.handle, self.on_done = body, desc, sig, handle, on_done
+    #: its name (``hpcddp.comm.names``)
+    name: str
+    #: its MPI calls, made on the runner; the return value is the result
+    body: Callable[[], Any]
+    #: the tensor the log names (shape, dtype), if any
+    tensor: Any = None
+    #: what every rank agrees on first (rule 4); None: checks are off, or the body agrees itself
+    call: CollectiveCall | None = None
+
+
+def _describe(collective: Collective) -> oplog.Descriptor:
+    tensor = collective.tensor
+    if tensor is None:
+        return oplog.describe(collective.name)
+    return oplog.describe(collective.name, tensor.shape, dtype_name(tensor.dtype))
+
+
+class _Operation:
+    __slots__ = ("body", "call", "desc", "handle", "logged", "on_done")
+
+    def __init__(self, body, desc, call, handle, on_done, logged: bool = True) -> None:
+        self.body, self.desc, self.call, self.handle, self.on_done = body, desc, call, handle, on_done
         self.logged = logged
 
 
@@ -145,7 +171,7 @@ class Engine:
         self.check_collectives = True
         self._MPI = MPI
         self._reduced = np.empty(5, dtype=np.int64)  # the runner's alone
-        self._vectors: dict[Signature, np.ndarray] = {}  # a training loop agrees on the same few again and again
+        self._vectors: dict[CollectiveCall, np.ndarray] = {}  # a training loop agrees on the same few again and again
         self._cond = threading.Condition()
         self._items: collections.deque[_Operation] = collections.deque()
         self._runner: int | None = None
@@ -159,31 +185,18 @@ class Engine:
 
     # -- submitting ---------------------------------------------------------------------
     def submit(
-        self,
-        name: str,
-        body: Callable[[], Any],
-        *,
-        sig: Signature | None = None,
-        shape=None,
-        dtype: str | None = None,
-        on_done: Callable[[Handle], None] | None = None,
-        wake: bool = True,
+        self, collective: Collective, *, on_done: Callable[[Handle], None] | None = None, wake: bool = True
     ) -> EngineHandle:
-        """Queue ``body`` (its MPI calls) after the agreement on ``sig``; return its handle.
+        """Queue ``collective`` (its body's MPI calls) after the agreement on its call; return its handle.
 
         Args:
-            name: the collective, for messages and the stall inspector.
-            body: makes the MPI calls on the runner; its return value is the handle's result.
-            sig: what every rank must agree on first (None: no agreement, for operations
-                whose caller already agreed, or when checks are off).
-            shape: the tensor's shape, for stall reports.
-            dtype: its dtype name, for stall reports.
+            collective: what to run.
             on_done: called with the completed handle, on the runner (rule 5).
             wake: False when the caller waits at once (it then runs the queue itself).
         """
-        desc = oplog.describe(name, shape, dtype)
-        handle = EngineHandle(self, name, desc)
-        return self._enqueue(_Operation(body, desc, sig, handle, on_done), wake)
+        desc = _describe(collective)
+        handle = EngineHandle(self, collective.name, desc)
+        return self._enqueue(_Operation(collective.body, desc, collective.call, handle, on_done), wake)
 
     def submit_callback(self, run: Callable[[], None]) -> EngineHandle:
         """Queue ``run`` (a future's callback) at this point of the order, not logged as an operation (rule 3)."""
@@ -214,26 +227,26 @@ class Engine:
                 raise stop  # Ctrl-C or sys.exit() in a callback run here: this thread stops, as without hpcddp
         return op.handle
 
-    def run(self, name: str, body: Callable[[], Any], *, sig: Signature | None = None, shape=None, dtype=None):
-        """Run ``body`` now and return its result, in this thread when the queue is idle (blocking).
+    def run(self, collective: Collective) -> Any:
+        """Run ``collective`` now and return its result, in this thread when the queue is idle (blocking).
 
         The hot path of small blocking collectives: no handle, no queue, no wake-up.
         """
         me = threading.get_ident()
         with self._cond:
-            self._check_open(name)
+            self._check_open(collective.name)
             nested = self._runner == me
             claimed = not nested and self._runner is None and not self._items
             if claimed:
                 self._runner = me
         if not (nested or claimed):
-            return self.submit(name, body, sig=sig, shape=shape, dtype=dtype, wake=False).wait()
-        pending = oplog.describe(name, shape, dtype)
+            return self.submit(collective, wake=False).wait()
+        pending = _describe(collective)
         seq = self.log.start(pending, blocking=True)
         try:
-            if sig is not None and self.check_collectives:
-                self.agree(sig)
-            return body()
+            if collective.call is not None and self.check_collectives:
+                self.agree(collective.call)
+            return collective.body()
         except BaseException as err:
             raise explain_failure(err, pending._replace(seq=seq)) from None
         finally:
@@ -301,8 +314,8 @@ class Engine:
         seq = self.log.start(op.desc)
         handle.started_at = time.perf_counter()
         try:
-            if op.sig is not None and self.check_collectives:
-                self.agree(op.sig)
+            if op.call is not None and self.check_collectives:
+                self.agree(op.call)
             result = op.body()
         except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
             self.log.finish(seq)
@@ -351,28 +364,28 @@ class Engine:
         wait_for_request(self.comm.Iallreduce(vector, self._reduced, op=self._MPI.MIN), self._progress)
         return self._reduced
 
-    def agree(self, sig: Signature) -> None:
-        """Check that every rank describes its next collective as ``sig``; on the runner.
+    def agree(self, call: CollectiveCall) -> None:
+        """Check that every rank describes its next collective as ``call``; on the runner.
 
         Raises CollectiveMismatchError (CollectiveArgumentError for a rank's bad
         arguments) on every rank alike when they differ. Ranks that joined (Horovod's
         join) let sum and average allreduces of the others go on.
         """
         if self.size == 1:
-            if sig.error is not None:
-                raise mismatch_error([sig])
+            if call.error is not None:
+                raise mismatch_error([call])
             return
-        vector = self._vectors.get(sig)
+        vector = self._vectors.get(call)
         if vector is None:
             if len(self._vectors) > 4096:
                 self._vectors.clear()
-            vector = self._vectors[sig] = np.array(agreement_vector(sig), dtype=np.int64)
+            vector = self._vectors[call] = np.array(agreement_vector(call), dtype=np.int64)
         reduced = self.exchange(vector)
         low, minus_high, minus_error, _, minus_joined = reduced.tolist()
         if low != -minus_high or minus_error or minus_joined:
-            signatures = self.comm.allgather(sig)
-            if not (some_joined(reduced) and continues_while_joined(signatures)):
-                raise mismatch_error(signatures)
+            calls = self.comm.allgather(call)
+            if not (some_joined(reduced) and continues_while_joined(calls)):
+                raise mismatch_error(calls)
 
     # -- closing ----------------------------------------------------------------------------
     def close(self) -> None:
@@ -384,15 +397,3 @@ class Engine:
             self._cond.notify_all()
         if self._thread is not threading.current_thread():
             self._thread.join()
-
-
-def continues_while_joined(signatures: list[Signature]) -> bool:
-    """Return True when the ranks that have not joined agree on a sum or average allreduce."""
-    active = [s for s in signatures if s.op != JOINED.op]
-    return (
-        bool(active)
-        and len({s.compared() for s in active}) == 1
-        and not any(s.error for s in active)
-        and active[0].op == "allreduce"
-        and active[0].reduce_op in (ReduceOp.SUM.value, ReduceOp.AVERAGE.value)
-    )

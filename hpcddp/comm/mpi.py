@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import secrets
 from collections.abc import Callable
 from typing import Any
@@ -12,27 +13,29 @@ import torch
 from ..runtime.mpi_import import import_mpi, require_thread_multiple
 from . import oplog
 from ._mpi_buffers import (
-    MPIOps,
     bytes_view,
     displacements,
-    dtype_name,
     empty_like,
     for_each_piece,
+    mpi_buffer,
+    result_buffer,
     row_bytes,
     staged,
-    write_back,
 )
+from ._mpi_into import IntoOps
 from ._mpi_ops import VectorOps
-from .agreement import JOINED, JOINED_VECTOR, Signature, all_joined, signature
+from .agreement import JOINED, JOINED_VECTOR, CollectiveCall, all_joined, continues_while_joined, describe_call
 from .base import Communicator, Handle, ReduceOp, split_ranks_error
-from .engine import Engine, continues_while_joined, wait_for_request
+from .dtypes import dtype_named
+from .engine import Collective, Engine, EngineHandle, wait_for_request
 from .hierarchy import HIERARCHY_MIN_BYTES, hierarchy_for
-from .p2p import PointToPoint
+from .p2p import PointToPoint, describe_tensors
+from .reduction import check_reducible, mpi_op
 
 __all__ = ["MPICommunicator"]
 
 
-class MPICommunicator(VectorOps, Communicator):
+class MPICommunicator(VectorOps, IntoOps, Communicator):
     """Communicator over an MPI communicator (COMM_WORLD by default).
 
     Collectives run in submission order on a communication thread (or in the thread
@@ -58,7 +61,6 @@ class MPICommunicator(VectorOps, Communicator):
         self._comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
         self._side = self._comm.Dup()  # for barrier_now, beside the collectives' communicator
         super().__init__(self._comm.Get_rank(), self._comm.Get_size())
-        self._ops = MPIOps(MPI)
         self._hierarchy = hierarchy_for(self._comm, MPI, hierarchical)
         world = MPI.COMM_WORLD.Get_group()
         #: this communicator's ranks as ranks of the whole job
@@ -84,64 +86,62 @@ class MPICommunicator(VectorOps, Communicator):
         """The (duplicated) mpi4py communicator this backend talks on."""
         return self._comm
 
-    # -- plumbing ---------------------------------------------------------------------
-    def signature_for(
+    # -- plumbing: the one way in (hpcddp.comm.engine) ----------------------------------
+    def call_for(
         self, check: str | None, op: str, tensor=None, error: str | None = None, **fields
-    ) -> Signature | None:
+    ) -> CollectiveCall | None:
         """Return what the ranks agree on before ``op``, or None when checks are off (then ``error`` raises here).
 
         Args:
             check: the tensor's name, for messages.
-            op: the collective; the same name only where the transfer is the same.
-            tensor: its tensor, if any.
+            op: the collective (``hpcddp.comm.names``).
+            tensor: its tensor, or its tensors, if any.
             error: what is wrong with this rank's arguments: every rank raises it.
-            fields: more for ``hpcddp.comm.agreement.signature`` (root, reduce_op, splits, ...).
+            fields: more for ``hpcddp.comm.agreement.describe_call`` (root, reduce_op, splits).
         """
         if not self.check_collectives or self.size == 1:
             if error is not None:
                 raise ValueError(error)
             return None
         tag, step = oplog.current_tag()  # the optimizer's buckets: "bucket 2 of step 7", 7
-        return signature(op, tensor, error=error, name=check or tag, step=step, **fields)
+        return describe_call(op, tensor, error=error, name=check or tag, step=step, **fields)
 
-    def submit(
-        self, name: str, body: Callable[[], Any], tensor=None, sig=None, *, wake: bool = True, on_done=None
-    ) -> Handle:
-        """Hand ``body`` (its MPI calls on ``mpi_comm``) to the engine, after the agreement on ``sig``.
+    def start(
+        self, collective: Collective, *, wake: bool = True, on_done: Callable[[Handle], None] | None = None
+    ) -> EngineHandle:
+        """Queue ``collective`` on the engine, after the agreement on its call; return its handle.
 
-        The one way in for every API on this communicator (``hpcddp.comm.engine``).
+        Every API on this communicator runs its collectives through here or ``run``.
+
+        Args:
+            collective: from a ``plan_*`` method.
+            wake: False when the caller waits at once (it then runs the queue itself).
+            on_done: called with the completed handle, on the runner (a torch future's completion).
         """
-        shape, dtype = (None, None) if tensor is None else (tensor.shape, dtype_name(tensor.dtype))
-        return self.engine.submit(name, body, sig=sig, shape=shape, dtype=dtype, wake=wake, on_done=on_done)
+        return self.engine.submit(collective, wake=wake, on_done=on_done)
 
-    def _run(self, name: str, body: Callable[[], Any], tensor=None, sig=None):
-        shape, dtype = (None, None) if tensor is None else (tensor.shape, dtype_name(tensor.dtype))
-        return self.engine.run(name, body, sig=sig, shape=shape, dtype=dtype)
+    def run(self, collective: Collective) -> Any:
+        """Run ``collective`` now and return its result (blocking; in this thread when the queue is idle)."""
+        return self.engine.run(collective)
 
-    @staticmethod
-    def layout_error(tensor: torch.Tensor) -> str | None:
-        """What is wrong with writing a collective's result into ``tensor``, or None.
-
-        An ``expand()``ed tensor is written through its un-expanded view (``write_back``),
-        as gloo does; other views whose elements share memory cannot take one result each.
-        """
-        if torch._debug_has_internal_overlap(tensor) == 1 and write_back(tensor) is None:
-            return (
-                f"the tensor (shape {list(tensor.shape)}, strides {list(tensor.stride())}) has elements that share "
-                "memory (expand(), broadcast views): a collective cannot write one result per element; "
-                "pass tensor.contiguous()"
-            )
-        return None
-
-    def create_group(self, ranks: list[int]):
-        """Return an mpi4py communicator over ``ranks`` (this communicator's), COMM_NULL elsewhere.
+    def group_over(self, ranks: list[int]) -> MPICommunicator:
+        """Return a communicator over ``ranks`` (this communicator's, renumbered in list order); members only.
 
         Collective over ``ranks`` only (``MPI_Comm_create_group``, as torch's
         ``new_group`` is called by members alone), so it is not an operation of this
         communicator's order: it runs on the side communicator, outside the queue.
         """
         with oplog.waiting(self.log, "new_group"):
-            return self._side.Create_group(self._side.Get_group().Incl(list(ranks)))
+            return self._child(self._side.Create_group(self._side.Get_group().Incl(list(ranks))))
+
+    def _child(self, sub) -> MPICommunicator:
+        """Return a communicator over the mpi4py communicator ``sub`` (which it duplicates; ``sub`` is freed)."""
+        try:
+            child = MPICommunicator(sub)
+        finally:
+            sub.Free()
+        child.check_collectives = self.check_collectives
+        return child
 
     def close(self) -> None:
         if self.engine.closed:
@@ -154,24 +154,24 @@ class MPICommunicator(VectorOps, Communicator):
         self._comm.Free()
 
     # -- allreduce ------------------------------------------------------------------------
-    def reduce_in_place(self, buffer: torch.Tensor, mpi_op) -> None:
+    def reduce_in_place(self, buffer: torch.Tensor, op) -> None:
         """Allreduce a contiguous CPU tensor in place (flat or two-level, in pieces MPI can count); on the runner."""
         if self.size == 1:
             return
         hierarchy = self._hierarchy if buffer.nbytes >= HIERARCHY_MIN_BYTES else None
-        for piece in for_each_piece(self._ops.buffer(buffer)):
+        for piece in for_each_piece(mpi_buffer(self._MPI, buffer)):
             if hierarchy is not None:
-                hierarchy.allreduce(piece, mpi_op)
+                hierarchy.allreduce(piece, op)
             else:
-                self._comm.Allreduce(self._MPI.IN_PLACE, piece, op=mpi_op)
+                self._comm.Allreduce(self._MPI.IN_PLACE, piece, op=op)
 
     def allreduce_body(self, tensor: torch.Tensor, op: ReduceOp) -> Callable[[], torch.Tensor]:
         """Return the runner's work for an in-place allreduce of ``tensor``: reduce, divide, copy back."""
-        self._ops.check_reducible(tensor.dtype, op)
-        (buffer, write), mpi_op, size = _result_buffer(tensor), self._ops.op(tensor.dtype, op), self.size
+        check_reducible(tensor.dtype, op)
+        (buffer, write), reduce, size = result_buffer(tensor), mpi_op(self._MPI, tensor.dtype, op), self.size
 
         def body() -> torch.Tensor:
-            self.reduce_in_place(buffer, mpi_op)
+            self.reduce_in_place(buffer, reduce)
             if op is ReduceOp.AVERAGE:
                 buffer.div_(size)
             if write is not None:
@@ -180,43 +180,52 @@ class MPICommunicator(VectorOps, Communicator):
 
         return body
 
-    def _allreduce_sig(self, tensor: torch.Tensor, op: ReduceOp, check: str | None) -> Signature | None:
-        return self.signature_for(check, "allreduce", tensor, error=self.layout_error(tensor), reduce_op=op)
+    def plan_allreduce(self, tensors, op: ReduceOp, *, check: str | None = None, error: str | None = None):
+        """Return the in-place allreduce of ``tensors`` (a tensor, or a list of one dtype: one operation).
+
+        Args:
+            tensors: what to reduce; the result is this argument.
+            op: the reduction.
+            check: the tensor's name, for messages.
+            error: what the caller found wrong with this rank's arguments: every rank raises it.
+        """
+        if not isinstance(tensors, torch.Tensor) and len({t.dtype for t in tensors}) > 1:
+            error = error or f"tensors of one dtype are reduced together, got {describe_tensors(tensors)}"
+        make = functools.partial(self.allreduce_body, op=op)
+        return self.plan_each("allreduce", tensors, make, check=check, error=error, reduce_op=op)
 
     def allreduce_async_(self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None) -> Handle:
-        sig = self._allreduce_sig(tensor, op, check)
-        return self.submit("allreduce", self.allreduce_body(tensor, op), tensor, sig)
+        return self.start(self.plan_allreduce(tensor, op, check=check))
 
     def allreduce_(self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None) -> torch.Tensor:
-        sig = self._allreduce_sig(tensor, op, check)
-        return self._run("allreduce", self.allreduce_body(tensor, op), tensor, sig)
+        return self.run(self.plan_allreduce(tensor, op, check=check))
 
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None) -> torch.Tensor:
-        self._ops.check_reducible(tensor.dtype, op)
-        sig = self.signature_for(check, "allreduce", tensor, reduce_op=op)
+        check_reducible(tensor.dtype, op)
+        call = self.call_for(check, "allreduce", tensor, reduce_op=op)
         source = staged(tensor)
         out = empty_like(source)  # out of place as MPI does it: no copy first
-        mpi_op = self._ops.op(tensor.dtype, op)
+        reduce = mpi_op(self._MPI, tensor.dtype, op)
 
         def body() -> torch.Tensor:
             if self.size == 1 or (self._hierarchy is not None and out.nbytes >= HIERARCHY_MIN_BYTES):
                 out.copy_(source)
-                self.reduce_in_place(out, mpi_op)
+                self.reduce_in_place(out, reduce)
             else:
-                sends = for_each_piece(self._ops.buffer(source))
-                for send, receive in zip(sends, for_each_piece(self._ops.buffer(out))):
-                    self._comm.Allreduce(send, receive, op=mpi_op)
+                sends = for_each_piece(mpi_buffer(self._MPI, source))
+                for send, receive in zip(sends, for_each_piece(mpi_buffer(self._MPI, out))):
+                    self._comm.Allreduce(send, receive, op=reduce)
             if op is ReduceOp.AVERAGE:
                 out.div_(self.size)
             return out if tensor.device.type == "cpu" else out.to(tensor.device)
 
-        return self._run("allreduce", body, tensor, sig)
+        return self.run(Collective("allreduce", body, tensor, call))
 
     # -- broadcast, allgather, objects, barrier ---------------------------------------------
     def broadcast_body(self, tensor: torch.Tensor, root: int) -> Callable[[], torch.Tensor]:
         """Return the runner's work for broadcasting root's ``tensor`` into every rank's ``tensor``."""
         self._check_root(root)
-        buffer, write = _result_buffer(tensor)
+        buffer, write = result_buffer(tensor)
         if self.rank == root:
             write = None  # the root's tensor is the result already
 
@@ -229,16 +238,20 @@ class MPICommunicator(VectorOps, Communicator):
 
         return body
 
-    def broadcast_async_(self, tensor: torch.Tensor, root: int, *, check: str | None = None) -> Handle:
+    def plan_broadcast(self, tensors, root: int, *, check: str | None = None, error: str | None = None):
+        """Return the broadcast of root's ``tensors`` (a tensor or a list: one operation) into every rank's."""
         self._check_root(root)
-        sig = self.signature_for(check, "broadcast", tensor, error=self.layout_error(tensor), root=root)
-        return self.submit("broadcast", self.broadcast_body(tensor, root), tensor, sig)
+        make = functools.partial(self.broadcast_body, root=root)
+        return self.plan_each("broadcast", tensors, make, check=check, error=error, root=root)
+
+    def broadcast_async_(self, tensor: torch.Tensor, root: int, *, check: str | None = None) -> Handle:
+        return self.start(self.plan_broadcast(tensor, root, check=check))
 
     def allgather_async(self, tensor: torch.Tensor, *, check: str | None = None) -> Handle:
         source = tensor.detach().cpu().contiguous()
         if source.dim() == 0:
             source = source.reshape(1)
-        sig = self.signature_for(check, "allgather", source, rows_may_differ=True)
+        call = self.call_for(check, "allgather", source)
         comm, MPI = self._comm, self._MPI
 
         def body() -> torch.Tensor:
@@ -248,25 +261,28 @@ class MPICommunicator(VectorOps, Communicator):
             comm.Allgatherv(bytes_view(source), [bytes_view(out), counts, displacements(counts), MPI.BYTE])
             return out.to(tensor.device)
 
-        return self.submit("allgather", body, tensor, sig)
+        return self.start(Collective("allgather", body, tensor, call))
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
         self._check_root(root)
-        sig = self.signature_for("", "broadcast_object", root=root)
-        return self._run("broadcast_object", lambda: self._comm.bcast(obj, root=root), sig=sig)
+        call = self.call_for("", "broadcast_object", root=root)
+        return self.run(Collective("broadcast_object", lambda: self._comm.bcast(obj, root=root), None, call))
 
     def allgather_object(self, obj: Any) -> list[Any]:
-        return self._run(
-            "allgather_object", lambda: self._comm.allgather(obj), sig=self.signature_for("", "allgather_object")
-        )
+        call = self.call_for("", "allgather_object")
+        return self.run(Collective("allgather_object", lambda: self._comm.allgather(obj), None, call))
 
     def gather_object(self, obj: Any, root: int) -> list[Any] | None:
         self._check_root(root)
-        sig = self.signature_for("", "gather_object", root=root)
-        return self._run("gather_object", lambda: self._comm.gather(obj, root=root), sig=sig)
+        call = self.call_for("", "gather_object", root=root)
+        return self.run(Collective("gather_object", lambda: self._comm.gather(obj, root=root), None, call))
+
+    def plan_barrier(self) -> Collective:
+        """Return a barrier over the communicator, in its order (``barrier_now`` is outside it)."""
+        return Collective("barrier", self._comm.Barrier, None, self.call_for("", "barrier"))
 
     def barrier(self) -> None:
-        self._run("barrier", self._comm.Barrier, sig=self.signature_for("", "barrier"))
+        self.run(self.plan_barrier())
 
     def barrier_now(self) -> None:
         """Block until every rank reaches this call, without waiting for this rank's queued collectives.
@@ -293,16 +309,16 @@ class MPICommunicator(VectorOps, Communicator):
             joined = np.array(JOINED_VECTOR, dtype=np.int64)
             while not all_joined(engine.exchange(joined)):
                 rounds += 1
-                signatures = comm.allgather(JOINED)
-                if continues_while_joined(signatures):
-                    sig = next(s for s in signatures if s.op != JOINED.op)
-                    zeros = torch.zeros(sig.shape, dtype=getattr(torch, sig.dtype))
+                calls = comm.allgather(JOINED)
+                if continues_while_joined(calls):
+                    call = next(c for c in calls if c.op != JOINED.op)
+                    zeros = torch.zeros(call.shape, dtype=dtype_named(call.dtype))
                     # The same algorithm as the ranks still reducing (flat or two-level).
-                    self.reduce_in_place(zeros, self._ops.op(zeros.dtype, ReduceOp(sig.reduce_op)))
+                    self.reduce_in_place(zeros, mpi_op(self._MPI, zeros.dtype, ReduceOp(call.reduce_op)))
             waited = comm.allgather(rounds)
             return min(range(self.size), key=lambda r: (waited[r], -r))
 
-        return self._run("join", body)
+        return self.run(Collective("join", body))
 
     # -- point-to-point -------------------------------------------------------------------------
     def send_async(self, tensor: torch.Tensor, dest: int, tag: int = 0) -> Handle:
@@ -315,7 +331,7 @@ class MPICommunicator(VectorOps, Communicator):
     def split(self, ranks: list[int]) -> MPICommunicator | None:
         members = list(ranks)
         error = split_ranks_error(members, self.size)
-        sig = self.signature_for("", "split", error=error, splits=members if error is None else None)
+        call = self.call_for("", "split", error=error, splits=members if error is None else None)
         MPI, comm = self._MPI, self._comm
 
         def body():
@@ -323,19 +339,5 @@ class MPICommunicator(VectorOps, Communicator):
                 return comm.Split(0, members.index(self.rank))
             return comm.Split(MPI.UNDEFINED, 0)
 
-        sub = self._run("split", body, sig=sig)
-        if sub == MPI.COMM_NULL:
-            return None
-        try:
-            child = MPICommunicator(sub)
-        finally:
-            sub.Free()
-        child.check_collectives = self.check_collectives
-        return child
-
-
-def _result_buffer(tensor: torch.Tensor):
-    """The buffer MPI writes ``tensor``'s result into, and ``write(buffer)`` to copy it back (None: it is ``tensor``)."""
-    buffer = staged(tensor)
-    same_memory = buffer.data_ptr() == tensor.data_ptr() and buffer.device == tensor.device
-    return buffer, None if same_memory else write_back(tensor)
+        sub = self.run(Collective("split", body, None, call))
+        return None if sub == MPI.COMM_NULL else self._child(sub)

@@ -91,8 +91,8 @@ class Descriptor(NamedTuple):
     #: exempt from the stall timeout (see ``patient_collectives``)
     patient: bool = False
 
-    def signature(self) -> tuple:
-        """What must agree across ranks for the operation to match."""
+    def match_key(self) -> tuple:
+        """What must agree across ranks at one place of the order (the stall inspector groups ranks by it)."""
         return (self.op, self.shape, self.dtype)
 
     def __str__(self) -> str:

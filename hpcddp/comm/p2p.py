@@ -29,8 +29,10 @@ import time
 import torch
 
 from . import oplog
+from ._mpi_buffers import staged
 from .agreement import CollectiveMismatchError
 from .base import Handle
+from .dtypes import dtype_name
 
 __all__ = ["Message", "PointToPoint", "describe_tensors"]
 
@@ -41,7 +43,7 @@ _FIRST_GAP_S, _LONGEST_GAP_S = 1e-3, 10e-3
 
 def describe_tensors(tensors) -> str:
     """``float32[4, 2]`` for one tensor, a comma-separated list for several (for messages)."""
-    return ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors)
+    return ", ".join(f"{dtype_name(t.dtype)}{list(t.shape)}" for t in tensors)
 
 
 def _chunks(flat: torch.Tensor) -> list[torch.Tensor]:
@@ -184,12 +186,12 @@ class PointToPoint:
         self._check_peer(dest, "dest")
         self._check_tag(tag)
         data_tag = self.tag_limit + next(self._sent) % self._data_tags
-        staged = _staged(tensor)
+        source = staged(tensor)
         message = Message(self, "send", tensor, dest, tag)
-        message.keep = staged  # the requests read it until they complete
-        header = (staged.dtype, tuple(staged.shape), data_tag)
+        message.keep = source  # the requests read it until they complete
+        header = (source.dtype, tuple(source.shape), data_tag)
         message._requests.append(self.comm.isend(header, dest=dest, tag=tag))
-        for chunk in _chunks(_bytes(staged)):
+        for chunk in _chunks(_bytes(source)):
             message._requests.append(self.comm.Isend(chunk.numpy(), dest=dest, tag=data_tag))
         return message
 
@@ -249,14 +251,6 @@ class PointToPoint:
             message._buffer = target = _receiving(tensor)
         for chunk in _chunks(_bytes(target)):
             message._requests.append(self.comm.Irecv(chunk.numpy(), source=message.source, tag=data_tag))
-
-
-def _staged(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` itself when MPI can read its memory (CPU, contiguous), else a contiguous CPU copy."""
-    staged = tensor.detach()
-    if staged.device.type != "cpu" or not staged.is_contiguous():
-        staged = staged.to("cpu", memory_format=torch.contiguous_format)
-    return staged
 
 
 def _receiving(tensor: torch.Tensor) -> torch.Tensor:

@@ -11,15 +11,15 @@ import torch
 import torch.distributed as dist
 
 from . import oplog
-from ._torchdist_ops import DIST_OPS, TorchDistOps, WorkHandle, explain_timeout
+from ._torchdist_ops import TorchDistOps, WorkHandle, explain_timeout
 from .base import Communicator, Handle, ReduceOp, completed, split_ranks_error
+from .dtypes import dtype_name
+from .reduction import check_average, to_torch
 
 __all__ = ["TorchDistCommunicator"]
 
 # Far more than can be in flight at once (one per bucket), so a dropped Work is long done.
 _KEPT_WORKS = 1024
-
-_DIST_OPS = DIST_OPS
 
 
 class TorchDistCommunicator(TorchDistOps, Communicator):
@@ -53,7 +53,7 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
 
     def _track(self, work, name: str, tensor: torch.Tensor | None = None):
         """Record ``work`` for the stall inspector until it completes, and keep it (see ``_keep``)."""
-        shape, dtype = (None, None) if tensor is None else (tensor.shape, str(tensor.dtype).removeprefix("torch."))
+        shape, dtype = (None, None) if tensor is None else (tensor.shape, dtype_name(tensor.dtype))
         seq = self.log.start(oplog.describe(name, shape, dtype))
         work.get_future().add_done_callback(lambda _future: self.log.finish(seq))
         return self._keep(work)
@@ -73,14 +73,13 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
         return tensor.to(self.device).contiguous()
 
     def allreduce_async_(self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None) -> Handle:
-        if op is ReduceOp.AVERAGE and not tensor.dtype.is_floating_point:
-            raise TypeError(f"op='average' needs a floating-point tensor, got {tensor.dtype}: use op='sum'")
+        check_average(tensor.dtype, op)
         self._verify(check, "allreduce", tensor, reduce_op=op)
         staged = self._on_device(tensor)
         if self.size == 1:
             handle = completed(staged, "allreduce")
         else:
-            work = dist.all_reduce(staged, op=_DIST_OPS[op], group=self.group, async_op=True)
+            work = dist.all_reduce(staged, op=to_torch(op), group=self.group, async_op=True)
             handle = WorkHandle(self._track(work, "allreduce", staged), staged, "allreduce")
         if op is ReduceOp.AVERAGE:
             handle.then(lambda out: out.div_(self.size))
@@ -97,7 +96,7 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
         source = self._on_device(tensor.detach())
         if source.dim() == 0:
             source = source.reshape(1)
-        self._verify(check, "allgather", source, rows_may_differ=True)
+        self._verify(check, "allgather", source)
         # torch.distributed gathers equal shapes only: pad the first dimension to
         # the longest rank's, then cut each piece back.
         rows = self.allgather_object(source.shape[0])

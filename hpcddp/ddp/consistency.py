@@ -13,14 +13,16 @@ from collections.abc import Sequence
 import torch
 
 from ..comm.base import Communicator, ranks_text
+from ..comm.dtypes import dtype_name
 
 __all__ = ["check_same_parameters", "describe_difference"]
 
-Signature = list[tuple[str, tuple[int, ...], str]]
+#: every parameter's (name, shape, dtype), in the order they are reduced: what the ranks compare
+ParameterList = list[tuple[str, tuple[int, ...], str]]
 
 
-def _signature(named: Sequence[tuple[str, torch.Tensor]]) -> Signature:
-    return [(name, tuple(t.shape), str(t.dtype).replace("torch.", "")) for name, t in named]
+def _parameter_list(named: Sequence[tuple[str, torch.Tensor]]) -> ParameterList:
+    return [(name, tuple(t.shape), dtype_name(t.dtype)) for name, t in named]
 
 
 def _entry(item) -> str:
@@ -28,17 +30,17 @@ def _entry(item) -> str:
     return f"{name!r} {list(shape)} {dtype}"
 
 
-def describe_difference(signatures: Sequence[Signature], what: str) -> str | None:
+def describe_difference(parameter_lists: Sequence[ParameterList], what: str) -> str | None:
     """Return the error text for the first parameter that differs across ranks, or None.
 
     Args:
-        signatures: every rank's list of (name, shape, dtype), in rank order.
+        parameter_lists: every rank's ParameterList, in rank order.
         what: the caller named in the message, e.g. "DistributedOptimizer".
     """
-    reference = signatures[0]
-    longest = max(len(s) for s in signatures)
+    reference = parameter_lists[0]
+    longest = max(len(s) for s in parameter_lists)
     for index in range(longest):
-        entries = [s[index] if index < len(s) else None for s in signatures]
+        entries = [s[index] if index < len(s) else None for s in parameter_lists]
         if all(e == entries[0] for e in entries):
             continue
         groups: dict = {}
@@ -48,10 +50,10 @@ def describe_difference(signatures: Sequence[Signature], what: str) -> str | Non
             f"{ranks_text(ranks)} {'has no such parameter' if e is None else 'have ' + _entry(e)}"
             for e, ranks in groups.items()
         ]
-        counts = sorted({len(s) for s in signatures})
+        counts = sorted({len(s) for s in parameter_lists})
         count_note = ""
         if len(counts) > 1:
-            count_note = f" (parameter counts: {', '.join(f'rank {r}: {len(s)}' for r, s in enumerate(signatures) if len(s) != len(reference))} vs {len(reference)} on rank 0)"
+            count_note = f" (parameter counts: {', '.join(f'rank {r}: {len(s)}' for r, s in enumerate(parameter_lists) if len(s) != len(reference))} vs {len(reference)} on rank 0)"
         differ = [r for r, e in enumerate(entries) if e != entries[0]]
         return (
             f"{what}: the ranks hold different parameters: parameter #{index} differs on "
@@ -74,10 +76,10 @@ def check_same_parameters(comm: Communicator, named: Sequence[tuple[str, torch.T
     """
     if comm.size == 1:
         return
-    signature = _signature(named)
-    digest = hashlib.blake2b(repr(signature).encode(), digest_size=16).digest()
+    parameters = _parameter_list(named)
+    digest = hashlib.blake2b(repr(parameters).encode(), digest_size=16).digest()
     if len(set(comm.allgather_object(digest))) == 1:
         return
-    message = describe_difference(comm.allgather_object(signature), what)
+    message = describe_difference(comm.allgather_object(parameters), what)
     if message is not None:
         raise ValueError(message)

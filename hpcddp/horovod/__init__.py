@@ -62,7 +62,6 @@ from .ops import (
     grouped_allreduce_async,
     grouped_allreduce_async_,
     poll,
-    sparse_allreduce_async,
     synchronize,
 )
 from .optimizer import DistributedOptimizer, join
@@ -83,6 +82,7 @@ from .vector_ops import (
     grouped_reducescatter_async,
     reducescatter,
     reducescatter_async,
+    sparse_allreduce_async,
 )
 
 __all__ = [

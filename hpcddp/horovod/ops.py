@@ -14,7 +14,7 @@ from .process_sets import communicator_of, global_process_set
 
 __all__ = [
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_",
-    "grouped_allreduce_async", "grouped_allreduce_async_", "poll", "sparse_allreduce_async", "synchronize",
+    "grouped_allreduce_async", "grouped_allreduce_async_", "poll", "synchronize",
 ]  # fmt: skip
 
 # Names of the operations in flight: Horovod refuses a second one under the same name.
@@ -216,30 +216,6 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
                        process_set=global_process_set) -> list:  # fmt: skip
     """Reduce every tensor of ``tensors`` in place and return them."""
     return grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set).wait()
-
-
-def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
-    """Start reducing a sparse COO tensor as Horovod does: allgather its indices and values.
-
-    Returns a function; calling it waits and returns the sparse result (duplicate
-    indices summed when coalesced; divided by the set's size for Average).
-    """
-    from .vector_ops import allgather_async
-
-    sparse = tensor.coalesce() if not tensor.is_coalesced() else tensor
-    # allgather concatenates rows: indices travel transposed, one row per nonzero.
-    indices = allgather_async(sparse.indices().t().contiguous(), name=f"{name}.indices", process_set=process_set)
-    values = allgather_async(sparse.values(), name=f"{name}.values", process_set=process_set)
-    size = communicator_of(process_set).size
-
-    def finish() -> torch.Tensor:
-        gathered_values = synchronize(values)
-        gathered_indices = synchronize(indices)
-        if parse_op(op) is Average:
-            gathered_values = gathered_values / size
-        return torch.sparse_coo_tensor(gathered_indices.t(), gathered_values, tensor.shape, check_invariants=True)
-
-    return finish
 
 
 def synchronize(handle: Handle) -> Any:

@@ -1,19 +1,20 @@
-"""Horovod's allgather, broadcast, alltoall and reducescatter (plain, grouped, differentiable as Horovod's)."""
+"""Horovod's allgather (and the sparse allreduce built on it), broadcast, alltoall and reducescatter
+(plain, grouped, differentiable as Horovod's)."""
 
 from __future__ import annotations
 
 import torch
 
-from ..comm.base import Handle
+from ..comm.base import Handle, parse_op
 from .basics import Average, Sum
 from .compression import Compression
-from .ops import GroupHandle, resolve_op, scale_, start
+from .ops import GroupHandle, resolve_op, scale_, start, synchronize
 from .process_sets import communicator_of, global_process_set, set_rank
 
 __all__ = [
     "allgather", "allgather_async", "alltoall", "alltoall_async", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter",
-    "grouped_reducescatter_async", "reducescatter", "reducescatter_async",
+    "grouped_reducescatter_async", "reducescatter", "reducescatter_async", "sparse_allreduce_async",
 ]  # fmt: skip
 
 
@@ -56,6 +57,28 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set) 
 def grouped_allgather(tensors, name=None, process_set=global_process_set) -> list:
     """Return the allgather of each tensor in ``tensors``; differentiable."""
     return [allgather(t, None if name is None else f"{name}.{i}", process_set) for i, t in enumerate(tensors)]
+
+
+def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
+    """Start reducing a sparse COO tensor as Horovod does: allgather its indices and values.
+
+    Returns a function; calling it waits and returns the sparse result (duplicate
+    indices summed when coalesced; divided by the set's size for Average).
+    """
+    sparse = tensor.coalesce() if not tensor.is_coalesced() else tensor
+    # allgather concatenates rows: indices travel transposed, one row per nonzero.
+    indices = allgather_async(sparse.indices().t().contiguous(), name=f"{name}.indices", process_set=process_set)
+    values = allgather_async(sparse.values(), name=f"{name}.values", process_set=process_set)
+    size = communicator_of(process_set).size
+
+    def finish() -> torch.Tensor:
+        gathered_values = synchronize(values)
+        gathered_indices = synchronize(indices)
+        if parse_op(op) is Average:
+            gathered_values = gathered_values / size
+        return torch.sparse_coo_tensor(gathered_indices.t(), gathered_values, tensor.shape, check_invariants=True)
+
+    return finish
 
 
 # -- broadcast -----------------------------------------------------------------------

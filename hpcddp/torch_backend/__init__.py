@@ -7,9 +7,10 @@ After ``hpcddp.init()`` under mpirun or ``srun --mpi=pmix``::
 
 and torch's own DistributedDataParallel, FSDP2, SyncBatchNorm, DistributedSampler and
 torch.distributed.checkpoint run over MPI. Modules: ``group`` (the ProcessGroup and its
-Work), ``_exchange`` and ``_p2p`` (the rest of its collectives), ``_buffers`` (tensors as
-MPI buffers and torch's reduce ops as MPI ops), ``install`` (registration with torch). The
-metadata check before each collective is the communicator's (``hpcddp.comm.agreement``).
+Work), ``_exchange`` and ``_p2p`` (the rest of its collectives), ``_futures`` (their torch
+futures), ``install`` (registration with torch). They check torch's arguments and name
+them in messages; the transfers, the metadata check before each collective and the
+op and dtype tables are the communicator's (``hpcddp.comm``: the one road to MPI).
 """
 
 from ..comm.agreement import CollectiveMismatchError

@@ -1,11 +1,12 @@
 """``ProcessGroupHPCDDP``: a torch.distributed process group over one hpcddp MPI communicator.
 
-Its collectives are operations of the communicator's Engine like any other
-(``hpcddp.comm.engine``): the same queue and runner, the same agreement first, the same
-transfer code where the transfer is the same (an ``all_reduce`` here and
-``hpcddp.allreduce_`` on another rank match and give the right sum). Its Works complete
-their torch futures on the runner, so torch DDP's bucket callbacks run there and a comm
-hook that issues further collectives (PowerSGD) has them run at once, in order.
+Its collectives are the communicator's (``hpcddp.comm.mpi``): this module checks torch's
+arguments and names them in messages, the communicator plans the transfer and runs it on
+its Engine like any other (``hpcddp.comm.engine``): the same queue and runner, the same
+agreement first, the same transfer where the transfer is the same (an ``all_reduce``
+here and ``hpcddp.allreduce_`` on another rank match and give the right sum). Its Works
+complete their torch futures on the runner, so torch DDP's bucket callbacks run there
+and a comm hook that issues further collectives (PowerSGD) has them run at once, in order.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._buffers import describe, reduce_op_of, stage, unstage
-from ._exchange import ExchangeCollectives
+from ..comm.engine import Collective
+from ..comm.p2p import describe_tensors as describe
+from ..comm.reduction import from_torch
+from ._exchange import ExchangeCollectives, like
 from ._futures import OrderedFuture
 from ._p2p import PointToPoint
 
@@ -59,7 +62,8 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
         global_ranks: the group's members as ranks of the default group (for messages).
         backend_name: what ``dist.get_backend`` reports ("hpcddp", or "mpi" when
             torch's MPI name was routed here).
-        owns_comm: close ``comm`` when torch destroys the group (subgroups).
+        on_shutdown: called when torch destroys the group (a subgroup's owner releases
+            its communicator there).
     """
 
     def __init__(
@@ -67,15 +71,13 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
         comm,
         global_ranks: Sequence[int] | None = None,
         backend_name: str = "hpcddp",
-        owns_comm: bool = False,
+        on_shutdown: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(comm.rank, comm.size)
         self._comm = comm
-        self._mpi = comm.mpi_comm
-        self._MPI = comm._MPI
         self._global_ranks = list(global_ranks) if global_ranks is not None else list(range(comm.size))
         self._backend_name = backend_name
-        self._owns_comm = owns_comm
+        self._on_shutdown = on_shutdown
         self._name = ""
 
     # -- identity ---------------------------------------------------------------------
@@ -99,68 +101,39 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
 
     def shutdown(self) -> None:
         """Release the group's communicator and its thread (torch's destroy_process_group calls this)."""
-        if self._owns_comm:
-            from .install import release
-
-            release(self._comm)
+        if self._on_shutdown is not None:
+            self._on_shutdown()
 
     def __repr__(self) -> str:
         return f"ProcessGroupHPCDDP(rank={self.rank()}, size={self.size()}, name={self._name!r})"
 
     # -- plumbing ---------------------------------------------------------------------
-    def _start(
-        self,
-        collective: str,
-        body: Callable[[], Any],
-        tensors: Sequence[torch.Tensor] = (),
-        opts=None,
-        error: str | None = None,
-        **fields: Any,
-    ) -> _Work:
-        """Hand ``body()`` to the engine after the agreement on ``tensors`` and ``fields``; return its Work.
+    def _start(self, collective: Collective, opts=None, result: Any = None) -> _Work:
+        """Run ``collective`` (planned by the communicator) on its engine; return its Work.
 
         Args:
-            collective: its name; the same name as hpcddp's own collective only where
-                the transfer is the same, so that mixing the APIs matches or fails cleanly.
-            body: makes the MPI calls (on the runner) and returns the future's value.
-            tensors: what every rank must pass alike (shapes and dtypes).
+            collective: from one of the communicator's ``plan_*`` methods.
             opts: torch's options; ``asyncOp`` False means the caller waits at once.
-            error: what is wrong with this rank's arguments, raised on every rank.
-            fields: more for ``hpcddp.comm.agreement.signature`` (root, reduce_op, ...).
+            result: the future's value, when it is not the collective's own result.
         """
         future = OrderedFuture()
-        comm = self._comm
-        first = tensors[0] if tensors else None
-        sig = comm.signature_for(None, collective, first, error=error, **fields)
-        if sig is not None and len(tensors) > 1:
-            sig = sig._replace(shape=tuple(tuple(t.shape) for t in tensors))
 
         def complete(handle) -> None:
             if handle._error is not None:
                 future.set_exception(handle._error)
             else:
-                future.set_result(handle._result)
+                future.set_result(handle._result if result is None else result)
 
         # A blocking call from Python waits at once: it runs the work itself, no thread wake-up.
         wake = True if opts is None else bool(getattr(opts, "asyncOp", True))
-        handle = comm.submit(collective, body, first, sig, wake=wake, on_done=complete)
+        handle = self._comm.start(collective, wake=wake, on_done=complete)
         future.handle = handle
         return _Work(handle, future)
 
     # -- collectives ------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> _Work:
-        op = reduce_op_of(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        mixed = len({t.dtype for t in tensors}) > 1
-        error = f"tensors of one dtype are reduced together, got {describe(tensors)}" if mixed else None
-        error = error or next(filter(None, map(self._comm.layout_error, tensors)), None)
-        bodies = [] if error else [self._comm.allreduce_body(t, op) for t in tensors]
-
-        def body():
-            for reduce in bodies:
-                reduce()
-            return tensors
-
-        return self._start("allreduce", body, tensors, opts, error=error, reduce_op=op)
+        op = from_torch(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        return self._start(self._comm.plan_allreduce(tensors, op), opts)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> _Work:
         options = dist.AllreduceOptions()
@@ -169,74 +142,28 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
 
     def broadcast(self, tensors: list[torch.Tensor], opts=None) -> _Work:
         root = opts.rootRank if opts is not None else 0
-        error = next(filter(None, map(self._comm.layout_error, tensors)), None)
-        bodies = [] if error else [self._comm.broadcast_body(t, root) for t in tensors]
-
-        def body():
-            for broadcast in bodies:
-                broadcast()
-            return tensors
-
-        return self._start("broadcast", body, tensors, opts, error=error, root=root)
+        return self._start(self._comm.plan_broadcast(tensors, root), opts)
 
     def reduce(self, tensors: list[torch.Tensor], opts=None) -> _Work:
         opts = opts if opts is not None else dist.ReduceOptions()
-        root, op = opts.rootRank, reduce_op_of(opts.reduceOp)
-        error = next(filter(None, map(self._comm.layout_error, tensors)), None)
-        bodies = [] if error else [self._comm.reduce_body(t, op, root) for t in tensors]
-
-        def body():
-            for reduce in bodies:
-                reduce()
-            return tensors
-
-        return self._start("reduce", body, tensors, opts, error=error, root=root, reduce_op=op)
+        return self._start(self._comm.plan_reduce(tensors, from_torch(opts.reduceOp), opts.rootRank), opts)
 
     def barrier(self, opts=None) -> _Work:
-        comm = self._mpi
-        return self._start("barrier", lambda: comm.Barrier(), (), opts)
+        return self._start(self._comm.plan_barrier(), opts)
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> _Work:
         outputs, source = output_lists[0], inputs[0]
-        error = _same_shapes("output_tensor_list", outputs, source, self.size())
-        staged, comm = stage(source), self._mpi
-
-        def body():
-            flat = torch.empty((self.size(), *staged.shape), dtype=staged.dtype)
-            comm.Allgather(_bytes(staged), _bytes(flat))
-            for out, part in zip(outputs, flat):
-                unstage(out, part)
-            return output_lists
-
-        return self._start("all_gather", body, [source], opts, error=error)
+        error = like("output_tensor_list", outputs, source, self.size())
+        return self._start(self._comm.plan_allgather_into(outputs, source, error=error), opts, output_lists)
 
     def all_gather_single(self, output: torch.Tensor, source: torch.Tensor, opts=None) -> _Work:
-        size, rank = self.size(), self.rank()
         error = None
-        if output.numel() != source.numel() * size or output.dtype != source.dtype:
+        if output.numel() != source.numel() * self.size() or output.dtype != source.dtype:
             error = (
-                f"output_tensor must hold world_size x input ({size} x {describe([source])}), got {describe([output])}"
+                f"output_tensor must hold world_size x input ({self.size()} x {describe([source])}), "
+                f"got {describe([output])}"
             )
-        error = error or self._comm.layout_error(output)
-        staged_out, comm, MPI = stage(output), self._mpi, self._MPI
-        # FSDP2 and Megatron gather in place: the input is this rank's slice of the output.
-        in_place = (
-            error is None
-            and staged_out is not None
-            and output.is_contiguous()
-            and source.is_contiguous()
-            and source.data_ptr() == output.data_ptr() + rank * source.numel() * source.element_size()
-        )
-        staged_in = None if in_place else stage(source)
-
-        def body():
-            if in_place:
-                comm.Allgather(MPI.IN_PLACE, _bytes(staged_out))
-            else:
-                comm.Allgather(_bytes(staged_in), _bytes(staged_out))
-            return [unstage(output, staged_out)]
-
-        return self._start("all_gather_into_tensor", body, [source], opts, error=error)
+        return self._start(self._comm.plan_allgather_into(output, source, error=error), opts, [output])
 
     def _allgather_base(self, output, source, opts=None) -> _Work:
         return self.all_gather_single(output, source, opts)
@@ -254,16 +181,3 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
         for work in works[:-1]:
             work.wait()
         return works[-1]
-
-
-def _bytes(tensor: torch.Tensor):
-    return tensor.reshape(-1).view(torch.uint8).numpy()
-
-
-def _same_shapes(argument: str, outputs: list[torch.Tensor], source: torch.Tensor, size: int) -> str | None:
-    if len(outputs) != size:
-        return f"{argument} must hold world_size={size} tensors, got {len(outputs)}"
-    for out in outputs:
-        if out.shape != source.shape or out.dtype != source.dtype:
-            return f"{argument} must hold tensors like the input ({describe([source])}), got {describe([out])}"
-    return None

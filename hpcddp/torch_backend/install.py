@@ -93,15 +93,8 @@ def new_group_over(global_ranks: list[int] | None, backend_name: str = BACKEND_N
     ranks = list(global_ranks)
     if world.rank not in ranks:
         return None
-    from ..runtime import state
-
-    sub = world.create_group(ranks)
-    try:
-        comm = _own(state.new_mpi_communicator(sub))
-        comm.check_collectives = world.check_collectives
-    finally:
-        sub.Free()
-    return ProcessGroupHPCDDP(comm, ranks, backend_name, owns_comm=True)
+    comm = _own(world.group_over(ranks))
+    return ProcessGroupHPCDDP(comm, ranks, backend_name, on_shutdown=functools.partial(release, comm))
 
 
 def release(comm) -> None:

@@ -207,6 +207,17 @@ def test_an_expanded_tensor_takes_the_result_as_over_gloo(gloo):
     assert t.tolist() == [float(dist.get_world_size())] * 2
 
 
+def test_an_expanded_tensor_takes_reduces_result_on_the_root(gloo):
+    rank, size = rank_size()
+    t = torch.tensor([[float(rank + 1)], [float(rank + 5)]]).expand(2, 3)
+    dist.reduce(t, 0)
+    if rank == 0:
+        assert t.tolist() == [
+            [float(sum(r + 1 for r in range(size)))] * 3,
+            [float(sum(r + 5 for r in range(size)))] * 3,
+        ]
+
+
 def test_in_place_all_gather_whose_input_is_a_slice_of_the_output(gloo):
     rank, size = rank_size()
 

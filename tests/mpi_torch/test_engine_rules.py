@@ -58,6 +58,21 @@ def test_torch_barrier_matches_hpcddp_barrier_and_a_mismatch_is_an_error_everywh
     assert tensor.tolist() == [float(dist.get_world_size())] * 2
 
 
+def test_hpcddp_scatter_beside_torch_scatter_is_an_error_everywhere_not_a_hang():
+    # hpcddp's scatter sends the root's sizes first: it agrees before that message too (rule 4).
+    rank, size = rank_size()
+    comm = hpcddp.communicator()
+    chunks = [torch.ones(3)] * size
+    with pytest.raises(hpcddp.CollectiveMismatchError, match="op differs"):
+        if rank == 0:
+            dist.scatter(torch.empty(3), chunks, src=0)
+        else:
+            comm.scatter_async_(torch.empty(3), None, 0, check="").wait()
+    out = torch.empty(3)
+    comm.scatter_async_(out, chunks if rank == 0 else None, 0, check="").wait()
+    assert out.tolist() == [1.0] * 3
+
+
 def test_broadcast_object_with_different_roots_is_an_error_everywhere():
     rank, size = rank_size()
     with pytest.raises(hpcddp.CollectiveMismatchError, match="root differs"):

@@ -139,13 +139,13 @@ def explain_stall(statuses: dict, exits: dict, size: int, timeout: float, hosts:
     at_seq = {r: _at(c, seq) for r, c in comms.items() if c is not None}
     at_seq = {r: d for r, d in at_seq.items() if d is not None}
     steps = {r: c["last_step"] for r, c in comms.items() if c is not None and c["last_step"] is not None}
-    reference_rank = min(r for r, d in at_seq.items() if d.signature() == reference.signature())
+    reference_rank = min(r for r, d in at_seq.items() if d.match_key() == reference.match_key())
     groups: dict[tuple, list[int]] = {}
     for r, d in sorted(at_seq.items()):
-        groups.setdefault(d.signature(), []).append(r)
-    lines.append(f"  {ranks_text(groups[reference.signature()])} submitted {reference}")
-    for signature, ranks in groups.items():
-        if signature == reference.signature():
+        groups.setdefault(d.match_key(), []).append(r)
+    lines.append(f"  {ranks_text(groups[reference.match_key()])} submitted {reference}")
+    for match, ranks in groups.items():
+        if match == reference.match_key():
             continue
         lines.append(f"  {ranks_text(ranks)} submitted {at_seq[ranks[0]]} instead")
         lines.append("    likely cause: " + _mismatch_cause(reference, at_seq[ranks[0]], steps, reference_rank, ranks))
@@ -170,7 +170,7 @@ def explain_stall(statuses: dict, exits: dict, size: int, timeout: float, hosts:
             lines.append(f"  {_exited_text(r, exits[r])} after #{started}: it will never submit #{seq}")
     lines.extend(_silent_lines(silent, size, hosts) if silent else [])
     waiting = sorted(r for r, d in at_seq.items() if _running(statuses[r], key, seq))
-    different = {r for sig, rs in groups.items() if sig != reference.signature() for r in rs}
+    different = {r for match, rs in groups.items() if match != reference.match_key() for r in rs}
     late = sorted(set(missing) | set(silent) | different | {r for r in members if r in exits})
     lines.append(
         f"  waiting: {ranks_text(waiting) if waiting else 'none'}; missing or different: "

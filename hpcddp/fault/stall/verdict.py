@@ -68,13 +68,13 @@ def _collective_completable(statuses: dict, exits: dict, key: str, desc, members
         if _started(statuses, exits, member, key) < desc.seq:
             return False
         there = _running_at(statuses, member, key, desc.seq)
-        if there is not None and there.signature() != desc.signature() and not _joins(there, desc):
+        if there is not None and there.match_key() != desc.match_key() and not _joins(there, desc):
             return False
     return True
 
 
 def _joins(a, b) -> bool:
-    # A joined rank shadows the others' allreduces (hpcddp.comm.engine.continues_while_joined):
+    # A joined rank shadows the others' allreduces (hpcddp.comm.agreement.continues_while_joined):
     # "join" beside "allreduce" is a pair that completes, however long the allreduce takes.
     return {a.op, b.op} == {"join", "allreduce"}
 

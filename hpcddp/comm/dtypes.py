@@ -1,0 +1,81 @@
+"""The one table of dtypes: each torch dtype hpcddp moves, as numpy and MPI see its elements.
+
+Every backend, message and agreement names a dtype through here (``dtype_name``), and
+every MPI buffer is typed through here (``mpi_datatype``): MPI reduces the native dtypes
+with its own ops; MPI has no standard 16-bit float, so float16 and bfloat16 travel as
+2-byte integers and are combined by user-defined ops (``hpcddp.comm.reduction``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+__all__ = [
+    "DTYPES",
+    "HALF_DTYPES",
+    "Carried",
+    "dtype_name",
+    "dtype_named",
+    "mpi_datatype",
+    "numpy_view",
+]
+
+
+class Carried(NamedTuple):
+    """How a torch dtype's elements travel through MPI."""
+
+    #: the numpy type MPI sees the elements as (its MPI datatype follows from it)
+    numpy: type
+    #: MPI's own ops reduce it; False: the 16-bit floats, combined by hpcddp's user-defined ops
+    native: bool
+
+
+#: torch dtype -> how MPI carries it; the dtypes hpcddp reduces (any dtype moves as bytes)
+DTYPES: dict[torch.dtype, Carried] = {
+    torch.float64: Carried(np.float64, True),
+    torch.float32: Carried(np.float32, True),
+    torch.float16: Carried(np.int16, False),
+    torch.bfloat16: Carried(np.int16, False),
+    torch.int64: Carried(np.int64, True),
+    torch.int32: Carried(np.int32, True),
+    torch.int16: Carried(np.int16, True),
+    torch.int8: Carried(np.int8, True),
+    torch.uint8: Carried(np.uint8, True),
+}
+HALF_DTYPES = tuple(dtype for dtype, carried in DTYPES.items() if not carried.native)
+
+# The hot path names dtypes on every collective: looked up, not formatted.
+_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in (*DTYPES, torch.bool, torch.complex64)}
+_BY_NAME = {name: dtype for dtype, name in _NAMES.items()}
+_DATATYPES: dict[torch.dtype, object] = {}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Return ``dtype``'s name as messages, logs and the agreement write it: ``float32``."""
+    return _NAMES.get(dtype) or str(dtype).removeprefix("torch.")
+
+
+def dtype_named(name: str) -> torch.dtype:
+    """Return the torch dtype ``dtype_name`` calls ``name``."""
+    dtype = _BY_NAME.get(name) or getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} names no torch dtype")
+    return dtype
+
+
+def numpy_view(tensor: torch.Tensor) -> np.ndarray:
+    """Return a contiguous CPU tensor of a dtype in ``DTYPES`` as a flat numpy array of its carried type (no copy)."""
+    carried = DTYPES[tensor.dtype]
+    flat = tensor.reshape(-1)
+    return flat.numpy() if carried.native else flat.view(torch.int16).numpy()
+
+
+def mpi_datatype(MPI, dtype: torch.dtype):
+    """Return MPI's predefined datatype for ``dtype``'s elements (the one mpi4py infers from a numpy array)."""
+    datatype = _DATATYPES.get(dtype)
+    if datatype is None:
+        datatype = _DATATYPES[dtype] = MPI.Datatype.fromcode(np.dtype(DTYPES[dtype].numpy).char)
+    return datatype

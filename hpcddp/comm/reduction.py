@@ -1,0 +1,164 @@
+"""The one table of reduction ops: hpcddp's ``ReduceOp``, torch.distributed's and MPI's.
+
+torch's ``ReduceOp.AVG`` is hpcddp's ``AVERAGE``; an average travels as a sum (gloo and
+MPI have no average) and is divided by the number of ranks after. The MPI ops for
+float16 and bfloat16, which MPI cannot reduce itself, are made here once per process.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from .dtypes import DTYPES
+
+__all__ = [
+    "REDUCTIONS",
+    "ReduceOp",
+    "Reduction",
+    "check_average",
+    "check_reducible",
+    "from_torch",
+    "mpi_op",
+    "parse_op",
+    "to_torch",
+    "travels_as",
+]
+
+
+class ReduceOp(enum.Enum):
+    """How a reduction combines the ranks' tensors (torch's ops map onto these: ``from_torch``)."""
+
+    SUM = "sum"
+    AVERAGE = "average"
+    MIN = "min"
+    MAX = "max"
+    PRODUCT = "product"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
+
+    @property
+    def bitwise(self) -> bool:
+        """True for the integer-only ops BAND, BOR and BXOR."""
+        return self in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
+
+
+class Reduction(NamedTuple):
+    """One row of the table: what torch and MPI call a ReduceOp."""
+
+    #: torch.distributed's name, ``dist.ReduceOp.<torch>``
+    torch: str
+    #: MPI's name, ``MPI.<mpi>``
+    mpi: str
+    #: how two 16-bit float buffers combine (None: integers only)
+    combine: Callable | None
+
+
+REDUCTIONS: dict[ReduceOp, Reduction] = {
+    ReduceOp.SUM: Reduction("SUM", "SUM", torch.add),
+    ReduceOp.AVERAGE: Reduction("AVG", "SUM", torch.add),
+    ReduceOp.MIN: Reduction("MIN", "MIN", torch.minimum),
+    ReduceOp.MAX: Reduction("MAX", "MAX", torch.maximum),
+    ReduceOp.PRODUCT: Reduction("PRODUCT", "PROD", torch.mul),
+    ReduceOp.BAND: Reduction("BAND", "BAND", None),
+    ReduceOp.BOR: Reduction("BOR", "BOR", None),
+    ReduceOp.BXOR: Reduction("BXOR", "BXOR", None),
+}
+_BY_TORCH_NAME = {row.torch: op for op, row in REDUCTIONS.items()}
+_ALIASES = {"avg": ReduceOp.AVERAGE, "mean": ReduceOp.AVERAGE, "prod": ReduceOp.PRODUCT}
+
+
+def parse_op(op: str | ReduceOp, argument: str = "op") -> ReduceOp:
+    """Turn ``"average"``/``"sum"``/``"min"``/``"max"``/``"product"``/``"band"``/``"bor"``/``"bxor"``
+    (or a ReduceOp) into a ReduceOp.
+
+    Args:
+        op: the user's value.
+        argument: the argument name to put in the error message.
+    """
+    if isinstance(op, ReduceOp):
+        return op
+    key = str(op).lower()
+    try:
+        return _ALIASES.get(key) or ReduceOp(key)
+    except ValueError:
+        choices = ", ".join(repr(o.value) for o in ReduceOp)
+        raise ValueError(f"{argument} must be one of {choices}, got {op!r}") from None
+
+
+def travels_as(op: ReduceOp) -> ReduceOp:
+    """Return the op that moves the data: a sum for an average (divided by the number of ranks after)."""
+    return ReduceOp.SUM if op is ReduceOp.AVERAGE else op
+
+
+def from_torch(op: Any) -> ReduceOp:
+    """Return the ReduceOp for torch's ``op`` (a ``dist.ReduceOp`` or its ``RedOpType``).
+
+    Raises ValueError for PREMUL_SUM, which is NCCL's alone.
+    """
+    name = getattr(getattr(op, "op", op), "name", None)
+    if name == "PREMUL_SUM":
+        raise ValueError("ReduceOp.PREMUL_SUM is NCCL-only: scale the tensor, then reduce with ReduceOp.SUM")
+    if name not in _BY_TORCH_NAME:
+        raise ValueError(f"op must be a torch.distributed.ReduceOp, got {op!r}")
+    return _BY_TORCH_NAME[name]
+
+
+def to_torch(op: ReduceOp):
+    """Return the ``dist.ReduceOp`` that moves ``op``'s data over torch.distributed (an average: SUM)."""
+    import torch.distributed as dist
+
+    return getattr(dist.ReduceOp, REDUCTIONS[travels_as(op)].torch)
+
+
+def check_average(dtype: torch.dtype, op: ReduceOp) -> None:
+    """Raise TypeError for an average of integers (a sum divided after would truncate)."""
+    if op is ReduceOp.AVERAGE and not dtype.is_floating_point:
+        raise TypeError(f"op='average' needs a floating-point tensor, got {dtype}: use op='sum'")
+
+
+def check_reducible(dtype: torch.dtype, op: ReduceOp, what: str = "allreduce") -> None:
+    """Raise TypeError for a dtype or op MPI cannot reduce.
+
+    Args:
+        dtype: the tensor's.
+        op: the reduction.
+        what: the collective, for the message.
+    """
+    if dtype not in DTYPES:
+        raise TypeError(f"{what} does not support tensors of dtype {dtype}")
+    check_average(dtype, op)
+    if op.bitwise and dtype.is_floating_point:
+        raise TypeError(f"op='{op.value}' needs an integer tensor, got {dtype}")
+
+
+_half_ops: dict[tuple[torch.dtype, ReduceOp], Any] = {}
+_half_ops_lock = threading.Lock()
+
+
+def mpi_op(MPI, dtype: torch.dtype, op: ReduceOp):
+    """Return the MPI op that reduces ``dtype`` with ``op`` (an average: the sum)."""
+    op = travels_as(op)
+    if DTYPES[dtype].native:
+        return getattr(MPI, REDUCTIONS[op].mpi)
+    key = (dtype, op)
+    made = _half_ops.get(key)
+    if made is None:
+        with _half_ops_lock:
+            made = _half_ops.get(key)
+            if made is None:
+                made = _half_ops[key] = MPI.Op.Create(_half_reducer(dtype, REDUCTIONS[op].combine), commute=True)
+    return made
+
+
+def _half_reducer(dtype: torch.dtype, combine: Callable):
+    def reduce_half(inbuf, outbuf, datatype) -> None:
+        out = torch.frombuffer(outbuf, dtype=dtype)
+        combine(out, torch.frombuffer(inbuf, dtype=dtype), out=out)
+
+    return reduce_half
