@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import hpcddp.checkpoint as ckpt
-from hpcddp.runtime.launch import mpirun_command
+from hpcddp.cli.launch import mpirun_command
 
 from .conftest import ROOT
 

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from hpcddp.cli import main
-from hpcddp.runtime.launch import LaunchConfig, build_launch_command
+from hpcddp.cli.launch import LaunchConfig, build_launch_command
 
 from .conftest import ROOT
 

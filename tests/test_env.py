@@ -110,7 +110,7 @@ def test_rank_outside_world_is_refused():
 
 
 def test_yield_hint_reads_srun_tasks_per_node(monkeypatch):
-    from hpcddp.runtime.mpi_import import _local_ranks_hint
+    from hpcddp.env.mpi_import import _local_ranks_hint
 
     assert _local_ranks_hint({"SLURM_STEP_TASKS_PER_NODE": "8(x2),3"}) == 8
     assert _local_ranks_hint({"OMPI_COMM_WORLD_LOCAL_SIZE": "4", "SLURM_STEP_TASKS_PER_NODE": "8"}) == 4

@@ -1,5 +1,6 @@
-"""The package layout keeps its promises (docs/architecture.md): no import circles, modules of
-at most 400 lines, and the flat package root holds only the public API.
+"""The package layout keeps its promises (docs/architecture.md): rooms import only rooms below
+them, no import circles, modules of at most 400 lines, and the flat package root holds only the
+public API.
 
 Imports are read from the source (every ``import`` statement, also those inside
 functions), so a circle hidden behind a deferred import counts as one.
@@ -12,6 +13,28 @@ from .conftest import ROOT
 
 PACKAGE = Path(ROOT) / "hpcddp"
 MAX_LINES = 400
+
+# The rooms from the bottom up (docs/architecture.md): a module imports its own room or a
+# lower one. runtime.lifecycle is init(), which composes the features, so it sits above them.
+LEVELS = {
+    "env": 0,
+    "_requirements": 0,
+    "comm": 1,
+    "runtime": 2,
+    "observe": 3,
+    "torch_backend": 3,
+    "ddp": 4,
+    "collectives": 5,
+    "checkpoint": 6,
+    "fault": 7,
+    "runtime.lifecycle": 8,
+    "hpcddp": 9,
+    "horovod": 9,
+    "_site": 9,
+    "bench": 10,
+    "cli": 11,
+    "testing": 12,
+}
 
 
 def _module_name(path: Path) -> str:
@@ -73,6 +96,25 @@ def test_no_import_circles():
         graph[name] = {m for m in graph[name] if not name.startswith(m + ".")}
     circle = _cycle(graph)
     assert circle is None, "import circle: " + " -> ".join(circle)
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    if module == "hpcddp.runtime.lifecycle":
+        return "runtime.lifecycle"
+    return parts[1] if len(parts) > 1 else "hpcddp"
+
+
+def test_rooms_import_only_rooms_below_them():
+    modules = _modules()
+    upward = []
+    for name, path in sorted(modules.items()):
+        room = _room(name)
+        for imported in sorted(_imports(name, path, modules)):
+            other = _room(imported)
+            if other != room and LEVELS[other] >= LEVELS[room] and not name.startswith(imported + "."):
+                upward.append(f"{name} -> {imported}")
+    assert not upward, "imports that climb (see LEVELS and docs/architecture.md):\n" + "\n".join(upward)
 
 
 def test_modules_stay_small():

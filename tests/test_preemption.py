@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hpcddp
-from hpcddp.runtime.launch import mpirun_command
+from hpcddp.cli.launch import mpirun_command
 from hpcddp.testing import run_mpi
 
 from .conftest import ROOT

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hpcddp.runtime.mpi_import import require_thread_multiple
+from hpcddp.env.mpi_import import require_thread_multiple
 
 
 def fake_mpi(granted):

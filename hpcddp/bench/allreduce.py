@@ -12,7 +12,7 @@ import torch
 
 import hpcddp
 
-from ..runtime.mpi_import import import_mpi, mpi_launcher_present
+from ..env.mpi_import import import_mpi, mpi_launcher_present
 from .metrics import algbw, busbw, median
 
 __all__ = ["PATHS", "SPANS", "AllreduceResult", "available_paths", "path_label", "results_as_dicts", "sweep_allreduce"]

@@ -3,8 +3,8 @@
 - ``store``: ``save_checkpoint`` (atomic, on rank 0), ``load_checkpoint`` (collective:
   the newest step every rank can read), ``check_checkpoint_dir``;
 - ``resume``: what an exact resume needs (``training_state``), and restoring it;
-- ``atomic``, ``checksum``, ``owner``: the write, the integrity check and the claim of
-  a directory by one job.
+- ``checksum``, ``owner``: the integrity check and the claim of a directory by one job
+  (the atomic write itself is ``hpcddp.env.files``).
 """
 
 from .resume import TrainingProgress, restore_training_state, training_state

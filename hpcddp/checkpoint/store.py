@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .atomic import probe_writable, write_atomically
+from ..env.files import probe_writable, write_atomically
 from .checksum import UNVERIFIED, save_with_checksum, verify_checksum
 from .owner import check_not_owned_by_another_job, claim
 from .resume import rank_and_size

@@ -80,7 +80,7 @@ def mpi_facts() -> dict[str, str]:
     when mpi4py cannot be imported.
     """
     try:
-        from ..runtime.mpi_import import import_mpi
+        from ..env.mpi_import import import_mpi
 
         MPI = import_mpi()
     except ImportError as err:
@@ -191,7 +191,7 @@ def _allreduce_ones(backend: str, active: bool) -> float:
     if active:
         return collectives.allreduce(torch.ones(4, device=state.device()), op="sum")[0].item()
     if backend == "mpi":
-        from ..runtime.mpi_import import import_mpi
+        from ..env.mpi_import import import_mpi
 
         return float(import_mpi().COMM_WORLD.allreduce(1.0))
     import torch.distributed as dist

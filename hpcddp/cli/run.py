@@ -51,7 +51,7 @@ def run(num_proc, hosts, hostfile, launcher, env, no_bind, dry_run, script, args
     Signals (TERM, USR1, ...) are passed on to every rank; the exit code is the
     job's: 130 after Ctrl-C, and 1 when ranks were lost although mpirun claims 0.
     """
-    from ..runtime.launch import LaunchConfig, build_launch_command, program_command
+    from .launch import LaunchConfig, build_launch_command, program_command
 
     if script.startswith("-"):  # ignore_unknown_options passes a mistyped option on as the script
         raise click.UsageError(f"no such option: {script} (see hpcddp run --help)")

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..runtime.mpi_import import import_mpi, require_thread_multiple
+from ..env.mpi_import import import_mpi, require_thread_multiple
 from . import oplog
 from ._mpi_buffers import (
     bytes_view,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import socket
 from collections.abc import Mapping
 
-from ..runtime.mpi_import import import_mpi, mpi_launcher_present
 from .base import ClusterEnvironment, RankLayout, Rendezvous, read_int
+from .mpi_import import import_mpi, mpi_launcher_present
 from .network import (
     choose_rendezvous_interface,
     describe_interfaces,

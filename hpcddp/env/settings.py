@@ -6,10 +6,14 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ..runtime.config import BACKENDS
 from .base import read_value
 
-__all__ = ["RUN_STATUS_VARIABLE", "read_float", "read_settings", "run_status_dir"]
+__all__ = ["BACKENDS", "RUN_STATUS_VARIABLE", "STALL_ACTIONS", "read_float", "read_settings", "run_status_dir"]
+
+#: what ``backend=`` / HPCDDP_BACKEND accept
+BACKENDS = ("auto", "mpi", "nccl", "gloo")
+#: what ``stall_action=`` / HPCDDP_STALL_ACTION accept
+STALL_ACTIONS = ("abort", "warn")
 
 #: set by ``hpcddp run`` for its ranks: where they record that they started and finished
 RUN_STATUS_VARIABLE = "HPCDDP_RUN_STATUS"

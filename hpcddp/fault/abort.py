@@ -97,7 +97,7 @@ def abort_job(message: str, *, use_mpi: bool, code: int = 1) -> None:
         _write_stderr(message)
     finally:
         if use_mpi:
-            from ..runtime.mpi_import import import_mpi
+            from ..env.mpi_import import import_mpi
 
             # MPI_Abort asks the launcher's daemon to end every rank; on a node cut off
             # from the launcher that request can block forever: SIGALRM's default action

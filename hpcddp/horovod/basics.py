@@ -98,7 +98,7 @@ local_rank = state.local_rank
 
 def mpi_threads_supported() -> bool:
     """Return True when MPI runs with MPI_THREAD_MULTIPLE (hpcddp's communication thread needs it)."""
-    from ..runtime.mpi_import import import_mpi
+    from ..env.mpi_import import import_mpi
 
     MPI = import_mpi()
     return MPI.Query_thread() == MPI.THREAD_MULTIPLE

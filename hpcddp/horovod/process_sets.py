@@ -24,7 +24,7 @@ class ProcessSet:
 
     def __init__(self, ranks: Sequence[int] | object) -> None:
         if hasattr(ranks, "Get_group"):  # an mpi4py communicator: its members in COMM_WORLD numbering
-            from ..runtime.mpi_import import import_mpi
+            from ..env.mpi_import import import_mpi
 
             MPI = import_mpi()
             ranks = MPI.Group.Translate_ranks(

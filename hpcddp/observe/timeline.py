@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.atomic import probe_writable, write_atomically
+from ..env.files import probe_writable, write_atomically
 
 __all__ = ["TRAINING_TRACK", "Timeline", "bucket_track", "current", "start", "stop"]
 

@@ -5,8 +5,7 @@
 - ``bootstrap``: environment -> ranks -> device -> backend -> communicator -> threads;
 - ``state``: the running job (rank, size, device, communicator) and ``at_shutdown``;
 - ``config``: ``InitConfig``, the validated settings; ``device``: GPU mapping and CPU
-  threads per rank; ``mpi_import``: mpi4py, imported once with the thread level hpcddp
-  needs; ``launch``: the mpirun/srun command lines ``hpcddp run`` builds.
+  threads per rank.
 
 Nothing here imports the features (stall inspector, torch backend, timeline) except
 ``lifecycle``, which composes them.

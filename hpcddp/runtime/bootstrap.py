@@ -50,7 +50,7 @@ def start(config: InitConfig) -> Runtime:
 
 
 def _gather_node_peers(mpi_comm) -> list[NodePeer]:
-    from .mpi_import import import_mpi
+    from ..env.mpi_import import import_mpi
 
     node = mpi_comm.Split_type(import_mpi().COMM_TYPE_SHARED)
     try:
@@ -85,7 +85,7 @@ def _create_communicator(name: str, environment, layout: RankLayout, device, con
         from ..comm.mpi import MPICommunicator
 
         if environment.mpi_comm is None:  # a single process that asked for MPI
-            from .mpi_import import import_mpi
+            from ..env.mpi_import import import_mpi
 
             return MPICommunicator(import_mpi().COMM_WORLD, hierarchical=config.hierarchical_allreduce)
         return MPICommunicator(environment.mpi_comm, hierarchical=config.hierarchical_allreduce)

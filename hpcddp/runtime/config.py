@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["BACKENDS", "STALL_ACTIONS", "InitConfig"]
+from ..env.settings import BACKENDS, STALL_ACTIONS
 
-BACKENDS = ("auto", "mpi", "nccl", "gloo")
-STALL_ACTIONS = ("abort", "warn")
+__all__ = ["BACKENDS", "STALL_ACTIONS", "InitConfig"]
 
 
 @dataclass(kw_only=True)

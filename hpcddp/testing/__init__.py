@@ -15,7 +15,7 @@ import textwrap
 import time
 from collections.abc import Mapping, Sequence
 
-from ..runtime.launch import mpirun_command
+from ..cli.launch import mpirun_command
 
 __all__ = ["MPIRunResult", "assert_pytest_passed", "run_mpi", "run_pytest_on_ranks", "run_script"]
 

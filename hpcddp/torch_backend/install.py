@@ -54,7 +54,7 @@ def _world_communicator():
     if _world is None:
         mpi_comm = state.launcher_comm()
         if mpi_comm is None and state.size() == 1:
-            from ..runtime.mpi_import import import_mpi
+            from ..env.mpi_import import import_mpi
 
             mpi_comm = import_mpi().COMM_WORLD  # a plain process: MPI's world of one
         if mpi_comm is None:

@@ -9,7 +9,7 @@ import hpcddp
 from hpcddp.comm.base import ReduceOp
 from hpcddp.comm.hierarchy import NodeHierarchy
 from hpcddp.comm.mpi import MPICommunicator
-from hpcddp.runtime.mpi_import import import_mpi
+from hpcddp.env.mpi_import import import_mpi
 
 
 def layouts(size):

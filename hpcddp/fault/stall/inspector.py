@@ -55,7 +55,7 @@ class StallInspector:
     ANSWER_WITHIN_S = 10.0
 
     def __init__(self, comm, timeout: float, action: str, abort_after: float = 0) -> None:
-        from ...runtime.mpi_import import import_mpi
+        from ...env.mpi_import import import_mpi
 
         self._MPI = import_mpi()
         self._comm = comm.Dup()
