@@ -7,6 +7,8 @@ optimizer = hpcddp.DistributedOptimizer(optimizer, model.named_parameters())
 hpcddp.broadcast_parameters(model.state_dict(), root_rank=0)
 """
 
+import sys as _sys
+
 from . import _requirements  # noqa: F401 - first: an old torch fails here, naming the fix
 from .checkpoint import TrainingProgress, load_checkpoint, restore_training_state, save_checkpoint, training_state
 from .collectives.averaging import PeriodicModelAverager
@@ -54,6 +56,10 @@ from .runtime.state import (
 from .torch_backend.autoinit import enable as _route_mpi_backend_name
 
 _route_mpi_backend_name(init)  # init_process_group("mpi") calls hpcddp.init() when the script did not
+
+# ``import hpcddp.timeline`` / ``from hpcddp.timeline import start`` keep working: the
+# module lives in observe/, and the import system looks in sys.modules first.
+_sys.modules[f"{__name__}.timeline"] = timeline
 
 __version__ = "0.1.0"
 

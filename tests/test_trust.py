@@ -160,17 +160,19 @@ def test_a_deadlock_in_a_subgroup_is_reported_with_the_jobs_rank_numbers(tmp_pat
     assert "rank 2 did not submit allreduce #1" in out, out
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_sys_exit_on_one_rank_ends_the_job_promptly_with_its_exit_code(tmp_path, ranks):
+@pytest.mark.parametrize(("ranks", "backend"), [(2, "mpi"), (3, "mpi"), (2, "gloo")])
+def test_sys_exit_on_one_rank_ends_the_job_promptly_with_its_exit_code(tmp_path, ranks, backend):
+    # On gloo the other rank waits in the agreement before the allreduce: the stall
+    # inspector must see that wait too (it hung until gloo's 30-minute timeout).
     result, _ = launch(
         tmp_path,
-        """
+        f"""
         import sys, time, torch, hpcddp
-        hpcddp.init()
+        hpcddp.init(backend={backend!r})
         for _ in range(5):
             hpcddp.allreduce(torch.ones(3))
         if hpcddp.rank() == 1:
-            print(f"EXIT_AT {time.time()}", flush=True)
+            print(f"EXIT_AT {{time.time()}}", flush=True)
             sys.exit(3)
         hpcddp.allreduce(torch.ones(3))
         print("UNREACHABLE", flush=True)

@@ -4,3 +4,8 @@
 - ``parameters``: ``broadcast_parameters`` and ``broadcast_optimizer_state``;
 - ``averaging``: ``PeriodicModelAverager`` (local SGD).
 """
+
+from . import tensors as _tensors
+from .tensors import *  # noqa: F403 - hpcddp.collectives.allreduce & co., as before the layout change
+
+__all__ = _tensors.__all__

@@ -90,7 +90,8 @@ class TorchDistOps:
             return
         call = describe_call(op, tensor, error=error, name=check, **fields)
         vector = torch.tensor(agreement_vector(call), dtype=torch.int64, device=self.device)
-        self._keep(dist.all_reduce(vector, op=dist.ReduceOp.MIN, group=self.group, async_op=True)).wait()
+        # Tracked, so that the stall inspector sees a rank that never joins the agreement (one that exited).
+        self._track(dist.all_reduce(vector, op=dist.ReduceOp.MIN, group=self.group, async_op=True), "agreement").wait()
         if disagrees(vector.tolist()):
             raise mismatch_error(self.allgather_object(call))
 

@@ -164,9 +164,3 @@ def _stop(proc: subprocess.Popen) -> str:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
     return out
-
-
-if __name__ == "__main__":  # python -m hpcddp.testing N TIMEOUT cmd...
-    res = run_mpi(int(sys.argv[1]), sys.argv[3:], float(sys.argv[2]))
-    print(res.stdout)
-    sys.exit(res.returncode)
