@@ -125,3 +125,14 @@ def test_modules_stay_small():
 def test_package_root_holds_only_the_public_api():
     flat = sorted(path.name for path in PACKAGE.glob("*.py"))
     assert flat == ["__init__.py", "_requirements.py"], f"modules belong in a folder of their concern: {flat}"
+
+
+def test_module_paths_from_before_the_layout_still_import():
+    import importlib
+
+    timeline = importlib.import_module("hpcddp.timeline")
+    assert callable(timeline.start) and callable(timeline.stop)
+    import hpcddp
+    from hpcddp.collectives import allreduce, barrier
+
+    assert (allreduce, barrier) == (hpcddp.allreduce, hpcddp.barrier)

@@ -31,3 +31,34 @@ def test_time_limit_kills_a_hung_job(tmp_path):
     script.write_text("import time\ntime.sleep(600)\n")
     result = run_mpi(2, [sys.executable, str(script)], timeout=5, cwd=ROOT)
     assert result.timed_out and result.returncode == 124
+
+
+def test_a_launcher_that_fails_before_any_rank_starts_is_launched_again(monkeypatch):
+    import hpcddp.testing as testing
+
+    outputs = [(1, "The PMIx server's listener thread failed to start. We cannot\ncontinue.\n"), (0, "ran\n")]
+    calls = []
+
+    def run_once(command, timeout, full_env, cwd):
+        calls.append(timeout)
+        code, out = outputs[len(calls) - 1]
+        return testing.MPIRunResult(command, code, out, None)
+
+    monkeypatch.setattr(testing, "_run_once", run_once)
+    result = run_mpi(2, [sys.executable, "-c", "pass"], timeout=120)
+    assert (result.returncode, len(calls)) == (0, 2), result.stdout
+    assert "launched again" in result.stdout and result.stdout.endswith("ran\n")
+
+
+def test_a_job_that_fails_by_itself_is_not_launched_again(monkeypatch):
+    import hpcddp.testing as testing
+
+    calls = []
+
+    def run_once(command, timeout, full_env, cwd):
+        calls.append(timeout)
+        return testing.MPIRunResult(command, 1, "ValueError: boom\n", None)
+
+    monkeypatch.setattr(testing, "_run_once", run_once)
+    assert run_mpi(2, [sys.executable, "-c", "pass"], timeout=120).returncode == 1
+    assert len(calls) == 1
