@@ -25,6 +25,7 @@ from .cluster_jobs import (
 from .conftest import ROOT
 
 START = os.path.join(ROOT, "slurm", "testing", "start_cluster.sh")
+STOP = os.path.join(ROOT, "slurm", "testing", "stop_cluster.sh")
 LAUNCHERS = ["srun", "mpirun"]
 NUM_STEPS = 12 * 22  # examples/train.py's default 12 epochs of 22 steps
 
@@ -32,7 +33,19 @@ NUM_STEPS = 12 * 22  # examples/train.py's default 12 epochs of 22 steps
 @pytest.fixture(scope="session")
 def slurm_cluster():
     require_cluster_tests()
+    already_up = _controller_answers()
     start(START)
+    yield
+    if not already_up:  # leave the host as the session found it
+        subprocess.run(["bash", STOP], capture_output=True, timeout=120)
+
+
+def _controller_answers() -> bool:
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}
+    try:
+        return subprocess.run(["scontrol", "ping"], capture_output=True, timeout=10, env=env).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 @pytest.fixture
