@@ -10,7 +10,11 @@ same optimisation steps on the same samples and end with the same loss.
 
 With --checkpoint-dir (default $HPCDDP_CHECKPOINT_DIR, which slurm/train.sh sets) the
 run resumes from the newest checkpoint there, mid-epoch if need be, and ends with
-the same parameters as a run that was never interrupted. On SIGUSR1 or SIGTERM
+the same parameters as a run that was never interrupted. A checkpoint of another run
+(HPCDDP_RUN_ID) or of another number of ranks is refused unless HPCDDP_RESUME allows
+it: the position here counts global batches, which DistributedSampler deals out the
+same way at any number of ranks, so HPCDDP_RESUME=any-size continues on the same
+samples (dropout, if any, then draws other numbers). On SIGUSR1 or SIGTERM
 (Slurm's warning before a time limit or preemption) all ranks stop at the same
 step, save a checkpoint, requeue the Slurm job and exit with code 0.
 """
@@ -171,6 +175,12 @@ def resume(args, model, optimizer, num_batches: int) -> Position | None:
     state = hpcddp.load_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
     if state is None:
         return None
+    # First: a checkpoint of another run or another number of ranks is refused here, before
+    # its arguments are compared with ours (HPCDDP_RESUME=any-run/any-size/any allows it).
+    try:
+        resumed = hpcddp.restore_training_state(state, model, optimizer)
+    except ValueError as err:  # the same on every rank: one line each, no traceback
+        raise SystemExit(f"cannot resume from {args.checkpoint_dir}: {err}") from None
     for name in RESUME_MUST_MATCH:
         saved = state["extra"].get(name)
         if saved is not None and saved != getattr(args, name):
@@ -179,7 +189,6 @@ def resume(args, model, optimizer, num_batches: int) -> Position | None:
                 f"{flag} {getattr(args, name)} differs from the {saved} the checkpoint in {args.checkpoint_dir} was "
                 f"trained with: resume with {flag} {saved}, or start afresh with another --checkpoint-dir"
             )
-    resumed = hpcddp.restore_training_state(state, model, optimizer)
     sums, rank, size = resumed.extra["loss_sums"].cpu(), hpcddp.rank(), hpcddp.size()
     # Saved with another number of ranks: rank 0 carries the whole sum.
     loss_sum = sums[rank].clone() if len(sums) == size else sums.sum(0) if rank == 0 else torch.zeros(2)

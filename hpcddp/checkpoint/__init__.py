@@ -3,6 +3,8 @@
 - ``store``: ``save_checkpoint`` (atomic, on rank 0), ``load_checkpoint`` (collective:
   the newest step every rank can read), ``check_checkpoint_dir``;
 - ``resume``: what an exact resume needs (``training_state``), and restoring it;
+- ``identity``: which run a checkpoint belongs to, and whether this job may resume it
+  (HPCDDP_RUN_ID, HPCDDP_RESUME);
 - ``checksum``, ``owner``: the integrity check and the claim of a directory by one job
   (the atomic write itself is ``hpcddp.env.files``).
 """

@@ -6,16 +6,15 @@ progress = hpcddp.restore_training_state(state, model, optimizer)
 
 from __future__ import annotations
 
-import logging
 import random
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["TrainingProgress", "rank_and_size", "restore_training_state", "training_state"]
+from .identity import check_resumable, this_run
 
-log = logging.getLogger("hpcddp")
+__all__ = ["TrainingProgress", "rank_and_size", "restore_training_state", "training_state"]
 
 _FORMAT = 1
 
@@ -67,7 +66,9 @@ def training_state(
     """Capture everything an exact resume needs; call it on every rank at a step boundary.
 
     Each rank's RNG states (python, numpy, torch CPU and CUDA) are gathered, so
-    ranks that draw different random numbers resume with their own streams.
+    ranks that draw different random numbers resume with their own streams. The run
+    (HPCDDP_RUN_ID) and the number of ranks are recorded: ``restore_training_state``
+    resumes only this run's checkpoints at this size unless told otherwise.
 
     Args:
         model: the model (its ``state_dict()``).
@@ -93,6 +94,7 @@ def training_state(
         "batch_in_epoch": batch_in_epoch,
         "step": step,
         "world_size": len(rng_per_rank),
+        "run_id": this_run(),
         "rng": rng_per_rank,
         "extra": dict(extra or {}),
     }
@@ -112,27 +114,37 @@ def restore_training_state(
     state: dict[str, Any],
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
+    *,
+    resume: str | None = None,
 ) -> TrainingProgress:
     """Load model, optimizer and this rank's RNG states from ``state``; return the position.
+
+    Before anything is loaded, ``state`` must belong to this run and have been saved by
+    as many ranks as this job has (``hpcddp.checkpoint.identity``); every rank raises the
+    same error otherwise.
 
     Args:
         state: a dict from ``training_state`` (e.g. via ``load_checkpoint``).
         model: receives ``state["model"]``.
         optimizer: receives ``state["optimizer"]``; None leaves it alone.
+        resume: what may differ from the job that saved ``state``: ``"strict"``
+            (nothing), ``"any-run"`` (another run's checkpoint), ``"any-size"``
+            (another number of ranks: ranks the saving job had continue their RNG
+            streams, the others keep theirs) or ``"any"``; None reads HPCDDP_RESUME,
+            ``"strict"`` when unset.
+
+    Raises:
+        ValueError: ``state`` belongs to another run or another number of ranks and
+            ``resume`` does not allow it, or it does not come from ``training_state``.
     """
     if not isinstance(state, dict) or state.get("format") != _FORMAT:
         raise ValueError(f"state must come from hpcddp.training_state (format {_FORMAT}), got {type(state).__name__}")
+    rank, size = rank_and_size()
+    check_resumable(state, rank, size, resume)
     model.load_state_dict(state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
-    rank, size = rank_and_size()
     rngs = state["rng"]
-    if len(rngs) != size:
-        log.warning(
-            "hpcddp: checkpoint was saved by %d rank(s), this job has %d: every rank restores rank 0's RNG "
-            "state, so random draws will not match the original run",
-            len(rngs),
-            size,
-        )
-    _set_rng_state(rngs[rank] if len(rngs) == size else rngs[0])
+    if rank < len(rngs):
+        _set_rng_state(rngs[rank])
     return TrainingProgress(state["epoch"], state["batch_in_epoch"], state["step"], dict(state.get("extra", {})))

@@ -8,12 +8,25 @@ from typing import Any
 
 from .base import read_value
 
-__all__ = ["BACKENDS", "RUN_STATUS_VARIABLE", "STALL_ACTIONS", "read_float", "read_settings", "run_status_dir"]
+__all__ = [
+    "BACKENDS",
+    "RESUME_POLICIES",
+    "RUN_STATUS_VARIABLE",
+    "STALL_ACTIONS",
+    "read_float",
+    "read_resume_policy",
+    "read_run_id",
+    "read_settings",
+    "run_status_dir",
+]
 
 #: what ``backend=`` / HPCDDP_BACKEND accept
 BACKENDS = ("auto", "mpi", "nccl", "gloo")
 #: what ``stall_action=`` / HPCDDP_STALL_ACTION accept
 STALL_ACTIONS = ("abort", "warn")
+#: what ``restore_training_state(resume=)`` / HPCDDP_RESUME accept: which differences between the
+#: job that saved a checkpoint and the one resuming it are allowed (``hpcddp.checkpoint.identity``)
+RESUME_POLICIES = ("strict", "any-run", "any-size", "any")
 
 #: set by ``hpcddp run`` for its ranks: where they record that they started and finished
 RUN_STATUS_VARIABLE = "HPCDDP_RUN_STATUS"
@@ -111,3 +124,25 @@ def read_settings(environ: Mapping[str, str]) -> dict[str, Any]:
 def run_status_dir(environ: Mapping[str, str]) -> str | None:
     """Return the status directory ``hpcddp run`` gave this rank, or None (see ``hpcddp.fault.run_status``)."""
     return environ.get(RUN_STATUS_VARIABLE) or None
+
+
+def read_run_id(environ: Mapping[str, str]) -> str | None:
+    """Return the run this job belongs to (HPCDDP_RUN_ID, which slurm/train.sh sets), or None.
+
+    Args:
+        environ: the environment to read.
+    """
+    return environ.get("HPCDDP_RUN_ID", "").strip() or None
+
+
+def read_resume_policy(environ: Mapping[str, str]) -> str | None:
+    """Return HPCDDP_RESUME (one of ``RESUME_POLICIES``), or None when unset.
+
+    Args:
+        environ: the environment to read.
+    """
+    policy = environ.get("HPCDDP_RESUME", "").strip().lower()
+    if policy and policy not in RESUME_POLICIES:
+        choices = ", ".join(RESUME_POLICIES)
+        raise ValueError(f"environment variable HPCDDP_RESUME must be one of {choices}, got {policy!r}")
+    return policy or None
