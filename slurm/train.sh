@@ -9,6 +9,7 @@
 # Preemption and time limits: 90 s before the limit Slurm sends SIGUSR1 to the launcher, which
 # forwards it to every rank; the training code checkpoints and requeues the job, which then restarts
 # with the same job id (SLURM_RESTART_COUNT counts the restarts) and resumes from the checkpoint.
+# Checkpoints go to checkpoints/<run id>, a run named at the job's first start (see below).
 #
 #SBATCH --job-name=hpcddp
 #SBATCH --nodes=1
@@ -50,8 +51,44 @@ if [[ -z ${HPCDDP_ROOT:-} ]]; then
         HPCDDP_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
     fi
 fi
-# Per job id, not per run: a requeued job keeps its id and resumes from here.
-export HPCDDP_CHECKPOINT_DIR=${HPCDDP_CHECKPOINT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}/checkpoints/${SLURM_JOB_ID:-local}}
+# Checkpoints belong to a run, not to a job number: Slurm hands out old job numbers again (a
+# rebuilt controller starts at 1 once more), and a new job must not resume an old job's
+# checkpoints. A job's first start (SLURM_RESTART_COUNT unset or 0) names a new run,
+# <job id>-<UTC time>, and records it in a pointer file; a requeue (same job id, count >= 1)
+# reads it back, so it resumes the run's checkpoints. HPCDDP_RUN_ID names the run yourself:
+# jobs given the same one continue one run (chained jobs). hpcddp refuses another run's
+# checkpoint found in HPCDDP_CHECKPOINT_DIR unless HPCDDP_RESUME=any-run.
+restarts=${SLURM_RESTART_COUNT:-0}
+checkpoint_root=${SLURM_SUBMIT_DIR:-$PWD}/checkpoints
+# Beside the runs' directories, or in the one directory the user gave.
+run_pointer=${HPCDDP_CHECKPOINT_DIR:-$checkpoint_root}/.hpcddp-job-${SLURM_JOB_ID:-none}
+if [[ -z ${HPCDDP_RUN_ID:-} && -n ${SLURM_JOB_ID:-} ]] && ((restarts > 0)); then
+    if [[ -r $run_pointer ]]; then
+        read -r HPCDDP_RUN_ID <"$run_pointer" || true
+    else
+        echo "hpcddp: restart $restarts of job $SLURM_JOB_ID finds no run in $run_pointer: starting a new run" >&2
+    fi
+fi
+if [[ -z ${HPCDDP_RUN_ID:-} ]]; then
+    HPCDDP_RUN_ID=${SLURM_JOB_ID:-pid$$}-$(date -u +%Y%m%dT%H%M%SZ)
+    if [[ -n ${SLURM_JOB_ID:-} ]]; then
+        mkdir -p "$(dirname "$run_pointer")"
+        # A rename: a requeue reads the whole name or none, even after a crash mid-write.
+        pointer_tmp=$(mktemp "$run_pointer.XXXXXX")
+        echo "$HPCDDP_RUN_ID" >"$pointer_tmp"
+        mv -f "$pointer_tmp" "$run_pointer"
+    fi
+fi
+if [[ ! $HPCDDP_RUN_ID =~ ^[A-Za-z0-9][A-Za-z0-9._-]*$ ]]; then
+    echo "HPCDDP_RUN_ID must be letters, digits, '.', '_' and '-' (it names a directory), got '$HPCDDP_RUN_ID'" >&2
+    exit 2
+fi
+export HPCDDP_RUN_ID
+export HPCDDP_CHECKPOINT_DIR=${HPCDDP_CHECKPOINT_DIR:-$checkpoint_root/$HPCDDP_RUN_ID}
+# Every start names its run: the log (hpcddp-<job id>.out, opened to append) also holds this
+# job's earlier starts, and any older job's that had the same number.
+echo "hpcddp: ===== run $HPCDDP_RUN_ID, job ${SLURM_JOB_ID:-none} restart $restarts," \
+    "$(date -u '+%F %T') UTC, checkpoints in $HPCDDP_CHECKPOINT_DIR"
 # Ranks yield the CPU while waiting in MPI instead of busy-polling: when the allocation declares
 # more CPUs than the node has cores, polling ranks starve the ones doing work (5x slower).
 export OMPI_MCA_mpi_yield_when_idle=${OMPI_MCA_mpi_yield_when_idle:-1}

@@ -59,13 +59,19 @@ def scontrol_job(job_id, env=None):
     return dict(field.split("=", 1) for field in result.stdout.split() if "=" in field)
 
 
-def submit(env, tmp_path, launcher, *train_args, wait=True, timeout=300, sbatch_args=(), name=None):
-    """sbatch slurm/train.sh examples/train.py ...; return (job id, return code or None, output path)."""
+def submit(env, tmp_path, launcher, *train_args, wait=True, timeout=300, sbatch_args=(), name=None, checkpoints=True):
+    """sbatch slurm/train.sh examples/train.py ...; return (job id, return code or None, output path).
+
+    The job runs in ``tmp_path``; with ``checkpoints`` it saves into ``tmp_path/checkpoints``
+    (HPCDDP_CHECKPOINT_DIR), without it into train.sh's default, ``tmp_path/checkpoints/<run id>``.
+    """
     output = tmp_path / f"{name or launcher}.out"
     command = ["sbatch", "--parsable", f"--output={output}", f"--export=ALL,LAUNCHER={launcher}", *sbatch_args]
     command += ["--wait"] if wait else []
     command += [TRAIN_SH, TRAIN_PY, "--quiet", *train_args]
-    env = {**env, "HPCDDP_CHECKPOINT_DIR": str(tmp_path / "checkpoints")}
+    env = {k: v for k, v in env.items() if k != "HPCDDP_CHECKPOINT_DIR"}
+    if checkpoints:
+        env["HPCDDP_CHECKPOINT_DIR"] = str(tmp_path / "checkpoints")
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -84,13 +90,14 @@ def submit(env, tmp_path, launcher, *train_args, wait=True, timeout=300, sbatch_
 def preempt_and_wait(env, tmp_path, job, output, first_checkpoint="checkpoint-000004.pt"):
     """Send the job's batch shell USR1 once it checkpointed, and follow it through requeue to its end.
 
-    Returns (the job's last scontrol fields, the (state, restarts) pairs seen, its log).
+    ``first_checkpoint`` is a glob under ``tmp_path/checkpoints`` ("*/checkpoint-000004.pt" for
+    train.sh's per-run directories). Returns (the job's last scontrol fields, the (state,
+    restarts) pairs seen, its log).
     """
     states, last = [], {}
     try:
-        first = tmp_path / "checkpoints" / first_checkpoint
         deadline = time.monotonic() + 180
-        while not first.exists():
+        while not list((tmp_path / "checkpoints").glob(first_checkpoint)):
             assert time.monotonic() < deadline, f"job {job} wrote no checkpoint in 180 s: {scontrol_job(job, env)}"
             assert scontrol_job(job, env).get("JobState") in ACTIVE, scontrol_job(job, env)
             time.sleep(0.2)
