@@ -10,7 +10,8 @@ one line naming the knob, to resume
 
 - another run's checkpoint, when both it and this job name a run. A job without
   HPCDDP_RUN_ID (plain mpirun with a directory of the user's choosing) resumes what is
-  there, and so does any job a checkpoint that was saved without one;
+  there, and a checkpoint saved without one (by such a job, or before hpcddp recorded
+  runs) is resumed by any job;
 - a checkpoint saved by another number of ranks. The model and optimizer states are
   replicated and load at any size, but the RNG streams are per rank, and the position
   ("``batch_in_epoch`` batches of this epoch done") counts batches of each rank's shard:
