@@ -1,7 +1,7 @@
 """Post-local SGD on scikit-learn's 8x8 digits: synchronous steps first, then local steps and averaging.
 
     mpirun -np 2 python examples/post_local_sgd.py                   # 60 synchronous steps, then average every 4
-    mpirun -np 4 python examples/post_local_sgd.py --period 8
+    hpcddp run -np 4 examples/post_local_sgd.py --period 8           # adds --oversubscribe if ranks > cores
 
 For the first --sync-steps steps every gradient is averaged by hpcddp.DistributedOptimizer.
 After that each rank steps alone on its own batches and hpcddp.PeriodicModelAverager

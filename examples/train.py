@@ -2,7 +2,7 @@
 
     python examples/train.py                                   # one process
     mpirun -np 2 python examples/train.py                      # two MPI ranks
-    hpcddp run -np 8 examples/train.py --epochs 5              # oversubscribed is fine
+    hpcddp run -np 4 examples/train.py                         # adds --oversubscribe if ranks > cores
 
 The digits ship inside scikit-learn, so nothing is downloaded. The global batch is
 fixed (--batch-size) and split evenly over the ranks, so 1 and N ranks take the
