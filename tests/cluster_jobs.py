@@ -59,8 +59,19 @@ def scontrol_job(job_id, env=None):
     return dict(field.split("=", 1) for field in result.stdout.split() if "=" in field)
 
 
-def submit(env, tmp_path, launcher, *train_args, wait=True, timeout=300, sbatch_args=(), name=None, checkpoints=True):
-    """sbatch slurm/train.sh examples/train.py ...; return (job id, return code or None, output path).
+def submit(
+    env,
+    tmp_path,
+    launcher,
+    *train_args,
+    wait=True,
+    timeout=300,
+    sbatch_args=(),
+    name=None,
+    checkpoints=True,
+    script=None,
+):
+    """sbatch slurm/train.sh examples/train.py --quiet ... (or ``script`` ...); return (job id, return code or None, output path).
 
     The job runs in ``tmp_path``; with ``checkpoints`` it saves into ``tmp_path/checkpoints``
     (HPCDDP_CHECKPOINT_DIR), without it into train.sh's default, ``tmp_path/checkpoints/<run id>``.
@@ -68,7 +79,7 @@ def submit(env, tmp_path, launcher, *train_args, wait=True, timeout=300, sbatch_
     output = tmp_path / f"{name or launcher}.out"
     command = ["sbatch", "--parsable", f"--output={output}", f"--export=ALL,LAUNCHER={launcher}", *sbatch_args]
     command += ["--wait"] if wait else []
-    command += [TRAIN_SH, TRAIN_PY, "--quiet", *train_args]
+    command += [TRAIN_SH, *([script] if script else [TRAIN_PY, "--quiet"]), *train_args]
     env = {k: v for k, v in env.items() if k != "HPCDDP_CHECKPOINT_DIR"}
     if checkpoints:
         env["HPCDDP_CHECKPOINT_DIR"] = str(tmp_path / "checkpoints")

@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from . import framework_jobs
 from .cluster_jobs import (
     assert_resumed_to_the_same_parameters,
     preempt_and_wait,
@@ -132,3 +133,25 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_same_parameters(slurm_env,
     job, _, output = submit(slurm_env, tmp_path, launcher, *args, wait=False, timeout=60)
     last, states, log = preempt_and_wait(slurm_env, tmp_path, job, output)
     assert_resumed_to_the_same_parameters(last, states, log, uninterrupted[launcher], final, NUM_STEPS, 2)
+
+
+@pytest.fixture(scope="session")
+def lightning_on_gloo(tmp_path_factory):
+    """The Lightning job's results under torchrun over gloo, the reference of the sbatch runs."""
+    framework_jobs.require("lightning")
+    return framework_jobs.run_reference("lightning", tmp_path_factory.mktemp("lightning_gloo"))
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_lightning_recipe_under_sbatch_trains_on_distinct_ranks(slurm_env, tmp_path, launcher, lightning_on_gloo):
+    # Under mpirun in a batch job every rank inherits the batch step's SLURM_PROCID (0), and
+    # Lightning's own SLURMEnvironment would give every rank rank 0's shard of the data: the
+    # recipe's MPIEnvironment plugin takes the ranks from MPI under either launcher.
+    env = {**slurm_env, **framework_jobs.JOB_ENV}
+    script = framework_jobs.script("lightning")
+    job, rc, output = submit(env, tmp_path, launcher, "mpi", str(tmp_path), script=script)
+    log = output.read_text() if output.exists() else "(no output file)"
+    assert rc == 0, f"job {job} exited {rc}:\n{log[-5000:]}"
+    mpi = framework_jobs.results(tmp_path)
+    assert [r["lightning_rank"] for r in mpi] == [0, 1], log[-5000:]
+    framework_jobs.assert_same_training(mpi, lightning_on_gloo, 16)

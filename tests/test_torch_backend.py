@@ -43,7 +43,6 @@ def test_init_process_group_hpcddp_in_a_world_of_one(world_of_one):
     ("dtype", "op", "error", "message"),
     [
         ("float32", "PREMUL_SUM", ValueError, "PREMUL_SUM is NCCL-only"),
-        ("int64", "AVG", TypeError, "op='average' needs a floating-point tensor, got torch.int64"),
         ("float32", "BAND", TypeError, "op='band' needs an integer tensor"),
         ("bool", "SUM", TypeError, "does not support tensors of dtype torch.bool"),
     ],
@@ -56,6 +55,21 @@ def test_reductions_mpi_cannot_do_are_refused(dtype, op, error, message):
 
     with pytest.raises(error, match=message):
         check_reducible(getattr(torch, dtype), from_torch(getattr(dist.ReduceOp, op)))
+
+
+def test_integer_averages_divide_toward_zero_where_hpcddps_api_refuses_them():
+    import torch
+
+    from hpcddp.comm.reduction import ReduceOp, check_average, check_reducible, divide_average_
+
+    # torch's ReduceOp.AVG of integers (PyTorch Lightning sends one) gets NCCL's answer: sum, then toward zero.
+    check_reducible(torch.int64, ReduceOp.AVERAGE)
+    summed = torch.tensor([-3, 3, 4, -4, 0], dtype=torch.int64)
+    assert divide_average_(summed, ReduceOp.AVERAGE, 2).tolist() == [-1, 1, 2, -2, 0]
+    assert divide_average_(torch.tensor([-3.0, 3.0]), ReduceOp.AVERAGE, 2).tolist() == [-1.5, 1.5]
+    assert divide_average_(torch.tensor([-3, 3]), ReduceOp.SUM, 2).tolist() == [-3, 3]
+    with pytest.raises(TypeError, match="op='average' needs a floating-point tensor, got torch.int64: use op='sum'"):
+        check_average(torch.int64, ReduceOp.AVERAGE)
 
 
 def test_16_bit_float_reductions_are_made_once_per_process():

@@ -24,7 +24,7 @@ from ._mpi_buffers import (
 from .agreement import CollectiveMismatchError
 from .base import ReduceOp
 from .engine import Collective
-from .reduction import check_reducible, mpi_op
+from .reduction import check_reducible, divide_average_, mpi_op
 
 __all__ = ["IntoOps"]
 
@@ -157,8 +157,7 @@ class IntoOps:
 
         def body() -> torch.Tensor:
             comm.Reduce_scatter_block(mpi_buffer(MPI, flat.contiguous()), mpi_buffer(MPI, buffer), op=reduce)
-            if op is ReduceOp.AVERAGE:
-                buffer.div_(size)
+            divide_average_(buffer, op, size)
             if write is not None:
                 write(buffer)
             return out

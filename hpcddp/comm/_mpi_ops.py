@@ -13,7 +13,7 @@ import torch
 from ._mpi_buffers import bytes_view, displacements, layout_error, mpi_buffer, result_buffer, row_bytes, staged
 from .base import Handle, ReduceOp, alltoall_splits, as_splits, even_splits, splits_error
 from .engine import Collective
-from .reduction import check_reducible, mpi_op
+from .reduction import check_reducible, divide_average_, mpi_op
 
 __all__ = ["VectorOps"]
 
@@ -74,8 +74,7 @@ class VectorOps:
                 comm.Reduce(spec, None, op=reduce, root=root)
                 return tensor
             comm.Reduce(MPI.IN_PLACE, spec, op=reduce, root=root)
-            if op is ReduceOp.AVERAGE:
-                buf.div_(self.size)
+            divide_average_(buf, op, self.size)
             if write is not None:
                 write(buf)
             return tensor
@@ -165,8 +164,7 @@ class VectorOps:
 
         def body() -> torch.Tensor:
             comm.Reduce_scatter(mpi_buffer(MPI, buf), mpi_buffer(MPI, out), counts, op=reduce)
-            if op is ReduceOp.AVERAGE:
-                out.div_(self.size)
+            divide_average_(out, op, self.size)
             return out.to(tensor.device)
 
         return self.start(Collective("reducescatter", body, tensor, call))

@@ -30,7 +30,7 @@ from .dtypes import dtype_named
 from .engine import Collective, Engine, EngineHandle, wait_for_request
 from .hierarchy import HIERARCHY_MIN_BYTES, hierarchy_for
 from .p2p import PointToPoint, describe_tensors
-from .reduction import check_reducible, mpi_op
+from .reduction import check_reducible, divide_average_, mpi_op
 
 __all__ = ["MPICommunicator"]
 
@@ -172,8 +172,7 @@ class MPICommunicator(VectorOps, IntoOps, Communicator):
 
         def body() -> torch.Tensor:
             self.reduce_in_place(buffer, reduce)
-            if op is ReduceOp.AVERAGE:
-                buffer.div_(size)
+            divide_average_(buffer, op, size)
             if write is not None:
                 write(buffer)
             return tensor
@@ -215,8 +214,7 @@ class MPICommunicator(VectorOps, IntoOps, Communicator):
                 sends = for_each_piece(mpi_buffer(self._MPI, source))
                 for send, receive in zip(sends, for_each_piece(mpi_buffer(self._MPI, out))):
                     self._comm.Allreduce(send, receive, op=reduce)
-            if op is ReduceOp.AVERAGE:
-                out.div_(self.size)
+            divide_average_(out, op, self.size)
             return out if tensor.device.type == "cpu" else out.to(tensor.device)
 
         return self.run(Collective("allreduce", body, tensor, call))

@@ -1,8 +1,9 @@
 """The one table of reduction ops: hpcddp's ``ReduceOp``, torch.distributed's and MPI's.
 
 torch's ``ReduceOp.AVG`` is hpcddp's ``AVERAGE``; an average travels as a sum (gloo and
-MPI have no average) and is divided by the number of ranks after. The MPI ops for
-float16 and bfloat16, which MPI cannot reduce itself, are made here once per process.
+MPI have no average) and is divided by the number of ranks after (integers toward zero,
+as NCCL divides them). The MPI ops for float16 and bfloat16, which MPI cannot reduce
+itself, are made here once per process.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ __all__ = [
     "Reduction",
     "check_average",
     "check_reducible",
+    "divide_average_",
     "from_torch",
     "mpi_op",
     "parse_op",
@@ -117,13 +119,20 @@ def to_torch(op: ReduceOp):
 
 
 def check_average(dtype: torch.dtype, op: ReduceOp) -> None:
-    """Raise TypeError for an average of integers (a sum divided after would truncate)."""
+    """Raise TypeError for an average of integers in hpcddp's own API (the sum divided after would truncate).
+
+    The torch backend takes one (``ReduceOp.AVG``) and truncates, as NCCL does: ``divide_average_``.
+    """
     if op is ReduceOp.AVERAGE and not dtype.is_floating_point:
         raise TypeError(f"op='average' needs a floating-point tensor, got {dtype}: use op='sum'")
 
 
 def check_reducible(dtype: torch.dtype, op: ReduceOp, what: str = "allreduce") -> None:
     """Raise TypeError for a dtype or op MPI cannot reduce.
+
+    An average of integers passes: ``divide_average_`` truncates it. hpcddp's own API
+    refuses one before it gets here (``check_average``); torch's ``ReduceOp.AVG`` on the
+    ``"mpi"`` backend gets NCCL's result.
 
     Args:
         dtype: the tensor's.
@@ -132,9 +141,27 @@ def check_reducible(dtype: torch.dtype, op: ReduceOp, what: str = "allreduce") -
     """
     if dtype not in DTYPES:
         raise TypeError(f"{what} does not support tensors of dtype {dtype}")
-    check_average(dtype, op)
     if op.bitwise and dtype.is_floating_point:
         raise TypeError(f"op='{op.value}' needs an integer tensor, got {dtype}")
+
+
+def divide_average_(summed: torch.Tensor, op: ReduceOp, size: int) -> torch.Tensor:
+    """Turn the sum an average travelled as into the average, in place; other ops leave ``summed`` as it is.
+
+    Integers are divided toward zero, as NCCL's ``ncclAvg`` does (and Horovod's integer
+    average): PyTorch Lightning logs with ``sync_dist=True`` send ``ReduceOp.AVG`` of an
+    int64 batch size to every backend but gloo.
+
+    Args:
+        summed: the reduced sum.
+        op: the reduction the caller asked for.
+        size: the number of ranks that contributed.
+    """
+    if op is not ReduceOp.AVERAGE:
+        return summed
+    if summed.is_floating_point() or summed.is_complex():
+        return summed.div_(size)
+    return summed.div_(size, rounding_mode="trunc")
 
 
 _half_ops: dict[tuple[torch.dtype, ReduceOp], Any] = {}

@@ -25,16 +25,18 @@ def values(shape, dtype, salt=0):
 
 
 def on_gloo(fn, tensor, op, gloo):
-    """Run a reducing collective on gloo; AVG (which gloo lacks) as SUM / world size."""
+    """Run a reducing collective on gloo; AVG (which gloo lacks) as SUM / world size.
+
+    Integers are divided toward zero, as NCCL's ncclAvg divides them.
+    """
     if op == dist.ReduceOp.AVG:
         out = fn(tensor, dist.ReduceOp.SUM, gloo)
-        return out / dist.get_world_size() if out is not None else None
+        if out is None:
+            return None
+        if out.is_floating_point():
+            return out / dist.get_world_size()
+        return torch.div(out, dist.get_world_size(), rounding_mode="trunc")
     return fn(tensor, op, gloo)
-
-
-def skip_unsupported(op, dtype):
-    if op == dist.ReduceOp.AVG and not dtype.is_floating_point:
-        pytest.skip("AVG needs a floating-point tensor")
 
 
 def exact(actual, expected):
@@ -44,8 +46,6 @@ def exact(actual, expected):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", OPS, ids=str)
 def test_all_reduce(gloo, op, dtype):
-    skip_unsupported(op, dtype)
-
     def all_reduce(tensor, op, group):
         tensor = tensor.clone()
         dist.all_reduce(tensor, op=op, group=group)
@@ -53,6 +53,30 @@ def test_all_reduce(gloo, op, dtype):
 
     mine = all_reduce(values((4, 3), dtype), op, None)
     exact(mine, on_gloo(all_reduce, values((4, 3), dtype), op, gloo).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int8, torch.uint8], ids=str)
+def test_integer_averages_divide_toward_zero_as_nccl_does(gloo, dtype):
+    # PyTorch Lightning's sync_dist logging sends ReduceOp.AVG of an int64 batch size to
+    # every backend but gloo; NCCL sums and divides toward zero (ncclAvg: SumPostDiv).
+    rank, size = rank_size()
+    full = values((size * 2, 3), dtype) + (0 if dtype.is_signed else 2)
+    summed = full.clone()
+    dist.all_reduce(summed, group=gloo)
+    reference = torch.div(summed, size, rounding_mode="trunc")
+    if dtype.is_signed:
+        floored = torch.div(summed, size, rounding_mode="floor")
+        assert not torch.equal(floored, reference), "the values must tell truncation from flooring"
+
+    mine = full.clone()
+    dist.all_reduce(mine, op=dist.ReduceOp.AVG)
+    exact(mine, reference)
+    mine = full.clone()
+    dist.reduce(mine, dst=size - 1, op=dist.ReduceOp.AVG)
+    exact(mine, reference if rank == size - 1 else full)
+    out = torch.empty(2, 3, dtype=dtype)
+    dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.AVG)
+    exact(out, reference[2 * rank : 2 * rank + 2])
 
 
 @pytest.mark.parametrize("op", OPS, ids=str)
