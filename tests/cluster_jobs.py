@@ -59,12 +59,12 @@ def scontrol_job(job_id, env=None):
     return dict(field.split("=", 1) for field in result.stdout.split() if "=" in field)
 
 
-def submit(env, tmp_path, launcher, *train_args, wait=True, timeout=300, sbatch_args=(), name=None):
-    """sbatch slurm/train.sh examples/train.py ...; return (job id, return code or None, output path)."""
+def submit(env, tmp_path, launcher, *train_args, wait=True, timeout=300, sbatch_args=(), name=None, script=None):
+    """sbatch slurm/train.sh examples/train.py ... (or ``script``); return (job id, return code or None, output path)."""
     output = tmp_path / f"{name or launcher}.out"
     command = ["sbatch", "--parsable", f"--output={output}", f"--export=ALL,LAUNCHER={launcher}", *sbatch_args]
     command += ["--wait"] if wait else []
-    command += [TRAIN_SH, TRAIN_PY, "--quiet", *train_args]
+    command += [TRAIN_SH, *([script] if script else [TRAIN_PY, "--quiet"]), *train_args]
     env = {**env, "HPCDDP_CHECKPOINT_DIR": str(tmp_path / "checkpoints")}
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     try:

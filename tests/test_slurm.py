@@ -132,3 +132,16 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_same_parameters(slurm_env,
     job, _, output = submit(slurm_env, tmp_path, launcher, *args, wait=False, timeout=60)
     last, states, log = preempt_and_wait(slurm_env, tmp_path, job, output)
     assert_resumed_to_the_same_parameters(last, states, log, uninterrupted[launcher], final, NUM_STEPS, 2)
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_unchanged_torchrun_script_under_sbatch(slurm_env, tmp_path, launcher):
+    """A script written for torchrun (RANK, LOCAL_RANK, MASTER_ADDR read at its top; gloo) through slurm/train.sh."""
+    from .test_torchrun import UNCHANGED_EXPECTED, UNCHANGED_SCRIPT, results
+
+    script = tmp_path / "torchrun_style.py"
+    script.write_text(UNCHANGED_SCRIPT)
+    job, rc, output = submit(slurm_env, tmp_path, launcher, script=str(script), timeout=240)
+    log = output.read_text() if output.exists() else "(no output file)"
+    assert rc == 0, f"job {job} exited {rc}:\n{log[-5000:]}"
+    assert results(log) == UNCHANGED_EXPECTED, log[-5000:]
