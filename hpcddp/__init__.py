@@ -36,6 +36,7 @@ from .comm.agreement import CollectiveMismatchError
 from .comm.base import Handle, ReduceOp
 from .ddp.join import join
 from .ddp.optimizer import DistributedOptimizer
+from .fault.abort import mark_configuration_error as _mark_configuration_error
 from .fault.preemption import PreemptionHandler
 from .observe import timeline as timeline  # hpcddp.timeline.start(path) / stop(): part of a run
 from .runtime.config import InitConfig
@@ -53,9 +54,10 @@ from .runtime.state import (
     shutdown,
     size,
 )
-from .torch_backend.autoinit import enable as _route_mpi_backend_name
+from .torch_backend.autoinit import enable as _complete_init_process_group
 
-_route_mpi_backend_name(init)  # init_process_group("mpi") calls hpcddp.init() when the script did not
+# init_process_group("mpi") calls hpcddp.init() when the script did not; env:// finds its variables.
+_complete_init_process_group(init, _mark_configuration_error)
 
 # ``import hpcddp.timeline`` / ``from hpcddp.timeline import start`` keep working: the
 # module lives in observe/, and the import system looks in sys.modules first.

@@ -123,11 +123,23 @@ echo "hpcddp: job ${SLURM_JOB_ID:-none} (${SLURM_JOB_NAME:-}) restart ${SLURM_RE
     "$ntasks tasks x $cpus_per_task cpus, launcher $LAUNCHER, $(date '+%F %T')"
 echo "hpcddp: $PYTHON $*; checkpoints in $HPCDDP_CHECKPOINT_DIR"
 
-# init_process_group("mpi") then reaches hpcddp even in scripts that never call hpcddp.init()
-# (hpcddp/_site/sitecustomize.py; found without importing hpcddp, which would load torch here).
+# Scripts written for torchrun or torch's MPI backend then run without hpcddp.init(): each rank
+# gets torchrun's RANK, LOCAL_RANK, ... from srun's/mpirun's variables before it starts, and
+# init_process_group("mpi") reaches hpcddp (hpcddp/_site/sitecustomize.py; found without
+# importing hpcddp, which would load torch here).
 site=$("$PYTHON" -c 'import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec("hpcddp").origin), "_site"))' 2>/dev/null) || site=
 if [[ -n $site ]]; then
     export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# torch's env:// rendezvous on one node, as torchrun picks it: this node and a free port. Across
+# nodes a script's init_process_group finds rank 0's address through hpcddp's rendezvous over MPI
+# (node names need not resolve), so MASTER_ADDR is set only from then on.
+if [[ ${SLURM_JOB_NUM_NODES:-1} == 1 ]]; then
+    export MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+    if [[ -z ${MASTER_PORT:-} ]]; then
+        MASTER_PORT=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
+        export MASTER_PORT
+    fi
 fi
 
 case $LAUNCHER in

@@ -80,18 +80,18 @@ def test_slurm_node_address_comes_from_scontrol_not_dns(monkeypatch):
 
 def test_exported_interface_follows_the_rendezvous_unless_the_user_set_one(monkeypatch, caplog):
     from hpcddp.env import Rendezvous
-    from hpcddp.runtime.bootstrap import _export_rendezvous
+    from hpcddp.runtime.exports import export_rendezvous
 
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    _export_rendezvous(Rendezvous("10.213.0.11", 4242, "eth0"))
+    export_rendezvous(Rendezvous("10.213.0.11", 4242, "eth0"))
     import os
 
     assert (os.environ["GLOO_SOCKET_IFNAME"], os.environ["NCCL_SOCKET_IFNAME"]) == ("eth0", "eth0")
     assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("10.213.0.11", "4242")
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth1")
     with caplog.at_level(logging.WARNING, logger="hpcddp"):
-        _export_rendezvous(Rendezvous("10.213.0.11", 4242, "ib0", interface_named=True))
+        export_rendezvous(Rendezvous("10.213.0.11", 4242, "ib0", interface_named=True))
     assert os.environ["GLOO_SOCKET_IFNAME"] == "eth1"  # the user's choice stays
     assert "GLOO_SOCKET_IFNAME=eth1 differs from ib0 (HPCDDP_IFACE): keeping GLOO_SOCKET_IFNAME" in caplog.text
 

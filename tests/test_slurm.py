@@ -155,3 +155,16 @@ def test_lightning_recipe_under_sbatch_trains_on_distinct_ranks(slurm_env, tmp_p
     mpi = framework_jobs.results(tmp_path)
     assert [r["lightning_rank"] for r in mpi] == [0, 1], log[-5000:]
     framework_jobs.assert_same_training(mpi, lightning_on_gloo, 16)
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_unchanged_torchrun_script_under_sbatch(slurm_env, tmp_path, launcher):
+    """A script written for torchrun (RANK, LOCAL_RANK, MASTER_ADDR read at its top; gloo) through slurm/train.sh."""
+    from .test_torchrun import UNCHANGED_EXPECTED, UNCHANGED_SCRIPT, results
+
+    script = tmp_path / "torchrun_style.py"
+    script.write_text(UNCHANGED_SCRIPT)
+    job, rc, output = submit(slurm_env, tmp_path, launcher, script=str(script), timeout=240)
+    log = output.read_text() if output.exists() else "(no output file)"
+    assert rc == 0, f"job {job} exited {rc}:\n{log[-5000:]}"
+    assert results(log) == UNCHANGED_EXPECTED, log[-5000:]

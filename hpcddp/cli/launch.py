@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .._site import with_site_dir
+from ..env.mpi import find_free_port
 
 __all__ = [
     "DAEMON_KEEPALIVE",
@@ -37,9 +38,12 @@ DAEMON_KEEPALIVE = {
 }
 
 # Variables a rank on another host needs to behave like this shell: mpirun starts
-# remote ranks with the remote daemon's environment, not ours.
+# remote ranks with the remote daemon's environment, not ours. MASTER_ADDR/MASTER_PORT:
+# a rank without them runs hpcddp's rendezvous at init_process_group, which is collective.
 FORWARDED_PREFIXES = (
     "HPCDDP_",
+    "MASTER_ADDR",
+    "MASTER_PORT",
     "NCCL_",
     "OMP_",
     "MKL_",
@@ -147,8 +151,11 @@ def build_launch_command(
         multi_host = config.hosts or config.hostfile
         launcher = "srun" if _in_slurm_allocation(environ) and not multi_host else "mpirun"
     extra_env = _split_env(config.env, environ)
-    # init_process_group("mpi") then reaches hpcddp even in scripts that never call hpcddp.init().
+    # Scripts written for torchrun or torch's MPI backend then run without hpcddp.init():
+    # each rank gets torchrun's RANK, LOCAL_RANK ... before it starts, and init_process_group("mpi") reaches hpcddp.
     extra_env["PYTHONPATH"] = with_site_dir(extra_env.get("PYTHONPATH", environ.get("PYTHONPATH")))
+    if _on_one_host(config, environ):
+        extra_env.update(_local_rendezvous({**environ, **extra_env}))
     environ.update(extra_env)
     num_proc = config.num_proc
     if launcher == "srun":
@@ -178,6 +185,25 @@ def build_launch_command(
         for name, value in DAEMON_KEEPALIVE.items():
             environ.setdefault(name, value)
     return command, environ
+
+
+def _on_one_host(config: LaunchConfig, environ: Mapping[str, str]) -> bool:
+    if config.hosts or config.hostfile:
+        return False
+    # Inside an allocation srun, and Open MPI's mpirun, start ranks on all of its nodes.
+    return (environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES") or "1") == "1"
+
+
+def _local_rendezvous(environ: Mapping[str, str]) -> dict[str, str]:
+    """MASTER_ADDR/MASTER_PORT as torchrun picks them on one host: 127.0.0.1 and a free port (the user's win).
+
+    Across hosts rank 0's address is not known here (node names need not resolve): a
+    script's init_process_group finds it through hpcddp's rendezvous over MPI.
+    """
+    values = {"MASTER_ADDR": "127.0.0.1"} if not environ.get("MASTER_ADDR") else {}
+    if not environ.get("MASTER_PORT"):
+        values["MASTER_PORT"] = str(find_free_port())
+    return values
 
 
 def _int_or_none(raw: str | None) -> int | None:

@@ -5,6 +5,10 @@ when a node cannot reach rank 0's store. Here rank 0 opens the store first and
 every other rank checks within seconds, in plain Python, that it can reach it;
 the ranks that cannot say so in one line each (and, when MPI connects the ranks,
 every rank ends with them) before torch.distributed is asked to connect.
+
+Under torchrun the agent serves the store and the group is made with torch's own
+env:// (``join_through_env``). ``made_default_group`` tells a script's second
+``init_process_group`` from its first.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import datetime
 import errno
 import os
 import socket
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -20,10 +25,50 @@ import torch.distributed as dist
 from ..env.network import describe_interfaces, list_interfaces, probe_tcp
 from .base import ranks_text
 
-__all__ = ["CONNECT_TIMEOUT_S", "connect_store", "join_process_group"]
+__all__ = ["CONNECT_TIMEOUT_S", "connect_store", "join_process_group", "join_through_env", "made_default_group"]
 
 #: seconds a rank may take to reach rank 0's store before the job fails
 CONNECT_TIMEOUT_S = 10.0
+
+_made: weakref.ref | None = None  # the default group hpcddp made (weak: the script may destroy it)
+
+
+def made_default_group() -> bool:
+    """Return True when torch.distributed's default group exists and hpcddp made it (not the script)."""
+    return dist.is_initialized() and _made is not None and _made() is dist.group.WORLD
+
+
+def _remember_default_group() -> None:
+    global _made
+    _made = weakref.ref(dist.group.WORLD)
+
+
+def join_through_env(
+    backend: str, rank: int, world_size: int, *, timeout_s: float = 1800, device: torch.device | None = None
+) -> None:
+    """Make torch.distributed's default group with torch's own env:// rendezvous.
+
+    Under torchrun the agent already serves the TCPStore at MASTER_PORT and every
+    worker connects to it as a client (TORCHELASTIC_USE_AGENT_STORE=True), which
+    env:// honours; hpcddp's own store (``join_process_group``) would try to serve
+    that port a second time.
+
+    Args:
+        backend: "gloo" or "nccl".
+        rank: this process's rank.
+        world_size: the number of ranks.
+        timeout_s: how long a collective may wait (torch.distributed's timeout).
+        device: for nccl, this rank's GPU (binds the communicator to it).
+    """
+    dist.init_process_group(
+        backend,
+        init_method="env://",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        **({"device_id": device} if backend == "nccl" and device is not None else {}),
+    )
+    _remember_default_group()
 
 
 def join_process_group(
@@ -60,6 +105,7 @@ def join_process_group(
         timeout=datetime.timedelta(seconds=timeout_s),
         **({"device_id": device} if backend == "nccl" and device is not None else {}),
     )
+    _remember_default_group()
 
 
 def _serve_store(address: str, port: int, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:

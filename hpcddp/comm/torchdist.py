@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -29,19 +30,42 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
     in an OperationLog, which the stall inspector reads over MPI when MPI started the
     ranks (``hpcddp.fault.stall``).
 
+    Under torchrun the script makes the default group itself: given ``join``, the
+    communicator starts before the group exists and looks it up at its first
+    collective, making it with ``join`` if the script has not (every rank reaches
+    that point at the same collective).
+
     Args:
-        backend: "gloo" or "nccl"; the process group must already be initialised.
+        backend: "gloo" or "nccl"; without ``join``, the process group must already be initialised.
         device: where the backend wants tensors (a CUDA device for nccl).
         group: a group from ``dist.new_group`` (see ``split``); None: the default group.
+        rank: with ``join``, this process's rank in the default group to come.
+        size: with ``join``, that group's size.
+        join: makes the default group when hpcddp needs it before the script made it.
     """
 
     _groups_made = 0
 
-    def __init__(self, backend: str, device: torch.device, *, group=None) -> None:
-        if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised: call hpcddp.init() first")
-        super().__init__(dist.get_rank(group), dist.get_world_size(group))
-        self.group = group
+    def __init__(
+        self,
+        backend: str,
+        device: torch.device,
+        *,
+        group=None,
+        rank: int | None = None,
+        size: int | None = None,
+        join: Callable[[], None] | None = None,
+    ) -> None:
+        if join is None:
+            if not dist.is_initialized():
+                raise RuntimeError("torch.distributed is not initialised: call hpcddp.init() first")
+            rank, size = dist.get_rank(group), dist.get_world_size(group)
+        elif rank is None or size is None:
+            raise TypeError("a TorchDistCommunicator with join= needs rank= and size=")
+        super().__init__(rank, size)
+        self._group = group
+        self._join = join
+        self._binding = threading.Lock()
         self.name = backend
         self.device = device
         self._recent_works: collections.deque = collections.deque(maxlen=_KEPT_WORKS)
@@ -50,6 +74,35 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
         TorchDistCommunicator._groups_made += 1
         self.log = oplog.OperationLog(f"{backend}:{TorchDistCommunicator._groups_made}:{members}", members)
         oplog.register(self.log)
+
+    @property
+    def group(self):
+        """The process group the collectives run on (None: the default group, joined here on first use)."""
+        if self._join is not None:
+            self._bind_default_group()
+        return self._group
+
+    def _bind_default_group(self) -> None:
+        with self._binding:
+            if self._join is None:
+                return
+            if not dist.is_initialized():
+                self._join()
+            self._join = None
+        found = (dist.get_rank(), dist.get_world_size())
+        if found != (self.rank, self.size):
+            raise RuntimeError(
+                f"the default process group has rank {found[0]} of {found[1]}, but the launcher's RANK/WORLD_SIZE "
+                f"say {self.rank} of {self.size}: call init_process_group without rank= and world_size= "
+                "(env:// reads the launcher's)"
+            )
+        made = str(dist.get_backend())
+        if self.name not in {part.rpartition(":")[2] for part in made.replace(",", " ").split()}:
+            raise RuntimeError(
+                f"the default process group is {made!r} but hpcddp.init() chose {self.name!r} for {self.device}: "
+                f"use one backend for both (init_process_group({self.name!r}), or hpcddp.init(backend=...) "
+                "or HPCDDP_BACKEND naming the script's)"
+            )
 
     def _track(self, work, name: str, tensor: torch.Tensor | None = None):
         """Record ``work`` for the stall inspector until it completes, and keep it (see ``_keep``)."""
@@ -164,9 +217,9 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
 
     def close(self) -> None:
         oplog.unregister(self.log)
-        if self.group is not None:  # a sub-communicator: the default group stays
+        if self._group is not None:  # a sub-communicator: the default group stays
             if dist.is_initialized():
-                dist.destroy_process_group(self.group)
+                dist.destroy_process_group(self._group)
             self._recent_works.clear()
             return
         if dist.is_initialized():

@@ -1,7 +1,8 @@
 """What a process finds around it: where its ranks come from, its settings, network and MPI.
 
 One class per launch environment (``mpi``, ``slurm``, ``torchrun``, ``single``), picked by
-``detect_environment``; ``settings`` reads the HPCDDP_* variables, ``network`` the
+``detect_environment``; ``torchrun.launcher_variables`` gives torchrun's variables to
+ranks that mpirun or srun started; ``settings`` reads the HPCDDP_* variables, ``network`` the
 interfaces and addresses, ``mpi_import`` imports mpi4py with the thread level hpcddp
 needs, and ``files`` writes files atomically. Nothing here imports the rest of hpcddp.
 """

@@ -81,6 +81,9 @@ class ClusterEnvironment(abc.ABC):
 
     #: short name shown by ``hpcddp info`` and in errors
     name: str = "abstract"
+    #: the script makes torch.distributed's default group itself (torchrun: its agent serves
+    #: the store); hpcddp joins it, and makes it only when it needs it first
+    script_makes_process_group: bool = False
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         self.environ = os.environ if environ is None else environ

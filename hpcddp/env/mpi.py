@@ -16,7 +16,16 @@ from .network import (
     socket_ifname_hint,
 )
 
-__all__ = ["MPIEnvironment", "check_launcher_agrees", "find_free_port", "singleton_under_slurm"]
+__all__ = ["MPIEnvironment", "announced_ranks", "check_launcher_agrees", "find_free_port", "singleton_under_slurm"]
+
+# What MPI launchers tell each rank before MPI starts: (rank, size, local rank, local size).
+# Open MPI's mpirun, MVAPICH, MPICH's Hydra and Intel MPI. None of them names the node's
+# index (Open MPI's OMPI_COMM_WORLD_NODE_RANK is the rank among the node's processes).
+_ANNOUNCED_RANKS = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+)
 
 
 def find_free_port() -> int:
@@ -24,6 +33,22 @@ def find_free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
+
+
+def announced_ranks(environ: Mapping[str, str]) -> tuple[int, int, int, int] | None:
+    """Return (rank, size, local rank, local size) as the MPI launcher announced them, without starting MPI.
+
+    None when no launcher that announces all four started this process (srun names
+    them in its own SLURM_* variables instead).
+
+    Args:
+        environ: the environment to read.
+    """
+    for names in _ANNOUNCED_RANKS:
+        if all(environ.get(name, "").strip() for name in names):
+            rank, size, local_rank, local_size = (read_int(environ, name) for name in names)
+            return rank, size, local_rank, local_size
+    return None
 
 
 def singleton_under_slurm(environ: Mapping[str, str], mpi_size: int) -> bool:

@@ -7,21 +7,18 @@ the timeline).
 
 from __future__ import annotations
 
-import logging
-import os
+import functools
 
 import torch
 
 from ..comm.base import Communicator
-from ..env import ClusterEnvironment, RankLayout, Rendezvous, detect_environment
-from ..env.network import SOCKET_IFNAME_VARIABLES, socket_ifname_hint
+from ..env import ClusterEnvironment, RankLayout, detect_environment
 from .config import InitConfig
 from .device import NodePeer, describe_self, select_device, set_cpu_threads
+from .exports import export_layout, export_rendezvous
 from .state import Runtime
 
 __all__ = ["start"]
-
-log = logging.getLogger("hpcddp")
 
 
 def start(config: InitConfig) -> Runtime:
@@ -41,8 +38,8 @@ def start(config: InitConfig) -> Runtime:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     chosen = _choose_backend(config.backend, environment, layout, device)
-    _export_variables(environment, layout)
-    _export_rendezvous(environment.rendezvous(config.interface))
+    export_layout(environment, layout)
+    export_rendezvous(environment.rendezvous(config.interface))
     comm = _create_communicator(chosen, environment, layout, device, config)
     comm.check_collectives = config.check_collectives
     threads = set_cpu_threads(layout, config.num_threads, node_peers)
@@ -91,64 +88,24 @@ def _create_communicator(name: str, environment, layout: RankLayout, device, con
         return MPICommunicator(environment.mpi_comm, hierarchical=config.hierarchical_allreduce)
     import torch.distributed as dist
 
-    from ..comm.rendezvous import join_process_group
+    from ..comm.rendezvous import join_process_group, join_through_env
     from ..comm.torchdist import TorchDistCommunicator
 
-    if not dist.is_initialized():
-        join_process_group(
-            name,
-            layout.rank,
-            layout.world_size,
-            timeout_s=config.dist_timeout,
-            device=device,
-            mpi_comm=environment.mpi_comm,
+    if dist.is_initialized():  # the script made the default group before init()
+        return TorchDistCommunicator(name, device)
+    if environment.script_makes_process_group:
+        # The script's own init_process_group makes the group (hpcddp joins it then);
+        # when hpcddp's collectives come first, they make it through torch's env://.
+        join = functools.partial(
+            join_through_env, name, layout.rank, layout.world_size, timeout_s=config.dist_timeout, device=device
         )
+        return TorchDistCommunicator(name, device, rank=layout.rank, size=layout.world_size, join=join)
+    join_process_group(
+        name,
+        layout.rank,
+        layout.world_size,
+        timeout_s=config.dist_timeout,
+        device=device,
+        mpi_comm=environment.mpi_comm,
+    )
     return TorchDistCommunicator(name, device)
-
-
-def _export_variables(environment: ClusterEnvironment, layout: RankLayout) -> None:
-    """Export torchrun's variables so code that uses torch.distributed directly works."""
-    values = {
-        "RANK": layout.rank,
-        "WORLD_SIZE": layout.world_size,
-        "LOCAL_RANK": layout.local_rank,
-        "LOCAL_WORLD_SIZE": layout.local_size,
-        "NODE_RANK": layout.node_rank,
-    }
-    for name, value in values.items():
-        current = os.environ.get(name)
-        if current is not None and current != str(value):
-            log.warning("hpcddp: overriding %s=%s with %s from %s", name, current, value, environment.name)
-        os.environ[name] = str(value)
-
-
-def _export_rendezvous(rendezvous: Rendezvous) -> None:
-    """Export torch.distributed's MASTER_ADDR/MASTER_PORT and gloo's and NCCL's interface.
-
-    The environment decided (under MPI: rank 0's choice, broadcast to all). A rank
-    whose own differing MASTER_* value is replaced is warned; GLOO_SOCKET_IFNAME and
-    NCCL_SOCKET_IFNAME set by the user are kept, with a warning when they name
-    another interface than the one that reaches rank 0.
-    """
-    for name, value in (("MASTER_ADDR", rendezvous.address), ("MASTER_PORT", str(rendezvous.port))):
-        current = os.environ.get(name)
-        if current and current != value:
-            log.warning("hpcddp: overriding %s=%s with %s", name, current, value)
-        os.environ[name] = value
-    if rendezvous.interface is None:
-        return
-    source = "HPCDDP_IFACE" if rendezvous.interface_named else f"the interface that reaches {rendezvous.address}"
-    for name in SOCKET_IFNAME_VARIABLES:
-        current = os.environ.get(name, "").strip()
-        if not current:
-            os.environ[name] = rendezvous.interface
-        elif current != rendezvous.interface and socket_ifname_hint({name: current}) == current:
-            log.warning(
-                "hpcddp: %s=%s differs from %s (%s): keeping %s; unset it to use %s",
-                name,
-                current,
-                rendezvous.interface,
-                source,
-                name,
-                rendezvous.interface,
-            )

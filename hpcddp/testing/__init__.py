@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 
 from ..cli.launch import mpirun_command
 
-__all__ = ["MPIRunResult", "assert_pytest_passed", "run_mpi", "run_pytest_on_ranks", "run_script"]
+__all__ = ["MPIRunResult", "assert_pytest_passed", "run_command", "run_mpi", "run_pytest_on_ranks", "run_script"]
 
 
 class MPIRunResult(subprocess.CompletedProcess):
@@ -87,6 +87,23 @@ def _run_once(command: list[str], timeout: float, full_env: Mapping[str, str], c
     result = MPIRunResult(command, 124 if timed_out else proc.returncode, out, None)
     result.timed_out = timed_out
     return result
+
+
+def run_command(
+    args: Sequence[str], timeout: float, env: Mapping[str, str] | None = None, cwd: str | None = None
+) -> MPIRunResult:
+    """Run another launcher's command (torchrun, ``hpcddp run``, sbatch --wait) with a time limit.
+
+    As ``run_mpi``: stderr merged into stdout, and when the limit passes the whole
+    process group (the launcher and every process it started) is ended.
+
+    Args:
+        args: the command and its arguments.
+        timeout: seconds before everything it started is killed and the run counts as failed.
+        env: extra environment variables.
+        cwd: working directory.
+    """
+    return _run_once(list(args), timeout, {**os.environ, **(env or {})}, cwd)
 
 
 def run_script(

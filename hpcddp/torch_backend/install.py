@@ -25,7 +25,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from .group import ProcessGroupHPCDDP
 
-__all__ = ["BACKEND_NAME", "install", "mpi_routed", "new_group_over"]
+__all__ = ["BACKEND_NAME", "install", "mpi_routed", "new_group_over", "no_mpi_world"]
 
 #: the name to pass to ``init_process_group``
 BACKEND_NAME = "hpcddp"
@@ -42,7 +42,21 @@ def mpi_routed() -> bool:
     return _mpi_routed
 
 
-def _world_communicator():
+def no_mpi_world(backend_name: str, environment_name: str) -> RuntimeError:
+    """The error for torch.distributed's ``"mpi"``/``"hpcddp"`` in a job that no MPI launcher started.
+
+    Args:
+        backend_name: the name the script passed.
+        environment_name: the launcher hpcddp found ("torchrun", "slurm").
+    """
+    return RuntimeError(
+        f"init_process_group({backend_name!r}) needs ranks started by an MPI launcher, but {environment_name} "
+        f"started these without an MPI world: use 'gloo' or 'nccl' under {environment_name}, or launch with "
+        "mpirun, srun --mpi=pmix or hpcddp run"
+    )
+
+
+def _world_communicator(backend_name: str = BACKEND_NAME):
     """hpcddp's MPI communicator when init() chose MPI, else one over the launcher's ranks."""
     global _world
     from ..comm.mpi import MPICommunicator
@@ -58,11 +72,7 @@ def _world_communicator():
 
             mpi_comm = import_mpi().COMM_WORLD  # a plain process: MPI's world of one
         if mpi_comm is None:
-            raise RuntimeError(
-                f"torch.distributed backend {BACKEND_NAME!r} needs ranks started by an MPI launcher, but "
-                f"hpcddp.init() found {state.environment_name()}: launch with mpirun or srun --mpi=pmix, "
-                "or use backend='gloo'"
-            )
+            raise no_mpi_world(backend_name, state.environment_name())
         _world = _own(state.new_mpi_communicator(mpi_comm))
     return _world
 
@@ -87,7 +97,7 @@ def new_group_over(global_ranks: list[int] | None, backend_name: str = BACKEND_N
         global_ranks: members, as ranks of the whole job; the group numbers them in list order.
         backend_name: the name the group reports ("hpcddp" or "mpi").
     """
-    world = _world_communicator()
+    world = _world_communicator(backend_name)
     if not global_ranks or list(global_ranks) == list(range(world.size)):
         return ProcessGroupHPCDDP(world, None, backend_name)
     ranks = list(global_ranks)

@@ -1,0 +1,301 @@
+"""Scripts written for torchrun: hpcddp.init() under torchrun, and unchanged torchrun scripts under hpcddp run.
+
+torchrun's agent serves the rendezvous store itself and the script makes the default group;
+``hpcddp run`` (and slurm/train.sh, in test_slurm.py) gives each rank torchrun's variables
+before the script starts. Results are checked against plain arithmetic and plain torch.
+"""
+
+import os
+import re
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from hpcddp.env.torchrun import launcher_variables
+from hpcddp.testing import run_command
+
+from .conftest import ROOT
+
+LIMIT_S = 180
+SITE = os.path.join(ROOT, "hpcddp", "_site")
+# --standalone: the agent's store on a free port (the default, static rendezvous takes 29500).
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+HPCDDP_RUN = [sys.executable, "-m", "hpcddp.cli", "run", "-np", "2"]
+# What a launcher around this test (mpirun, srun, torchrun) would pass on to the jobs started here.
+LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "PRTE_", "SLURM_", "TORCHELASTIC_")
+TORCHRUN_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR")
+
+
+@pytest.fixture
+def launch(tmp_path, monkeypatch):
+    """Write a script and run it under a launcher command with a time limit, as from a fresh shell."""
+    for name in list(os.environ):
+        if name.startswith(LAUNCHER_PREFIXES) or name in (*TORCHRUN_NAMES, "MASTER_PORT", "GROUP_WORLD_SIZE"):
+            monkeypatch.delenv(name)
+
+    def run(command, source, **env):
+        script = tmp_path / "job.py"
+        script.write_text(textwrap.dedent(source))
+        result = run_command([*command, str(script)], LIMIT_S, env=env, cwd=ROOT)
+        assert not result.timed_out, result.stdout[-5000:]
+        return result
+
+    return run
+
+
+def results(output: str) -> dict[int, list[str]]:
+    """The ``RESULT rank ...`` line of each rank, split into words."""
+    found = {}
+    for line in output.splitlines():
+        if line.startswith("RESULT "):
+            words = line.split()[1:]
+            found[int(words[0])] = words[1:]
+    return found
+
+
+# torchrun starts its workers unbuffered (python -u), where print writes word by word and the
+# two workers' words mix in their shared pipe: a result line is one write.
+SAY = """
+import sys
+def say(*words):
+    sys.stdout.write(" ".join(map(str, words)) + "\\n")
+"""
+
+# The README's one-line change: hpcddp.init() before the script's own init_process_group.
+ONE_LINE_CHANGE = (
+    SAY
+    + """
+import torch, torch.distributed as dist
+import hpcddp
+hpcddp.init()
+dist.init_process_group("gloo")
+rank, size = dist.get_rank(), dist.get_world_size()
+t = torch.arange(4, dtype=torch.float64) * (rank + 1)
+dist.all_reduce(t)
+# hpcddp's own collectives run on the script's group
+h = hpcddp.allreduce(torch.full((3,), float(rank + 1), dtype=torch.float64), op="sum")
+say("RESULT", rank, size, hpcddp.backend(), dist.get_backend(), *t.tolist(), *h.tolist())
+dist.destroy_process_group()
+"""
+)
+
+
+def test_one_line_change_runs_under_torchrun(launch):
+    result = launch(TORCHRUN, ONE_LINE_CHANGE)
+    assert result.returncode == 0, result.stdout[-5000:]
+    assert "Address already in use" not in result.stdout and "twice" not in result.stdout
+    expected = [str(float(i * (1 + 2))) for i in range(4)] + ["3.0"] * 3  # sum over ranks of (rank + 1)
+    assert results(result.stdout) == {r: ["2", "gloo", "gloo", *expected] for r in (0, 1)}, result.stdout[-5000:]
+
+
+OPTIMIZER_ONLY = (
+    SAY
+    + """
+import torch, torch.distributed as dist
+import hpcddp
+hpcddp.init()
+torch.manual_seed(0)
+model = torch.nn.Linear(3, 2).double()
+if hpcddp.rank() == 1:
+    with torch.no_grad():
+        model.weight.add_(1.0)  # broadcast_parameters must undo this
+optimizer = hpcddp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+hpcddp.broadcast_parameters(model.state_dict(), root_rank=0)
+x = torch.arange(6, dtype=torch.float64).reshape(2, 3) * (hpcddp.rank() + 1)
+model(x).pow(2).sum().backward()
+optimizer.step()
+say("RESULT", hpcddp.rank(), dist.get_backend(), *[repr(v) for v in model.weight.flatten().tolist()])
+"""
+)
+
+
+def test_distributed_optimizer_alone_under_torchrun(launch):
+    """No init_process_group in the script: hpcddp makes the group at its first collective, through torchrun's store."""
+    result = launch(TORCHRUN, OPTIMIZER_ONLY)
+    assert result.returncode == 0, result.stdout[-5000:]
+    found = results(result.stdout)
+    assert sorted(found) == [0, 1] and found[0] == found[1], result.stdout[-5000:]
+    assert found[0][0] == "gloo"
+    # One process, plain torch: the mean of the two ranks' gradients, one SGD step.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2).double()
+    grads = []
+    for rank in (0, 1):
+        model.zero_grad()
+        x = torch.arange(6, dtype=torch.float64).reshape(2, 3) * (rank + 1)
+        model(x).pow(2).sum().backward()
+        grads.append(model.weight.grad.clone())
+    expected = model.weight.detach() - 0.1 * (grads[0] + grads[1]) / 2
+    got = torch.tensor([float(v) for v in found[0][1:]], dtype=torch.float64).reshape(2, 3)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+def test_init_process_group_after_hpcddp_made_the_group_names_the_fix(launch):
+    source = """
+    import torch, torch.distributed as dist, hpcddp
+    hpcddp.init()
+    hpcddp.allreduce(torch.ones(2))  # hpcddp needs the group first: it makes it
+    dist.init_process_group("gloo")
+    """
+    result = launch(TORCHRUN, source)
+    assert result.returncode != 0
+    message = (
+        "error: init_process_group('gloo'): hpcddp already made torch.distributed's default group (gloo) for its "
+        "own collectives: call init_process_group before hpcddp.init() (hpcddp then uses the script's group), or "
+        "drop this call (torch.distributed uses hpcddp's group)"
+    )
+    for rank in (0, 1):
+        assert f"[hpcddp rank {rank}] {message}" in result.stdout, result.stdout[-5000:]
+
+
+def test_init_process_group_mpi_under_torchrun_is_one_line(launch):
+    result = launch(TORCHRUN, 'import torch.distributed as dist, hpcddp\ndist.init_process_group("mpi")\n')
+    assert result.returncode != 0
+    message = (
+        "error: init_process_group('mpi') needs ranks started by an MPI launcher, but torchrun started these "
+        "without an MPI world: use 'gloo' or 'nccl' under torchrun, or launch with mpirun, srun --mpi=pmix or "
+        "hpcddp run"
+    )
+    for rank in (0, 1):
+        assert f"[hpcddp rank {rank}] {message}" in result.stdout, result.stdout[-5000:]
+    assert "Address already in use" not in result.stdout
+    assert "hpcddp/" not in result.stdout  # no traceback from inside hpcddp
+
+
+# Written for torchrun, nothing of hpcddp: the variables are read before torch is imported.
+UNCHANGED_SCRIPT = """
+import os
+local_rank = int(os.environ["LOCAL_RANK"])
+rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+address, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.arange(4, dtype=torch.float64) * (rank + 1)
+dist.all_reduce(t)
+print("RESULT", rank, size, local_rank, os.environ["GROUP_RANK"], dist.get_rank(), dist.get_world_size(),
+      address, *t.tolist(), flush=True)
+dist.destroy_process_group()
+"""
+
+UNCHANGED_EXPECTED = {r: ["2", str(r), "0", str(r), "2", "127.0.0.1", "0.0", "3.0", "6.0", "9.0"] for r in (0, 1)}
+
+
+def test_unchanged_torchrun_script_under_hpcddp_run(launch):
+    result = launch(HPCDDP_RUN, UNCHANGED_SCRIPT)
+    assert result.returncode == 0, result.stdout[-5000:]
+    assert results(result.stdout) == UNCHANGED_EXPECTED, result.stdout[-5000:]
+
+
+def test_init_process_group_after_import_hpcddp_under_plain_mpirun(tmp_path):
+    """No sitecustomize: init_process_group itself fills in what env:// reads, from MPI."""
+    from hpcddp.testing import run_script
+
+    source = """
+    import os, torch, torch.distributed as dist, hpcddp
+    dist.init_process_group("gloo")
+    t = torch.ones(2, dtype=torch.float64) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    print("RESULT", dist.get_rank(), os.environ["LOCAL_RANK"], *t.tolist(), flush=True)
+    dist.destroy_process_group()
+    """
+    result = run_script(2, source, tmp_path, timeout=LIMIT_S)
+    assert result.returncode == 0, result.stdout[-5000:]
+    assert results(result.stdout) == {r: [str(r), "3.0", "3.0"] for r in (0, 1)}, result.stdout[-5000:]
+
+
+def test_env_init_without_a_launcher_names_the_fix(monkeypatch):
+    import torch.distributed as dist
+
+    import hpcddp  # noqa: F401 - wraps init_process_group
+
+    for name in (*TORCHRUN_NAMES, "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name in list(os.environ):
+        if name.startswith(LAUNCHER_PREFIXES):
+            monkeypatch.delenv(name)
+    with pytest.raises(ValueError) as info:
+        dist.init_process_group("gloo")
+    assert str(info.value) == (
+        "init_process_group('gloo') reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment "
+        "(env://), but no launcher set them: launch with hpcddp run -np N (or torchrun), or call hpcddp.init() "
+        "first, which exports them"
+    )
+    assert not dist.is_initialized()
+
+
+OPEN_MPI = {
+    "OMPI_COMM_WORLD_RANK": "5",
+    "OMPI_COMM_WORLD_SIZE": "8",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+    "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+}
+
+
+@pytest.mark.parametrize(
+    "environ, expected",
+    [
+        # across hosts mpirun does not say which node: left to MPI
+        (OPEN_MPI, {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}),
+        (
+            {**OPEN_MPI, "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1", "SLURM_PROCID": "0"},
+            {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
+            | {"GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "NODE_RANK": "0"},
+        ),
+        (
+            {"PMI_RANK": "2", "PMI_SIZE": "3", "MPI_LOCALRANKID": "2", "MPI_LOCALNRANKS": "3"},
+            {"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3"}
+            | {"GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "NODE_RANK": "0"},
+        ),
+        (
+            {
+                "PMIX_RANK": "3",
+                "SLURM_PROCID": "3",
+                "SLURM_LOCALID": "1",
+                "SLURM_NODEID": "1",
+                "SLURM_STEP_NUM_TASKS": "4",
+                "SLURM_STEP_NUM_NODES": "2",
+                "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+            },
+            {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+            | {"GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "NODE_RANK": "1"},
+        ),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7"}, {}),  # the batch script's own python
+        ({**OPEN_MPI, "TORCHELASTIC_RUN_ID": "x", "RANK": "0"}, {}),  # torchrun's workers keep torchrun's
+        ({}, {}),
+    ],
+    ids=["mpirun-hosts", "mpirun-one-host", "hydra", "srun", "sbatch-step", "torchrun-inside", "none"],
+)
+def test_launcher_variables(environ, expected):
+    assert launcher_variables(environ) == expected
+
+
+def test_sitecustomize_exports_the_ranks_before_the_script_without_mpi():
+    """Every Python process under hpcddp run reads its ranks from mpirun's variables; none starts MPI there."""
+    import subprocess
+
+    code = "import os, sys; print(os.environ['RANK'], os.environ['LOCAL_WORLD_SIZE'], 'mpi4py' in sys.modules)"
+    env = {**os.environ, **OPEN_MPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "8", "PYTHONPATH": f"{SITE}:{ROOT}", "RANK": "7"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["5", "8", "False"]
+    assert "hpcddp: overriding RANK=7 with 5 from the launcher" in result.stderr
+
+
+def test_hpcddp_run_gives_one_host_a_rendezvous():
+    from hpcddp.cli.launch import LaunchConfig, build_launch_command
+
+    environ = {"PATH": os.environ["PATH"]}
+    argv, _ = build_launch_command(LaunchConfig(num_proc=2), ["python", "t.py"], environ)
+    port = next(re.fullmatch(r"MASTER_PORT=(\d+)", a) for a in argv if a.startswith("MASTER_PORT="))
+    assert "MASTER_ADDR=127.0.0.1" in argv and 1024 <= int(port.group(1)) < 65536
+    argv, _ = build_launch_command(LaunchConfig(num_proc=2), ["t.py"], {**environ, "MASTER_PORT": "4242"})
+    assert "MASTER_ADDR=127.0.0.1" in argv and not any(a.startswith("MASTER_PORT=") for a in argv)
+    argv, _ = build_launch_command(LaunchConfig(num_proc=4, hosts="n1:2,n2:2"), ["t.py"], environ)
+    assert not any(a.startswith("MASTER_") for a in argv)  # found at init_process_group, through MPI
+    # One set here reaches every host: a rank without it would start the (collective) rendezvous alone.
+    argv, _ = build_launch_command(
+        LaunchConfig(num_proc=4, hosts="n1:2,n2:2"), ["t.py"], {**environ, "MASTER_ADDR": "n1"}
+    )
+    assert argv[argv.index("MASTER_ADDR") - 1] == "-x"
