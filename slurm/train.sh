@@ -118,10 +118,8 @@ fi
 mkdir -p "$HPCDDP_CHECKPOINT_DIR"
 ntasks=${SLURM_NTASKS:-2}
 cpus_per_task=${SLURM_CPUS_PER_TASK:-1}
-echo "hpcddp: job ${SLURM_JOB_ID:-none} (${SLURM_JOB_NAME:-}) restart ${SLURM_RESTART_COUNT:-0}" \
-    "on ${SLURM_JOB_NUM_NODES:-1} node(s) ${SLURM_JOB_NODELIST:-$(hostname -s)}:" \
-    "$ntasks tasks x $cpus_per_task cpus, launcher $LAUNCHER, $(date '+%F %T')"
-echo "hpcddp: $PYTHON $*; checkpoints in $HPCDDP_CHECKPOINT_DIR"
+echo "hpcddp: job name ${SLURM_JOB_NAME:-}, ${SLURM_JOB_NUM_NODES:-1} node(s) ${SLURM_JOB_NODELIST:-$(hostname -s)}:" \
+    "$ntasks tasks x $cpus_per_task cpus, launcher $LAUNCHER; $PYTHON $*"
 
 # Scripts written for torchrun or torch's MPI backend then run without hpcddp.init(): each rank
 # gets torchrun's RANK, LOCAL_RANK, ... from srun's/mpirun's variables before it starts, and
