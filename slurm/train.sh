@@ -129,6 +129,8 @@ site=$("$PYTHON" -c 'import importlib.util, os; print(os.path.join(os.path.dirna
 if [[ -n $site ]]; then
     export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# Each rank gets its own; values from the submitting shell would describe no rank of this job.
+unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK GROUP_WORLD_SIZE NODE_RANK
 # torch's env:// rendezvous on one node, as torchrun picks it: this node and a free port. Across
 # nodes a script's init_process_group finds rank 0's address through hpcddp's rendezvous over MPI
 # (node names need not resolve), so MASTER_ADDR is set only from then on.

@@ -90,6 +90,30 @@ def test_one_line_change_runs_under_torchrun(launch):
     assert results(result.stdout) == {r: ["2", "gloo", "gloo", *expected] for r in (0, 1)}, result.stdout[-5000:]
 
 
+SCRIPT_GROUP_OUTLIVES_SHUTDOWN = (
+    SAY
+    + """
+import torch, torch.distributed as dist
+import hpcddp
+dist.init_process_group("gloo")
+hpcddp.init()
+rank = dist.get_rank()
+h = hpcddp.allreduce(torch.tensor([1.0 + rank], dtype=torch.float64), op="sum")
+hpcddp.shutdown()  # leaves the script's group to the script
+t = torch.tensor([10.0 * (rank + 1)], dtype=torch.float64)
+dist.all_reduce(t)
+dist.destroy_process_group()
+say("RESULT", rank, *h.tolist(), *t.tolist())
+"""
+)
+
+
+def test_hpcddp_shutdown_leaves_the_scripts_group_to_the_script(launch):
+    result = launch(TORCHRUN, SCRIPT_GROUP_OUTLIVES_SHUTDOWN)
+    assert result.returncode == 0, result.stdout[-5000:]
+    assert results(result.stdout) == {r: ["3.0", "30.0"] for r in (0, 1)}, result.stdout[-5000:]
+
+
 OPTIMIZER_ONLY = (
     SAY
     + """
@@ -276,11 +300,24 @@ def test_sitecustomize_exports_the_ranks_before_the_script_without_mpi():
     import subprocess
 
     code = "import os, sys; print(os.environ['RANK'], os.environ['LOCAL_WORLD_SIZE'], 'mpi4py' in sys.modules)"
-    env = {**os.environ, **OPEN_MPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "8", "PYTHONPATH": f"{SITE}:{ROOT}", "RANK": "7"}
+    env = {**os.environ, **OPEN_MPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "8", "PYTHONPATH": f"{SITE}:{ROOT}"}
+    env.pop("RANK", None)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["5", "8", "False"]
-    assert "hpcddp: overriding RANK=7 with 5 from the launcher" in result.stderr
+    # A rank's child that its parent gave its own RANK (a one-process helper job) keeps it, as under torchrun.
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**env, "RANK": "0"}, timeout=60
+    )
+    assert result.stdout.split() == ["0", "8", "False"], result.stderr
+
+
+def test_hpcddp_run_starts_ranks_without_the_shells_rank_variables():
+    from hpcddp.cli.launch import LaunchConfig, build_launch_command
+
+    stale = {"RANK": "3", "WORLD_SIZE": "9", "LOCAL_RANK": "3", "NODE_RANK": "1"}
+    _, environ = build_launch_command(LaunchConfig(num_proc=2), ["t.py"], {"PATH": os.environ["PATH"], **stale})
+    assert not set(stale) & set(environ)
 
 
 def test_hpcddp_run_gives_one_host_a_rendezvous():

@@ -52,10 +52,9 @@ def _export_launcher_variables() -> None:
     """Give a rank that mpirun or srun started the variables torchrun would have given it."""
     values = _load_hpcddp_env().launcher_variables(os.environ)
     for name, value in values.items():
-        current = os.environ.get(name)
-        if current is not None and current != value:
-            print(f"hpcddp: overriding {name}={current} with {value} from the launcher", file=sys.stderr)
-        os.environ[name] = value
+        # Set already: the launcher started the rank without them (it drops stale ones), so
+        # this process is a rank's child, whose parent gave or changed them on purpose.
+        os.environ.setdefault(name, value)
 
 
 class _AfterTorchImport(importlib.abc.MetaPathFinder):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from .._site import with_site_dir
 from ..env.mpi import find_free_port
+from ..env.torchrun import RANK_VARIABLES
 
 __all__ = [
     "DAEMON_KEEPALIVE",
@@ -156,6 +157,8 @@ def build_launch_command(
     extra_env["PYTHONPATH"] = with_site_dir(extra_env.get("PYTHONPATH", environ.get("PYTHONPATH")))
     if _on_one_host(config, environ):
         extra_env.update(_local_rendezvous({**environ, **extra_env}))
+    for name in RANK_VARIABLES:  # this shell's, if any, describe no rank of the new job
+        environ.pop(name, None)
     environ.update(extra_env)
     num_proc = config.num_proc
     if launcher == "srun":

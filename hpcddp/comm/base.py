@@ -163,6 +163,8 @@ class Communicator(abc.ABC):
     name: str = "abstract"
     #: run the agreement check where a caller asks for it (``check=``)
     check_collectives: bool = True
+    #: set by the runtime when the process ends (``close()`` then also ends what the script left)
+    process_ending: bool = False
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank = rank

@@ -17,6 +17,7 @@ import datetime
 import errno
 import os
 import socket
+import threading
 import weakref
 
 import torch
@@ -25,12 +26,23 @@ import torch.distributed as dist
 from ..env.network import describe_interfaces, list_interfaces, probe_tcp
 from .base import ranks_text
 
-__all__ = ["CONNECT_TIMEOUT_S", "connect_store", "join_process_group", "join_through_env", "made_default_group"]
+__all__ = [
+    "CONNECT_TIMEOUT_S",
+    "DEFAULT_GROUP_LOCK",
+    "connect_store",
+    "join_process_group",
+    "join_through_env",
+    "made_default_group",
+]
 
 #: seconds a rank may take to reach rank 0's store before the job fails
 CONNECT_TIMEOUT_S = 10.0
 
 _made: weakref.ref | None = None  # the default group hpcddp made (weak: the script may destroy it)
+
+#: held while the default group is made, by hpcddp's first collective under torchrun or by the
+#: script's init_process_group: one of them makes it, the other then finds it (never two groups).
+DEFAULT_GROUP_LOCK = threading.RLock()
 
 
 def made_default_group() -> bool:

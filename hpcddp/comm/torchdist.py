@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,6 +15,7 @@ from ._torchdist_ops import TorchDistOps, WorkHandle, explain_timeout
 from .base import Communicator, Handle, ReduceOp, completed, split_ranks_error
 from .dtypes import dtype_name
 from .reduction import check_average, to_torch
+from .rendezvous import DEFAULT_GROUP_LOCK, made_default_group
 
 __all__ = ["TorchDistCommunicator"]
 
@@ -65,7 +65,6 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
         super().__init__(rank, size)
         self._group = group
         self._join = join
-        self._binding = threading.Lock()
         self.name = backend
         self.device = device
         self._recent_works: collections.deque = collections.deque(maxlen=_KEPT_WORKS)
@@ -83,12 +82,15 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
         return self._group
 
     def _bind_default_group(self) -> None:
-        with self._binding:
+        with DEFAULT_GROUP_LOCK:
             if self._join is None:
                 return
             if not dist.is_initialized():
                 self._join()
+            self._check_default_group()  # until it passes, every collective raises again
             self._join = None
+
+    def _check_default_group(self) -> None:
         found = (dist.get_rank(), dist.get_world_size())
         if found != (self.rank, self.size):
             raise RuntimeError(
@@ -222,7 +224,8 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
                 dist.destroy_process_group(self._group)
             self._recent_works.clear()
             return
-        if dist.is_initialized():
+        # A group the script made stays the script's until the process ends.
+        if dist.is_initialized() and (made_default_group() or self.process_ending):
             if self.size > 1:  # leave together: no peer is still inside a collective
                 # Kept too: gloo's barrier holds the Works before it (see _keep).
                 self._keep(dist.barrier(async_op=True)).wait()

@@ -10,7 +10,7 @@ from .mpi import announced_ranks
 from .network import interface_towards, list_interfaces
 from .slurm import SlurmEnvironment
 
-__all__ = ["TorchrunEnvironment", "launcher_variables", "torchrun_variables"]
+__all__ = ["RANK_VARIABLES", "TorchrunEnvironment", "launcher_variables", "torchrun_variables"]
 
 
 class TorchrunEnvironment(ClusterEnvironment):
@@ -46,6 +46,10 @@ class TorchrunEnvironment(ClusterEnvironment):
         return Rendezvous(
             address, read_int(env, "MASTER_PORT", 29500), chosen.name if chosen else None, bool(interface)
         )
+
+
+#: the per-rank variables torchrun gives each worker (a launcher starts its ranks without stale ones)
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "NODE_RANK")
 
 
 def torchrun_variables(layout: RankLayout) -> dict[str, str]:

@@ -70,8 +70,16 @@ def shutdown_at_exit() -> None:
     """
     global _shutdown_registered
     if not _shutdown_registered:
-        atexit.register(shutdown)
+        atexit.register(_shutdown_at_exit)
         _shutdown_registered = True
+
+
+def _shutdown_at_exit() -> None:
+    if _runtime is not None:
+        # The process ends: a default group the script made and left goes too, collectively,
+        # rather than in torch's teardown (where gloo's threads can abort the process).
+        _runtime.comm.process_ending = True
+    shutdown()
 
 
 def at_shutdown(callback: Callable[[], object], *, at_exit: bool = True) -> None:

@@ -26,6 +26,8 @@ from collections.abc import Callable
 
 from torch.distributed import distributed_c10d as c10d
 
+from ..comm.rendezvous import DEFAULT_GROUP_LOCK
+
 __all__ = ["enable"]
 
 _SERVED = ("mpi", "hpcddp")
@@ -59,11 +61,15 @@ def enable(init: Callable[[], None], mark_error: Callable[[BaseException], None]
 
     @functools.wraps(original)
     def init_process_group(backend=None, *args, **kwargs):
+        if _busy:
+            return original(backend, *args, **kwargs)
+        with DEFAULT_GROUP_LOCK:  # not while hpcddp's first collective makes the group (torchrun)
+            return _init_process_group(backend, args, kwargs)
+
+    def _init_process_group(backend, args, kwargs):
         global _busy
         from ..runtime import state
 
-        if _busy:
-            return original(backend, *args, **kwargs)
         try:
             _check_no_default_group(backend)
             if _names_mpi(backend):
