@@ -32,18 +32,20 @@ class ExchangeCollectives:
         root, source = opts.rootRank if opts is not None else 0, inputs[0]
         outputs = output_lists[0] if self.rank() == root else []
         error = like("gather_list", outputs, source, self.size()) if self.rank() == root else None
-        return self._start(self._comm.plan_gather_into(outputs, source, root, error=error), opts, output_lists)
+        collective = self._comm.plan_gather_into(outputs, source, root, error=error)
+        return self._start(collective, opts, output_lists, event=("gather", inputs))
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None):
         root, target = opts.rootRank if opts is not None else 0, outputs[0]
         chunks = input_lists[0] if self.rank() == root else []
         error = like("scatter_list", chunks, target, self.size()) if self.rank() == root else None
-        return self._start(self._comm.plan_scatter_into(target, chunks, root, error=error), opts, [target])
+        collective = self._comm.plan_scatter_into(target, chunks, root, error=error)
+        return self._start(collective, opts, [target], event=("scatter", chunks))
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None):
         target, chunks = outputs[0], input_lists[0]
         error = like("input_list", chunks, target, self.size())
-        return self._reduce_scatter(target, chunks, opts, error)
+        return self._reduce_scatter(target, chunks, opts, error, ("reduce_scatter", chunks))
 
     def reduce_scatter_single(self, output: torch.Tensor, source: torch.Tensor, opts=None):
         error = None
@@ -51,7 +53,7 @@ class ExchangeCollectives:
             error = (
                 f"input must hold world_size x output ({self.size()} x {describe([output])}), got {describe([source])}"
             )
-        return self._reduce_scatter(output, source, opts, error)
+        return self._reduce_scatter(output, source, opts, error, ("reduce_scatter_tensor", [source]))
 
     def _reduce_scatter_base(self, output, source, opts=None):
         return self.reduce_scatter_single(output, source, opts)
@@ -61,9 +63,10 @@ class ExchangeCollectives:
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
-    def _reduce_scatter(self, target, source, opts, error):
+    def _reduce_scatter(self, target, source, opts, error, event):
         op = from_torch(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        return self._start(self._comm.plan_reducescatter_into(target, source, op, error=error), opts, [target])
+        collective = self._comm.plan_reducescatter_into(target, source, op, error=error)
+        return self._start(collective, opts, [target], event=event)
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None):
         error = None
@@ -74,7 +77,9 @@ class ExchangeCollectives:
             )
         elif len({t.dtype for t in (*outputs, *inputs)}) > 1:
             error = f"input_tensor_list and output_tensor_list must hold one dtype, got {describe(inputs)} -> {describe(outputs)}"
-        return self._start(self._comm.plan_alltoall_into(outputs, inputs, error=error), opts)
+        return self._start(
+            self._comm.plan_alltoall_into(outputs, inputs, error=error), opts, event=("all_to_all", inputs)
+        )
 
     def all_to_all_single(self, output, source, output_splits, input_splits, opts=None):
         size, error = self.size(), None
@@ -88,6 +93,6 @@ class ExchangeCollectives:
         elif source.dtype != output.dtype or source.shape[1:] != output.shape[1:]:
             error = f"input and output must differ only in dim 0, got {describe([source])} -> {describe([output])}"
         collective = self._comm.plan_alltoall_into(output, source, output_splits, input_splits, error=error)
-        return self._start(collective, opts, [output])
+        return self._start(collective, opts, [output], event=("all_to_all", [source]))
 
     alltoall_base = all_to_all_single

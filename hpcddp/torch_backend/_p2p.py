@@ -13,6 +13,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from ._profiling import begin, end_when_done
+
 __all__ = ["PointToPoint"]
 
 
@@ -56,10 +58,13 @@ class PointToPoint:
     batch_isend_irecv)."""
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> _MessageWork:
-        return _MessageWork(self._comm.p2p.send(tensors[0], dst, tag))
+        event = begin(f"{self._backend_name}:send", tensors)
+        return _MessageWork(end_when_done(event, self._comm.p2p.send(tensors[0], dst, tag)))
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> _MessageWork:
-        return _MessageWork(self._comm.p2p.recv(tensors[0], src, tag))
+        event = begin(f"{self._backend_name}:recv", tensors)
+        return _MessageWork(end_when_done(event, self._comm.p2p.recv(tensors[0], src, tag)))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> _MessageWork:
-        return _MessageWork(self._comm.p2p.recv(tensors[0], None, tag))
+        event = begin(f"{self._backend_name}:recvAnySource", tensors)
+        return _MessageWork(end_when_done(event, self._comm.p2p.recv(tensors[0], None, tag)))

@@ -24,6 +24,7 @@ from ..comm.reduction import from_torch
 from ._exchange import ExchangeCollectives, like
 from ._futures import OrderedFuture
 from ._p2p import PointToPoint
+from ._profiling import begin, end_when_done
 
 __all__ = ["ProcessGroupHPCDDP"]
 
@@ -108,14 +109,18 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
         return f"ProcessGroupHPCDDP(rank={self.rank()}, size={self.size()}, name={self._name!r})"
 
     # -- plumbing ---------------------------------------------------------------------
-    def _start(self, collective: Collective, opts=None, result: Any = None) -> _Work:
+    def _start(
+        self, collective: Collective, opts=None, result: Any = None, event: tuple[str, Sequence] = ("", ())
+    ) -> _Work:
         """Run ``collective`` (planned by the communicator) on its engine; return its Work.
 
         Args:
             collective: from one of the communicator's ``plan_*`` methods.
             opts: torch's options; ``asyncOp`` False means the caller waits at once.
             result: the future's value, when it is not the collective's own result.
+            event: the operation's profiler name (torch's: ``all_reduce``) and input tensors.
         """
+        profiled = begin(f"{self._backend_name}:{event[0]}", event[1]) if event[0] else None
         future = OrderedFuture()
 
         def complete(handle) -> None:
@@ -126,14 +131,14 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
 
         # A blocking call from Python waits at once: it runs the work itself, no thread wake-up.
         wake = True if opts is None else bool(getattr(opts, "asyncOp", True))
-        handle = self._comm.start(collective, wake=wake, on_done=complete)
+        handle = end_when_done(profiled, self._comm.start(collective, wake=wake, on_done=complete))
         future.handle = handle
         return _Work(handle, future)
 
     # -- collectives ------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> _Work:
         op = from_torch(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        return self._start(self._comm.plan_allreduce(tensors, op), opts)
+        return self._start(self._comm.plan_allreduce(tensors, op), opts, event=("all_reduce", tensors))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> _Work:
         options = dist.AllreduceOptions()
@@ -142,19 +147,21 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
 
     def broadcast(self, tensors: list[torch.Tensor], opts=None) -> _Work:
         root = opts.rootRank if opts is not None else 0
-        return self._start(self._comm.plan_broadcast(tensors, root), opts)
+        return self._start(self._comm.plan_broadcast(tensors, root), opts, event=("broadcast", tensors))
 
     def reduce(self, tensors: list[torch.Tensor], opts=None) -> _Work:
         opts = opts if opts is not None else dist.ReduceOptions()
-        return self._start(self._comm.plan_reduce(tensors, from_torch(opts.reduceOp), opts.rootRank), opts)
+        collective = self._comm.plan_reduce(tensors, from_torch(opts.reduceOp), opts.rootRank)
+        return self._start(collective, opts, event=("reduce", tensors))
 
     def barrier(self, opts=None) -> _Work:
-        return self._start(self._comm.plan_barrier(), opts)
+        return self._start(self._comm.plan_barrier(), opts, event=("barrier", ()))
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> _Work:
         outputs, source = output_lists[0], inputs[0]
         error = like("output_tensor_list", outputs, source, self.size())
-        return self._start(self._comm.plan_allgather_into(outputs, source, error=error), opts, output_lists)
+        collective = self._comm.plan_allgather_into(outputs, source, error=error)
+        return self._start(collective, opts, output_lists, event=("all_gather", inputs))
 
     def all_gather_single(self, output: torch.Tensor, source: torch.Tensor, opts=None) -> _Work:
         error = None
@@ -163,21 +170,39 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
                 f"output_tensor must hold world_size x input ({self.size()} x {describe([source])}), "
                 f"got {describe([output])}"
             )
-        return self._start(self._comm.plan_allgather_into(output, source, error=error), opts, [output])
+        collective = self._comm.plan_allgather_into(output, source, error=error)
+        return self._start(collective, opts, [output], event=("all_gather_into_tensor", [source]))
 
     def _allgather_base(self, output, source, opts=None) -> _Work:
         return self.all_gather_single(output, source, opts)
 
     def allgather_coalesced(self, output_lists, inputs, opts=None) -> _Work:
-        return self._sequence([self.allgather([o], [i]) for o, i in zip(output_lists, inputs)])
+        # torch's layout: output_lists[r][i] receives rank r's inputs[i]
+        if len(output_lists) != self.size() or any(len(outputs) != len(inputs) for outputs in output_lists):
+            shape = [len(outputs) for outputs in output_lists]
+            raise ValueError(
+                f"all_gather_coalesced: output_tensor_lists must hold world_size={self.size()} lists of "
+                f"len(input_tensor_list)={len(inputs)} tensors, got lists of {shape}"
+            )
+        per_input = [[outputs[i] for outputs in output_lists] for i in range(len(inputs))]
+        return self._sequence([self.allgather([o], [i]) for o, i in zip(per_input, inputs)], output_lists)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> _Work:
         return self._sequence([self.all_gather_single(o, i) for o, i in zip(outputs, inputs)])
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
-    def _sequence(self, works: list[_Work]) -> _Work:
-        """The last of ``works`` (the engine runs them in order), after checking the earlier ones."""
+    def _sequence(self, works: list[_Work], result: Any = None) -> _Work:
+        """The last of ``works`` (the engine runs them in order), after checking the earlier ones.
+
+        Args:
+            works: the coalesced operations' works, in order.
+            result: the last work's future value instead of its own (torch's result for the whole call).
+        """
         for work in works[:-1]:
             work.wait()
+        if not works:
+            return self._start(self._comm.plan_barrier(), result=result if result is not None else [])
+        if result is not None:
+            works[-1]._future = works[-1]._future.then(lambda _: result)
         return works[-1]
