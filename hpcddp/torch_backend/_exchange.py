@@ -6,6 +6,8 @@ communicator's ``_into`` collectives (``hpcddp.comm._mpi_into``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -59,7 +61,8 @@ class ExchangeCollectives:
         return self.reduce_scatter_single(output, source, opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        return self._sequence([self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)])
+        calls = [functools.partial(self.reduce_scatter_single, o, i, opts) for o, i in zip(outputs, inputs)]
+        return self._coalesced("reduce_scatter_tensor_coalesced", inputs, calls)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 

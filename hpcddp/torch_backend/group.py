@@ -12,6 +12,8 @@ and a comm hook that issues further collectives (PowerSGD) has them run at once,
 from __future__ import annotations
 
 import datetime
+import functools
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -80,6 +82,7 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
         self._backend_name = backend_name
         self._on_shutdown = on_shutdown
         self._name = ""
+        self._within_coalesced = threading.local()  # its operations record no events of their own
 
     # -- identity ---------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -120,7 +123,8 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
             result: the future's value, when it is not the collective's own result.
             event: the operation's profiler name (torch's: ``all_reduce``) and input tensors.
         """
-        profiled = begin(f"{self._backend_name}:{event[0]}", event[1]) if event[0] else None
+        within = getattr(self._within_coalesced, "active", False)
+        profiled = begin(f"{self._backend_name}:{event[0]}", event[1]) if event[0] and not within else None
         future = OrderedFuture()
 
         def complete(handle) -> None:
@@ -185,24 +189,35 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
                 f"len(input_tensor_list)={len(inputs)} tensors, got lists of {shape}"
             )
         per_input = [[outputs[i] for outputs in output_lists] for i in range(len(inputs))]
-        return self._sequence([self.allgather([o], [i]) for o, i in zip(per_input, inputs)], output_lists)
+        calls = [functools.partial(self.allgather, [o], [i]) for o, i in zip(per_input, inputs)]
+        return self._coalesced("all_gather", inputs, calls, output_lists)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> _Work:
-        return self._sequence([self.all_gather_single(o, i) for o, i in zip(outputs, inputs)])
+        calls = [functools.partial(self.all_gather_single, o, i) for o, i in zip(outputs, inputs)]
+        return self._coalesced("all_gather_into_tensor_coalesced", inputs, calls)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
-    def _sequence(self, works: list[_Work], result: Any = None) -> _Work:
-        """The last of ``works`` (the engine runs them in order), after checking the earlier ones.
+    def _coalesced(self, name: str, inputs: Sequence[torch.Tensor], calls: list, result: Any = None) -> _Work:
+        """Run ``calls`` (one operation each, in order) as one coalesced operation: one Work, one profiler event.
 
         Args:
-            works: the coalesced operations' works, in order.
-            result: the last work's future value instead of its own (torch's result for the whole call).
+            name: the profiler name of the whole call.
+            inputs: its input tensors (the event's shapes).
+            calls: functions starting each operation and returning its Work.
+            result: the Work's future value instead of the last operation's own.
         """
+        event = begin(f"{self._backend_name}:{name}", inputs)
+        self._within_coalesced.active = True
+        try:
+            works = [call() for call in calls]
+        finally:
+            self._within_coalesced.active = False
         for work in works[:-1]:
             work.wait()
         if not works:
-            return self._start(self._comm.plan_barrier(), result=result if result is not None else [])
+            works = [self._start(self._comm.plan_barrier(), result=[])]
+        end_when_done(event, works[-1]._handle)
         if result is not None:
             works[-1]._future = works[-1]._future.then(lambda _: result)
         return works[-1]

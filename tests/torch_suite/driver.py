@@ -70,6 +70,8 @@ class SuiteRun:
             remaining = [t for t in self.tests if t not in self.outcomes]
             launches += 1
             self._launch(remaining, work / f"launch{launches}", deadline)
+            if remaining[0] not in self.outcomes and len(self.tests) - len(remaining) == len(self.outcomes):
+                self.outcomes[remaining[0]] = "crash"  # no progress at all: never launch the same list twice
         for test in self.tests:
             self.outcomes.setdefault(test, "hang")  # the overall limit passed before it ran
         shutil.rmtree(work, ignore_errors=True)
@@ -101,6 +103,8 @@ class SuiteRun:
             )
             stuck = self._watch(proc, out_dir, deadline)
         events = _read_events(out_dir, self.ranks)
+        if stuck is not None:  # the test some rank had not finished, else rank 0's last
+            stuck = self._unfinished(events) or stuck.removesuffix(":done")
         if not any(events.values()):
             log_tail = (out_dir / "mpirun.log").read_text()[-3000:]
             raise RuntimeError(f"the suite's job ended before its first test:\n{log_tail}")
