@@ -141,6 +141,12 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
 
     # -- collectives ------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> _Work:
+        if any(t.layout != torch.strided for t in tensors):
+            layout = next(t.layout for t in tensors if t.layout != torch.strided)
+            raise ValueError(
+                f"all_reduce of a {layout} tensor is not supported by the {self._backend_name!r} backend: "
+                "reduce tensor.to_dense(), or use a gloo group for sparse gradients"
+            )
         op = from_torch(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         return self._start(self._comm.plan_allreduce(tensors, op), opts, event=("all_reduce", tensors))
 

@@ -28,6 +28,7 @@ def main(argv=None) -> int:
     os.makedirs(os.path.join(temp, "test_dir"))
     os.environ.update(BACKEND="gloo", WORLD_SIZE=str(args.ranks), TEMP_DIR=temp, INIT_METHOD="env://")
     from .gloo_spawn_case import GlooWithSpawn as suite_class
+
     names = [n for n in unittest.TestLoader().getTestCaseNames(suite_class) if args.only in n]
     result = unittest.TestResult()
     started = time.monotonic()

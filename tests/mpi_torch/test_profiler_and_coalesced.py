@@ -1,0 +1,73 @@
+"""Profiler events, coalesced collectives and refused inputs of the hpcddp backend, against gloo."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+def comm_events(prefix, call):
+    """``call()`` under torch.profiler: (op, input shapes, asynchronous) of each ``prefix:op`` event."""
+    with torch.profiler.profile(record_shapes=True) as prof:
+        works = call()
+        for work in works or []:
+            work.wait()
+    found = [e for e in prof.events() if e.name.startswith(prefix + ":")]
+    return sorted((e.name.split(":", 1)[1], [list(s) for s in e.input_shapes], e.is_async) for e in found)
+
+
+def collectives(group):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    x = torch.ones(3, 2) * rank
+    return [
+        lambda: dist.all_reduce(x.clone(), group=group),
+        lambda: [dist.all_reduce(x.clone(), group=group, async_op=True)],
+        lambda: dist.broadcast(x.clone(), src=0, group=group),
+        lambda: dist.reduce(x.clone(), dst=0, group=group),
+        lambda: dist.all_gather([torch.empty(3, 2) for _ in range(size)], x, group=group),
+        lambda: dist.all_to_all(
+            [torch.empty(1, 2) for _ in range(size)], [x[:1].clone() for _ in range(size)], group=group
+        ),
+        lambda: dist.barrier(group=group),
+        lambda: [
+            dist.isend(x.clone(), (rank + 1) % size, group=group),
+            dist.irecv(torch.empty(3, 2), (rank - 1) % size, group=group),
+        ],
+    ]
+
+
+@pytest.mark.parametrize("index", range(8))
+def test_each_operation_records_the_event_gloo_records(gloo, index):
+    mine = comm_events(dist.get_backend(), collectives(None)[index])
+    reference = comm_events("gloo", collectives(gloo)[index])
+    assert mine == reference
+    assert mine and all(is_async for _, _, is_async in mine)
+
+
+def test_all_gather_coalesced_matches_gloo(gloo):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    inputs = [torch.arange(3.0) + 10 * rank, torch.full((2, 2), float(rank)), torch.tensor([rank * 1j + 1])]
+
+    def gathered(group):
+        outputs = [[torch.empty_like(t) for t in inputs] for _ in range(size)]
+        dist.all_gather_coalesced(outputs, inputs, group=group)
+        return outputs
+
+    mine, reference = gathered(None), gathered(gloo)
+    for mine_row, reference_row in zip(mine, reference):
+        for a, b in zip(mine_row, reference_row):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # rank r's second input, from the independent arithmetic too
+    for r in range(size):
+        torch.testing.assert_close(mine[r][1], torch.full((2, 2), float(r)), rtol=0, atol=0)
+
+
+def test_all_gather_coalesced_with_wrong_lists_names_the_argument():
+    size = dist.get_world_size()
+    with pytest.raises(ValueError, match=r"output_tensor_lists must hold world_size=\d+ lists"):
+        dist.all_gather_coalesced([[torch.empty(2)] for _ in range(size + 1)], [torch.ones(2)])
+
+
+def test_sparse_all_reduce_is_refused_with_the_fix():
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([1.0]), (4,))
+    with pytest.raises(ValueError, match=r"sparse_coo tensor is not supported .*to_dense\(\)"):
+        dist.all_reduce(sparse)
