@@ -124,8 +124,13 @@ class SuiteRun:
             if started != current:
                 current, since = started, time.monotonic()
             if time.monotonic() - since > self.test_limit or time.monotonic() > deadline:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                # SIGTERM first: mpirun then ends its ranks, which run in process groups of their own.
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
                 return current
         return None
 
