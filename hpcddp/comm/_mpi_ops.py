@@ -129,7 +129,7 @@ class VectorOps:
             else:
                 mismatch = None if sizes == nbytes else f"out holds {nbytes} bytes but root sends {sizes}"
             if call is not None:
-                engine.agree(call._replace(error=mismatch))
+                engine.agreement.agree(call._replace(error=mismatch))
             elif sizes is None:
                 raise ValueError(f"scatter was not run: {mismatch}")
             receive = target if mismatch is None else torch.empty(sizes, dtype=torch.uint8)

@@ -55,6 +55,10 @@ These rules hold for every collective on the road:
    communicator's ``OperationLog``, the point-to-point layer every message, and every
    blocking wait says what it waits for (``hpcddp.comm.oplog.waiting``): the stall
    inspector judges from these alone, on its own communicator.
+9. **A timeout fails the communicator for good** (``agreement.timeout``, a torch group's
+   ``timeout=``): an agreement the other ranks do not join in time raises "Timed out",
+   and every later operation raises the same error instead of pairing with the wrong
+   one (``hpcddp.comm.agreeing``). No thread stays behind, so exiting does not wait.
 """
 
 from __future__ import annotations
@@ -66,41 +70,17 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from . import oplog
 from ._mpi_buffers import explain_failure
-from .agreement import CollectiveCall, agreement_vector, continues_while_joined, mismatch_error, some_joined
+from .agreeing import Agreement
+from .agreement import CollectiveCall
 from .base import Handle
 from .dtypes import dtype_name
+from .waits import wait_for_request
 
 __all__ = ["Collective", "Engine", "EngineHandle", "wait_for_request"]
 
 log = logging.getLogger("hpcddp")
-
-_SPIN_S = 50e-6
-_LONGEST_SLEEP_S = 250e-6
-
-
-def wait_for_request(request, progress: Callable[[], None] | None = None) -> None:
-    """Complete an MPI request as rule 7 says: spin 50 us, then sleep between tests.
-
-    Args:
-        request: the mpi4py request.
-        progress: called between sleeps (point-to-point receives in flight, rule 6).
-    """
-    if request.Test():
-        return
-    spin_until = time.perf_counter() + _SPIN_S
-    while time.perf_counter() < spin_until:
-        if request.Test():
-            return
-    pause = 10e-6
-    while not request.Test():
-        if progress is not None:
-            progress()
-        time.sleep(pause)
-        pause = min(pause * 2, _LONGEST_SLEEP_S)
 
 
 class EngineHandle(Handle):
@@ -167,11 +147,8 @@ class Engine:
         if messages is not None:
             messages.on_pending = self._notice_messages
         self.size = comm.Get_size()
-        #: run the agreement before each collective (rule 4)
-        self.check_collectives = True
-        self._MPI = MPI
-        self._reduced = np.empty(5, dtype=np.int64)  # the runner's alone
-        self._vectors: dict[CollectiveCall, np.ndarray] = {}  # a training loop agrees on the same few again and again
+        #: rule 4's agreement and rule 9's timeout: its ``check_collectives``, ``timeout``, ``label``
+        self.agreement = Agreement(comm, MPI, log.members, self._progress)
         self._cond = threading.Condition()
         self._items: collections.deque[_Operation] = collections.deque()
         self._runner: int | None = None
@@ -182,6 +159,11 @@ class Engine:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def failed(self) -> bool:
+        """True once an operation timed out: the ranks are out of step, nothing more runs (rule 9)."""
+        return self.agreement.failure is not None
 
     # -- submitting ---------------------------------------------------------------------
     def submit(
@@ -207,7 +189,7 @@ class Engine:
         """Queue ``op``; run it at once on the runner (rule 3), or, with ``claim``, in this thread when idle."""
         me = threading.get_ident()
         with self._cond:
-            self._check_open(op.desc.op)
+            self.check_open(op.desc.op)
             inline = self._runner == me
             claimed = claim and not inline and self._runner is None and not self._items
             if claimed:
@@ -234,7 +216,7 @@ class Engine:
         """
         me = threading.get_ident()
         with self._cond:
-            self._check_open(collective.name)
+            self.check_open(collective.name)
             nested = self._runner == me
             claimed = not nested and self._runner is None and not self._items
             if claimed:
@@ -244,8 +226,8 @@ class Engine:
         pending = _describe(collective)
         seq = self.log.start(pending, blocking=True)
         try:
-            if collective.call is not None and self.check_collectives:
-                self.agree(collective.call)
+            if collective.call is not None and self.agreement.runs:
+                self.agreement.agree(collective.call)
             return collective.body()
         except BaseException as err:
             raise explain_failure(err, pending._replace(seq=seq)) from None
@@ -254,7 +236,10 @@ class Engine:
             if claimed:
                 self._release()
 
-    def _check_open(self, name: str) -> None:
+    def check_open(self, name: str) -> None:
+        """Raise RuntimeError when ``name`` cannot run here: the communicator is closed, or an operation timed out."""
+        if self.agreement.failure is not None:
+            raise self._not_run(name)
         if self._closed:
             raise RuntimeError(
                 f"{name}: this communicator is closed (hpcddp.shutdown(), or its process group was destroyed): "
@@ -303,6 +288,9 @@ class Engine:
             if self._items or self._closed:
                 self._cond.notify_all()
 
+    def _not_run(self, name: str) -> RuntimeError:
+        return RuntimeError(f"{name} was not run: {self.agreement.failure}")
+
     def _execute(self, op: _Operation) -> None:
         handle = op.handle
         if not op.logged:
@@ -311,18 +299,21 @@ class Engine:
             except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
                 handle.set_exception(err)
             return
-        seq = self.log.start(op.desc)
-        handle.started_at = time.perf_counter()
-        try:
-            if op.call is not None and self.check_collectives:
-                self.agree(op.call)
-            result = op.body()
-        except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
-            self.log.finish(seq)
-            handle.set_exception(explain_failure(err, op.desc._replace(seq=seq)))
+        if self.agreement.failure is not None:  # queued before an earlier operation timed out
+            handle.set_exception(self._not_run(op.desc.op))
         else:
-            self.log.finish(seq)
-            handle.set_result(result)
+            seq = self.log.start(op.desc)
+            handle.started_at = time.perf_counter()
+            try:
+                if op.call is not None and self.agreement.runs:
+                    self.agreement.agree(op.call)
+                result = op.body()
+            except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
+                self.log.finish(seq)
+                handle.set_exception(explain_failure(err, op.desc._replace(seq=seq)))
+            else:
+                self.log.finish(seq)
+                handle.set_result(result)
         if op.on_done is not None:
             try:
                 op.on_done(handle)
@@ -357,35 +348,6 @@ class Engine:
         finally:
             oplog.wait_ends(token)
         return True
-
-    # -- agreement (rule 4) ---------------------------------------------------------------
-    def exchange(self, vector: np.ndarray) -> np.ndarray:
-        """MIN-reduce this rank's agreement ``vector`` over all ranks (the one primitive); on the runner."""
-        wait_for_request(self.comm.Iallreduce(vector, self._reduced, op=self._MPI.MIN), self._progress)
-        return self._reduced
-
-    def agree(self, call: CollectiveCall) -> None:
-        """Check that every rank describes its next collective as ``call``; on the runner.
-
-        Raises CollectiveMismatchError (CollectiveArgumentError for a rank's bad
-        arguments) on every rank alike when they differ. Ranks that joined (Horovod's
-        join) let sum and average allreduces of the others go on.
-        """
-        if self.size == 1:
-            if call.error is not None:
-                raise mismatch_error([call])
-            return
-        vector = self._vectors.get(call)
-        if vector is None:
-            if len(self._vectors) > 4096:
-                self._vectors.clear()
-            vector = self._vectors[call] = np.array(agreement_vector(call), dtype=np.int64)
-        reduced = self.exchange(vector)
-        low, minus_high, minus_error, _, minus_joined = reduced.tolist()
-        if low != -minus_high or minus_error or minus_joined:
-            calls = self.comm.allgather(call)
-            if not (some_joined(reduced) and continues_while_joined(calls)):
-                raise mismatch_error(calls)
 
     # -- closing ----------------------------------------------------------------------------
     def close(self) -> None:

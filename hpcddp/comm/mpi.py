@@ -27,10 +27,12 @@ from ._mpi_ops import VectorOps
 from .agreement import JOINED, JOINED_VECTOR, CollectiveCall, all_joined, continues_while_joined, describe_call
 from .base import Communicator, Handle, ReduceOp, split_ranks_error
 from .dtypes import dtype_named
-from .engine import Collective, Engine, EngineHandle, wait_for_request
+from .engine import Collective, Engine, EngineHandle
 from .hierarchy import HIERARCHY_MIN_BYTES, hierarchy_for
+from .monitored import MonitoredBarrier
 from .p2p import PointToPoint, describe_tensors
 from .reduction import check_reducible, divide_average_, mpi_op
+from .waits import wait_for_request
 
 __all__ = ["MPICommunicator"]
 
@@ -71,15 +73,17 @@ class MPICommunicator(VectorOps, IntoOps, Communicator):
         oplog.register(self.log)
         self.p2p = PointToPoint(self._comm, MPI, self.log, self.global_ranks)
         self.engine = Engine(self._comm, MPI, self.log, messages=self.p2p)
+        #: gloo's monitoredBarrier over this communicator's messages (``hpcddp.comm.monitored``)
+        self.monitored = MonitoredBarrier(self.p2p)
 
     @property
     def check_collectives(self) -> bool:  # type: ignore[override]
         """Whether every collective first agrees on its metadata (``hpcddp.comm.engine``, rule 4)."""
-        return self.engine.check_collectives
+        return self.engine.agreement.check_collectives
 
     @check_collectives.setter
     def check_collectives(self, value: bool) -> None:
-        self.engine.check_collectives = bool(value)
+        self.engine.agreement.check_collectives = bool(value)
 
     @property
     def mpi_comm(self):
@@ -99,7 +103,7 @@ class MPICommunicator(VectorOps, IntoOps, Communicator):
             error: what is wrong with this rank's arguments: every rank raises it.
             fields: more for ``hpcddp.comm.agreement.describe_call`` (root, reduce_op, splits).
         """
-        if not self.check_collectives or self.size == 1:
+        if not self.engine.agreement.runs or self.size == 1:
             if error is not None:
                 raise ValueError(error)
             return None
@@ -151,7 +155,8 @@ class MPICommunicator(VectorOps, IntoOps, Communicator):
         if self._hierarchy is not None:
             self._hierarchy.free()
         self._side.Free()
-        self._comm.Free()
+        if not self.engine.failed:  # else its abandoned agreement still refers to it (engine rule 9)
+            self._comm.Free()
 
     # -- allreduce ------------------------------------------------------------------------
     def reduce_in_place(self, buffer: torch.Tensor, op) -> None:
@@ -305,7 +310,7 @@ class MPICommunicator(VectorOps, IntoOps, Communicator):
         def body() -> int:
             rounds = 0
             joined = np.array(JOINED_VECTOR, dtype=np.int64)
-            while not all_joined(engine.exchange(joined)):
+            while not all_joined(engine.agreement.exchange(joined)):
                 rounds += 1
                 calls = comm.allgather(JOINED)
                 if continues_while_joined(calls):

@@ -119,15 +119,46 @@ class Message(Handle):
                 arrived, header = self._header.test(status)
                 if not arrived:
                     return
-                self._header = None
-                self.source = status.Get_source()
-                self._p2p.take_data(self, header)
-                self._p2p.arrived(self)
+                self._header_arrived(header, status)
             if not all(request.Test() for request in self._requests):
                 return
         except MPI.Exception as err:  # the data is longer than the receiving tensor
             self._problem = self._problem or f"{err}"
         self._finish()
+
+    def _header_arrived(self, header, status) -> None:
+        self._header = None
+        self.source = status.Get_source()
+        self._p2p.take_data(self, header)
+        self._p2p.arrived(self)
+
+    def withdraw(self) -> bool:
+        """Stop waiting for this message; return True when it was a receive that now never takes one.
+
+        A receive whose header has not arrived is cancelled (``MPI_Cancel``), so no later
+        message can match it. A send, or a receive whose header came, completes in MPI as
+        it would have, with nothing waiting for it. Either way the stall inspector stops
+        listing it.
+        """
+        cancelled = False
+        with self._lock:
+            if self._done.is_set():
+                return False
+            if self._header is not None:
+                self._header.Cancel()
+                status = self._p2p.MPI.Status()
+                header = self._header.wait(status)  # at once: cancelled, or matched just before
+                if status.Is_cancelled():
+                    self._header = None
+                    self._p2p.arrived(self)
+                    cancelled = True
+                else:
+                    self._header_arrived(header, status)
+            self._p2p.log.delivered(self._token)
+            self._p2p.withdrawn.append(self)  # its requests and buffers stay alive until MPI is done with them
+        if cancelled:
+            self.set_exception(RuntimeError(f"{self} was withdrawn before a message came"))
+        return cancelled
 
     def _finish(self) -> None:
         self._p2p.log.delivered(self._token)
@@ -155,10 +186,15 @@ class PointToPoint:
         self.comm, self.MPI, self.log = comm, MPI, log
         self._global = list(global_ranks)
         self.rank = comm.Get_rank()
-        # Users' tags are the headers' tags; the data tags lie above them, one per message.
+        # Users' tags are the headers' tags; hpcddp's own protocols' tags (``reserved_tag``)
+        # lie above them, and the data tags above those, one per message.
         upper = comm.Get_attr(MPI.TAG_UB) or 32767
         self.tag_limit = min(2**28, (upper + 1) // 4)
-        self._data_tags = upper + 1 - self.tag_limit
+        self._num_reserved = self.tag_limit // 4
+        self._first_data_tag = self.tag_limit + self._num_reserved
+        self._data_tags = upper + 1 - self._first_data_tag
+        #: messages nothing waits for any more (``Message.withdraw``), kept alive for MPI
+        self.withdrawn: list[Message] = []
         self._sent = itertools.count()
         self._lock = threading.Lock()
         self._awaiting_header: dict[int, Message] = {}
@@ -172,20 +208,32 @@ class PointToPoint:
     def global_rank(self, rank: int | None) -> int | None:
         return None if rank is None else self._global[rank]
 
-    def _check_tag(self, tag: int) -> None:
-        if not isinstance(tag, int) or not 0 <= tag < self.tag_limit:
-            raise ValueError(f"tag must be an int in [0, {self.tag_limit}), got {tag!r}")
+    def reserved_tag(self, number: int) -> int:
+        """The ``number``-th tag (modulo their count) of those no user message can carry, for hpcddp's protocols."""
+        return self.tag_limit + number % self._num_reserved
+
+    def _check_tag(self, tag: int, reserved: bool) -> None:
+        low, high = (self.tag_limit, self._first_data_tag) if reserved else (0, self.tag_limit)
+        if not isinstance(tag, int) or not low <= tag < high:
+            raise ValueError(f"tag must be an int in [{low}, {high}), got {tag!r}")
 
     def _check_peer(self, peer: int, argument: str) -> None:
         size = self.comm.Get_size()
         if not isinstance(peer, int) or not 0 <= peer < size:
             raise ValueError(f"{argument} must be a rank in [0, {size}), got {peer!r}")
 
-    def send(self, tensor: torch.Tensor, dest: int, tag: int = 0) -> Message:
-        """Start sending ``tensor`` to rank ``dest`` (of this communicator)."""
+    def send(self, tensor: torch.Tensor, dest: int, tag: int = 0, *, reserved: bool = False) -> Message:
+        """Start sending ``tensor`` to rank ``dest`` (of this communicator).
+
+        Args:
+            tensor: what to send.
+            dest: the receiver.
+            tag: the user's tag, or with ``reserved`` one from ``reserved_tag``.
+            reserved: the message belongs to one of hpcddp's own protocols.
+        """
         self._check_peer(dest, "dest")
-        self._check_tag(tag)
-        data_tag = self.tag_limit + next(self._sent) % self._data_tags
+        self._check_tag(tag, reserved)
+        data_tag = self._first_data_tag + next(self._sent) % self._data_tags
         source = staged(tensor)
         message = Message(self, "send", tensor, dest, tag)
         message.keep = source  # the requests read it until they complete
@@ -195,11 +243,11 @@ class PointToPoint:
             message._requests.append(self.comm.Isend(chunk.numpy(), dest=dest, tag=data_tag))
         return message
 
-    def recv(self, tensor: torch.Tensor, source: int | None, tag: int = 0) -> Message:
-        """Start receiving into ``tensor`` from rank ``source``, or from any rank when None."""
+    def recv(self, tensor: torch.Tensor, source: int | None, tag: int = 0, *, reserved: bool = False) -> Message:
+        """Start receiving into ``tensor`` from rank ``source``, or from any rank when None (``reserved``: as ``send``)."""
         if source is not None:
             self._check_peer(source, "source")
-        self._check_tag(tag)
+        self._check_tag(tag, reserved)
         message = Message(self, "recv", tensor, source, tag)
         with self._lock:
             message._header = self.comm.irecv(source=self.MPI.ANY_SOURCE if source is None else source, tag=tag)

@@ -7,6 +7,11 @@ agreement first, the same transfer where the transfer is the same (an ``all_redu
 here and ``hpcddp.allreduce_`` on another rank match and give the right sum). Its Works
 complete their torch futures on the runner, so torch DDP's bucket callbacks run there
 and a comm hook that issues further collectives (PowerSGD) has them run at once, in order.
+
+A group made with a ``timeout=`` other than torch's default fails a collective that the
+other ranks do not join in time with "Timed out", and every later operation on it
+(rule 9 of ``hpcddp.comm.engine``); ``monitored_barrier`` is gloo's, over the
+communicator's messages (``hpcddp.comm.monitored``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from ..comm.engine import Collective
 from ..comm.p2p import describe_tensors as describe
@@ -67,6 +73,8 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
             torch's MPI name was routed here).
         on_shutdown: called when torch destroys the group (a subgroup's owner releases
             its communicator there).
+        timeout: the group's timeout (torch's ``timeout=``); the communicator enforces it,
+            this group uses it as gloo does for ``monitored_barrier``. None: torch's default.
     """
 
     def __init__(
@@ -75,12 +83,14 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
         global_ranks: Sequence[int] | None = None,
         backend_name: str = "hpcddp",
         on_shutdown: Callable[[], None] | None = None,
+        timeout: datetime.timedelta | None = None,
     ) -> None:
         super().__init__(comm.rank, comm.size)
         self._comm = comm
         self._global_ranks = list(global_ranks) if global_ranks is not None else list(range(comm.size))
         self._backend_name = backend_name
         self._on_shutdown = on_shutdown
+        self._timeout = timeout if timeout is not None else default_pg_timeout
         self._name = ""
         self._within_coalesced = threading.local()  # its operations record no events of their own
 
@@ -97,6 +107,8 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
 
     def _set_group_name(self, name: str) -> None:
         self._name = name
+        if self._on_shutdown is not None:  # the communicator is this group's alone: errors may name it
+            self._comm.engine.agreement.label = f"process group {name!r} (global ranks {self._global_ranks})"
 
     @property
     def communicator(self):
@@ -107,6 +119,22 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
         """Release the group's communicator and its thread (torch's destroy_process_group calls this)."""
         if self._on_shutdown is not None:
             self._on_shutdown()
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        """The group's timeout (torch's ``timeout=``, or its default)."""
+        return self._timeout
+
+    def monitored_barrier(self, timeout: datetime.timedelta | None = None, wait_all_ranks: bool = False) -> None:
+        """Block until every rank of the group arrives; raise RuntimeError naming those that did not (gloo's).
+
+        Args:
+            timeout: how long rank 0 waits for the others; None: the group's timeout.
+            wait_all_ranks: rank 0 names every rank that did not arrive, not only the first.
+        """
+        self._comm.engine.check_open("monitored_barrier")
+        limit = (timeout if timeout is not None else self._timeout).total_seconds()
+        self._comm.monitored.wait(limit, self._timeout.total_seconds(), wait_all_ranks)
 
     def __repr__(self) -> str:
         return f"ProcessGroupHPCDDP(rank={self.rank()}, size={self.size()}, name={self._name!r})"
@@ -123,6 +151,7 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
             result: the future's value, when it is not the collective's own result.
             event: the operation's profiler name (torch's: ``all_reduce``) and input tensors.
         """
+        self._comm.engine.check_open(event[0] or collective.name)
         within = getattr(self._within_coalesced, "active", False)
         profiled = begin(f"{self._backend_name}:{event[0]}", event[1]) if event[0] and not within else None
         future = OrderedFuture()

@@ -13,12 +13,29 @@
   doesn't have MPI built in"). When it is missing, ``install()`` puts hpcddp's
   group where torch looks for it, so ``init_process_group("mpi")`` and
   ``new_group(..., backend="mpi")`` from the tutorials run unchanged.
+- ``timeout=``: torch hands it to a registered backend's creator but not to
+  ``ProcessGroupMPI.create(ranks)``, so ``install()`` wraps torch's
+  ``_new_process_group_helper`` to see it while the group is made. A group whose
+  timeout is not torch's default fails a collective the other ranks do not join in
+  time, and is unusable after that (rule 9 of ``hpcddp.comm.engine``). That failure
+  belongs to a communicator, so a group shares the job's communicator only when it has
+  the same timeout: the default group (its timeout is then the communicator's, for
+  hpcddp's own collectives too, as they share one order), and a ``new_group`` over all
+  ranks with the default group's timeout. Any other group gets its own communicator,
+  so a timed-out ``new_group(timeout=...)`` never breaks the default group.
+- ``monitored_barrier``: torch's refuses every backend but gloo by name; for hpcddp's
+  groups the wrapper calls the group's own (gloo's protocol and messages), and any
+  other group still gets torch's.
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
+import inspect
 import logging
+import threading
+import warnings
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
@@ -35,6 +52,7 @@ _installed = False
 _mpi_routed = False
 _world = None  # the MPICommunicator all ranks' groups split from
 _owned: list = []  # communicators this module made (subgroups), closed at hpcddp.shutdown()
+_making = threading.local()  # .timeout: the timeout torch passes for the group being made
 
 
 def mpi_routed() -> bool:
@@ -86,25 +104,42 @@ def _own(comm):
     return comm
 
 
-def new_group_over(global_ranks: list[int] | None, backend_name: str = BACKEND_NAME) -> ProcessGroupHPCDDP | None:
-    """Return a process group over ``global_ranks`` (all ranks when None or all listed); None on other ranks.
+def new_group_over(
+    global_ranks: list[int] | None, backend_name: str = BACKEND_NAME, timeout: datetime.timedelta | None = None
+) -> ProcessGroupHPCDDP | None:
+    """Return a process group over ``global_ranks`` (the default group when empty or None); None on other ranks.
 
     Collective over the listed ranks only (``MPI_Comm_create_group``), in the order
-    torch creates groups. A subgroup has its own communicator (its own queue,
-    numbering and thread), released when torch destroys the group.
+    torch creates groups. A subgroup, and a group over all ranks with another timeout
+    than the default group's, has its own communicator (its own queue, numbering and
+    thread), released when torch destroys the group.
 
     Args:
         global_ranks: members, as ranks of the whole job; the group numbers them in list order.
         backend_name: the name the group reports ("hpcddp" or "mpi").
+        timeout: the group's timeout; None or torch's default: none.
     """
     world = _world_communicator(backend_name)
-    if not global_ranks or list(global_ranks) == list(range(world.size)):
-        return ProcessGroupHPCDDP(world, None, backend_name)
+    seconds = _seconds(timeout)
+    if not global_ranks:  # the default group: its timeout is the job's communicator's
+        world.engine.agreement.timeout = seconds
+        world.engine.agreement.label = f"the default process group ({world.size} ranks)"
+        return ProcessGroupHPCDDP(world, None, backend_name, timeout=timeout)
     ranks = list(global_ranks)
+    if ranks == list(range(world.size)) and seconds == world.engine.agreement.timeout:
+        return ProcessGroupHPCDDP(world, None, backend_name, timeout=timeout)
     if world.rank not in ranks:
         return None
     comm = _own(world.group_over(ranks))
-    return ProcessGroupHPCDDP(comm, ranks, backend_name, on_shutdown=functools.partial(release, comm))
+    comm.engine.agreement.timeout = seconds
+    return ProcessGroupHPCDDP(comm, ranks, backend_name, on_shutdown=functools.partial(release, comm), timeout=timeout)
+
+
+def _seconds(timeout: datetime.timedelta | None) -> float | None:
+    """The timeout a communicator enforces: none for torch's default, which changes nothing."""
+    if timeout is None or timeout == c10d.default_pg_timeout:
+        return None
+    return timeout.total_seconds()
 
 
 def release(comm) -> None:
@@ -115,7 +150,7 @@ def release(comm) -> None:
 
 
 def _create(options, _backend_options) -> ProcessGroupHPCDDP:
-    return new_group_over(list(options.global_ranks_in_group))
+    return new_group_over(list(options.global_ranks_in_group), timeout=options.timeout)
 
 
 class _MPIGroups:
@@ -123,7 +158,47 @@ class _MPIGroups:
 
     @staticmethod
     def create(ranks: list[int]) -> ProcessGroupHPCDDP | None:
-        return new_group_over(list(ranks), "mpi")
+        return new_group_over(list(ranks), "mpi", getattr(_making, "timeout", None))
+
+
+def _see_timeout(helper):
+    """Wrap torch's ``_new_process_group_helper`` so that ``_MPIGroups.create`` knows the group's ``timeout``."""
+    signature = inspect.signature(helper)
+
+    @functools.wraps(helper)
+    def wrapper(*args, **kwargs):
+        previous = getattr(_making, "timeout", None)
+        _making.timeout = signature.bind_partial(*args, **kwargs).arguments.get("timeout")
+        try:
+            return helper(*args, **kwargs)
+        finally:
+            _making.timeout = previous
+
+    wrapper.__hpcddp__ = True
+    return wrapper
+
+
+def _route_monitored_barrier(monitored_barrier):
+    """Wrap torch's ``monitored_barrier``: hpcddp's groups run their own, every other group torch's."""
+
+    @functools.wraps(monitored_barrier)
+    def wrapper(group=None, timeout=None, wait_all_ranks=False):
+        target = group if group is not None or not c10d.is_initialized() else c10d._get_default_group()
+        if not isinstance(target, ProcessGroupHPCDDP):
+            return monitored_barrier(group, timeout, wait_all_ranks)
+        if isinstance(timeout, (int, float)):
+            warnings.warn(  # torch's own conversion, with torch's warning
+                "Please specify timeout arg as a timedelta. "
+                f"Converting current value of {timeout} assuming it represents seconds",
+                stacklevel=2,
+            )
+            timeout = datetime.timedelta(seconds=timeout)
+        if timeout is not None and not isinstance(timeout, datetime.timedelta):
+            raise TypeError(f"monitored_barrier: timeout must be a datetime.timedelta, got {timeout!r}")
+        return target.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+
+    wrapper.__hpcddp__ = True
+    return wrapper
 
 
 def _supply_store(init_process_group):
@@ -160,6 +235,10 @@ def install() -> None:
     dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
     if not getattr(c10d.init_process_group, "__hpcddp__", False):
         c10d.init_process_group = dist.init_process_group = _supply_store(c10d.init_process_group)
+    if not getattr(c10d.monitored_barrier, "__hpcddp__", False):
+        c10d.monitored_barrier = dist.monitored_barrier = _route_monitored_barrier(c10d.monitored_barrier)
+    if not getattr(c10d._new_process_group_helper, "__hpcddp__", False):
+        c10d._new_process_group_helper = _see_timeout(c10d._new_process_group_helper)
     if not c10d.is_mpi_available():
         c10d.ProcessGroupMPI = _MPIGroups
         c10d.is_mpi_available = dist.is_mpi_available = _mpi_available

@@ -1,0 +1,37 @@
+"""A collective that timed out on a group with ``timeout=`` leaves nothing that holds up shutdown or exit."""
+
+from hpcddp.testing import run_script
+
+from .conftest import ROOT
+
+LIMIT_S = 180
+
+SCRIPT = """
+    import time
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    import hpcddp
+
+    hpcddp.init()
+    dist.init_process_group("mpi")
+    group = dist.new_group(timeout=timedelta(seconds=1))
+    if dist.get_rank() == 0:
+        try:
+            dist.all_reduce(torch.ones(4), group=group)  # the other rank never joins: left in flight for good
+        except RuntimeError as err:
+            print("timed out:", err, flush=True)
+    checkpoint = torch.ones(1)
+    dist.all_reduce(checkpoint)
+    print("default group", dist.get_rank(), int(checkpoint), flush=True)
+    started = time.monotonic()
+    hpcddp.shutdown()
+    print("shutdown", dist.get_rank(), round(time.monotonic() - started, 1), flush=True)
+"""
+
+
+def test_a_timed_out_collective_does_not_hold_up_shutdown_or_exit(tmp_path):
+    result = run_script(2, SCRIPT, tmp_path, timeout=LIMIT_S, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-5000:]
+    assert "allreduce on process group '1' (global ranks [0, 1]): Timed out after 1 s" in result.stdout
+    assert "default group 0 2" in result.stdout and "default group 1 2" in result.stdout
+    assert "shutdown 0" in result.stdout and "shutdown 1" in result.stdout
