@@ -24,6 +24,9 @@ __all__ = [
 ]
 
 
+_HOOKS_LOCK = threading.Lock()  # completion hooks are rare: one lock for all handles
+
+
 class Handle:
     """An operation in flight: ``wait()`` blocks until it is done and returns its result.
 
@@ -48,11 +51,31 @@ class Handle:
             self.completed_at = time.perf_counter()
         self._result = result
         self._done.set()
+        self._run_completion_hooks()
 
     def set_exception(self, error: BaseException) -> None:
         self.completed_at = time.perf_counter()
         self._error = error
         self._done.set()
+        self._run_completion_hooks()
+
+    def on_completion(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` once when the operation completes, in the completing thread (at once if it has).
+
+        For observers (profiler events): ``hook`` must be quick and must not raise.
+        """
+        with _HOOKS_LOCK:
+            if not self._done.is_set():
+                self._completion_hooks = [*getattr(self, "_completion_hooks", ()), hook]
+                return
+        hook()
+
+    def _run_completion_hooks(self) -> None:
+        with _HOOKS_LOCK:
+            hooks = getattr(self, "_completion_hooks", ())
+            self._completion_hooks = ()
+        for hook in hooks:
+            hook()
 
     def then(self, finisher: Callable[[Any], Any]) -> Handle:
         """Apply ``finisher`` to the result when waited on; returns self for chaining."""

@@ -2,84 +2,111 @@
 
 Under ``torch.profiler`` or the autograd profiler each collective and message shows as
 one event named ``<backend>:<op>`` (``mpi:all_reduce``, ``mpi:send``) with its input
-shapes, spanning the call to the operation's completion. torch marks an event
-asynchronous when it ends on another thread than the one that began it; a backend's
-operations are asynchronous (they run on the communication thread), so their events
-end on one thread of their own, which watches the operations in flight: a blocking
-call that the calling thread runs itself still reads as the same kind of event.
+shapes, from the call to the operation's completion, marked asynchronous as torch marks
+gloo's (it ended on another thread than the one that began it).
 
-Nothing is recorded, and nothing started, while no profiler is on.
+An event ends on another thread only if that thread carries the profiler's
+thread-local state: torch's ``_call_end_callbacks_on_jit_fut`` ends it from a future's
+callback with the state of the thread that began it (ending it from a plain Python
+thread leaves it open until the profiler stops). The operation's completion hands that
+future to one thread of this module, which completes it: also a blocking call that the
+calling thread ran itself ends its event elsewhere, as gloo's do.
+
+An event still open when its profiler stops is never ended nor released (ending or
+freeing it after ``_disable_profiler`` crashes torch 2.13 in its event collection): the
+stop waits for events being ended, and the ones left are kept for the life of the
+process (one small object per operation that was in flight at that moment).
+
+Nothing is recorded, and no thread started, while no profiler is on.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
-import time
 from collections.abc import Sequence
 
 import torch
 
 __all__ = ["begin", "end_when_done"]
 
-_FIRST_GAP_S, _LONGEST_GAP_S = 20e-6, 1e-3
 
+def begin(name: str, inputs: Sequence[torch.Tensor]) -> _Event | None:
+    """Start the event ``name`` of an operation on ``inputs``; ``end_when_done`` ends it.
 
-def begin(name: str, inputs: Sequence[torch.Tensor]):
-    """Start the event ``name`` of an operation on ``inputs``; None while no profiler is on."""
-    if not torch.autograd._profiler_enabled():
+    Returns None while no profiler is on.
+    """
+    if not torch.autograd._profiler_enabled() or not _watch_profiler_stops():
         return None
-    event = torch._C._profiler._RecordFunctionFast(name, input_values=list(inputs))
-    event.__enter__()
+    record = torch._C._autograd._record_function_with_args_enter(name, *inputs)
+    end = torch.futures.Future()
+    torch.ops.profiler._call_end_callbacks_on_jit_fut(record, end)
+    event = _Event(end, _session)
+    with _stopping:
+        _open.add(event)  # freed only once ended: also an operation that never completes keeps it
     return event
 
 
-def end_when_done(event, handle):
+def end_when_done(event: _Event | None, handle):
     """End ``event`` (from ``begin``) when ``handle`` (an engine handle or a message) completes; return ``handle``."""
     if event is not None:
-        _closer().watch(handle, event)
+        handle.on_completion(lambda: _ender().put(event))
     return handle
 
 
-class _EventCloser:
-    """Ends each event when its operation completes, on a thread of its own."""
+class _Event:
+    __slots__ = ("end", "session")
 
-    def __init__(self) -> None:
-        self._pending: list = []
-        self._lock = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="hpcddp-profiler-events", daemon=True)
-        self._thread.start()
+    def __init__(self, end: torch.futures.Future, session: int) -> None:
+        self.end, self.session = end, session
 
-    def watch(self, handle, event) -> None:
-        with self._lock:
-            self._pending.append((handle, event))
-            self._lock.notify()
 
-    def _run(self) -> None:
-        gap = _FIRST_GAP_S
-        while True:
-            with self._lock:
-                while not self._pending:
-                    self._lock.wait()
-                pending = list(self._pending)
-            finished = [(handle, event) for handle, event in pending if handle.poll()]
-            for _, event in finished:
-                event.__exit__(None, None, None)
-            if finished:
-                with self._lock:
-                    self._pending = [item for item in self._pending if item not in finished]
-                gap = _FIRST_GAP_S
+_session = 0  # how many times a profiler stopped
+_stopping = threading.Lock()  # a profiler stops, or an event ends: never both at once
+_open: set[_Event] = set()  # begun, not yet ended
+_kept: list[_Event] = []  # open when their profiler stopped
+_watching = None
+
+
+def _watch_profiler_stops() -> bool:
+    """Wrap torch's ``_disable_profiler`` (once) so that a stop starts a new session; False if it cannot."""
+    global _watching
+    if _watching is None:
+        from torch.autograd import profiler
+
+        disable = getattr(profiler, "_disable_profiler", None)
+        _watching = disable is not None
+        if _watching:
+
+            def disable_after_ending_events(*args, **kwargs):
+                global _session
+                with _stopping:
+                    _session += 1
+                    return disable(*args, **kwargs)
+
+            profiler._disable_profiler = disable_after_ending_events
+    return _watching
+
+
+def _end_events(events: queue.SimpleQueue) -> None:
+    while True:
+        event = events.get()
+        with _stopping:
+            _open.discard(event)
+            if event.session == _session:
+                event.end.set_result(None)
             else:
-                time.sleep(gap)
-                gap = min(2 * gap, _LONGEST_GAP_S)
+                _kept.append(event)
 
 
-_instance: _EventCloser | None = None
-_instance_lock = threading.Lock()
+_events: queue.SimpleQueue | None = None
+_lock = threading.Lock()
 
 
-def _closer() -> _EventCloser:
-    global _instance
-    with _instance_lock:
-        if _instance is None:
-            _instance = _EventCloser()
-        return _instance
+def _ender() -> queue.SimpleQueue:
+    global _events
+    with _lock:
+        if _events is None:
+            _events = queue.SimpleQueue()
+            threading.Thread(target=_end_events, args=(_events,), name="hpcddp-profiler-events", daemon=True).start()
+        return _events

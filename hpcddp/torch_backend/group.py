@@ -229,7 +229,7 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> _Work:
         calls = [functools.partial(self.all_gather_single, o, i) for o, i in zip(outputs, inputs)]
-        return self._coalesced("all_gather_into_tensor_coalesced", inputs, calls)
+        return self._coalesced("all_gather", inputs, calls)  # gloo's name for it
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -242,6 +242,8 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
             calls: functions starting each operation and returning its Work.
             result: the Work's future value instead of the last operation's own.
         """
+        if not calls:
+            raise ValueError(f"{name}: the input tensor list is empty: pass at least one tensor")
         event = begin(f"{self._backend_name}:{name}", inputs)
         self._within_coalesced.active = True
         try:
@@ -250,9 +252,8 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
             self._within_coalesced.active = False
         for work in works[:-1]:
             work.wait()
-        if not works:
-            works = [self._start(self._comm.plan_barrier(), result=[])]
         end_when_done(event, works[-1]._handle)
         if result is not None:
-            works[-1]._future = works[-1]._future.then(lambda _: result)
+            # value() first: a failed operation fails the returned future too
+            works[-1]._future = works[-1]._future.then(lambda done: (done.value(), result)[1])
         return works[-1]

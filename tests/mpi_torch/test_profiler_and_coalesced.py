@@ -71,3 +71,36 @@ def test_sparse_all_reduce_is_refused_with_the_fix():
     sparse = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([1.0]), (4,))
     with pytest.raises(ValueError, match=r"sparse_coo tensor is not supported .*to_dense\(\)"):
         dist.all_reduce(sparse)
+
+
+def test_an_event_ends_when_its_operation_ends_as_gloo_s_do(gloo):
+    import time
+
+    def durations(prefix, group):
+        with torch.profiler.profile() as prof:
+            dist.all_reduce(torch.ones(4), group=group)
+            time.sleep(0.3)  # the profiler stays on well after the operation ended
+        return [e.cpu_time_total for e in prof.events() if e.name.startswith(prefix + ":all_reduce")]
+
+    mine, reference = durations(dist.get_backend(), None), durations("gloo", gloo)
+    assert len(mine) == len(reference) == 1
+    assert mine[0] < 100_000 and reference[0] < 100_000, (mine, reference)  # microseconds
+
+
+def test_operations_in_flight_when_the_profiler_stops_end_safely():
+    rank, size = dist.get_rank(), dist.get_world_size()
+    for _ in range(20):
+        with torch.profiler.profile():
+            pending = dist.irecv(torch.empty(3), (rank - 1) % size)
+        dist.send(torch.ones(3), (rank + 1) % size)
+        pending.wait()
+    dist.barrier()
+
+
+def test_async_all_gather_coalesced_fails_its_future_on_a_mismatch():
+    rank, size = dist.get_rank(), dist.get_world_size()
+    inputs = [torch.ones(2 + rank)]  # shapes differ between ranks
+    outputs = [[torch.empty(2 + r)] for r in range(size)]
+    future = dist.all_gather_coalesced(outputs, inputs, async_op=True)  # torch returns the future itself
+    with pytest.raises(Exception, match="allgather"):
+        future.wait()

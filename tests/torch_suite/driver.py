@@ -52,6 +52,18 @@ def _read_events(out_dir: Path, ranks: int) -> dict[int, list[dict]]:
     return events
 
 
+def _dump_stacks(out_dir: Path, ranks: int) -> None:
+    """Ask every rank of a stuck job for its threads' stacks (they land in mpirun.log)."""
+    for rank_events in _read_events(out_dir, ranks).values():
+        for event in rank_events:
+            if event["event"] == "pid":
+                try:
+                    os.kill(event["pid"], signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+    time.sleep(2)
+
+
 class SuiteRun:
     """One backend at one world size: the outcome of every test, worst rank first."""
 
@@ -112,7 +124,7 @@ class SuiteRun:
         running = stuck or self._unfinished(events)
         if running and running not in self.outcomes:
             self.outcomes[running] = "hang" if stuck else "crash"
-            self.details[running] = (out_dir / "mpirun.log").read_text()[-4000:]
+            self.details[running] = (out_dir / "mpirun.log").read_text()[-20000:]
             self.log(f"  {running}: {self.outcomes[running]}")
 
     def _watch(self, proc, out_dir: Path, deadline: float) -> str | None:
@@ -124,6 +136,7 @@ class SuiteRun:
             if started != current:
                 current, since = started, time.monotonic()
             if time.monotonic() - since > self.test_limit or time.monotonic() > deadline:
+                _dump_stacks(out_dir, self.ranks)
                 # SIGTERM first: mpirun then ends its ranks, which run in process groups of their own.
                 os.killpg(proc.pid, signal.SIGTERM)
                 try:
@@ -141,6 +154,8 @@ class SuiteRun:
         for line in reversed(path.read_text().splitlines()):
             if line.endswith("}"):
                 event = json.loads(line)
+                if "test" not in event:
+                    return None
                 return event["test"] + ("" if event["event"] == "start" else ":done")
         return None
 

@@ -12,9 +12,11 @@ Environment: ``BACKEND`` (``mpi`` through hpcddp, or ``gloo``), ``TEMP_DIR``,
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -208,6 +210,10 @@ def main() -> int:
     control = MPI.COMM_WORLD.Dup()
     out_path = os.path.join(os.environ["SUITE_OUT"], f"rank{rank}.jsonl")
     with open(out_path, "a") as stream:
+        # The driver signals a stuck job before ending it: every thread's stack goes to its log.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        stream.write(json.dumps({"event": "pid", "pid": os.getpid()}) + "\n")
+        stream.flush()
         recorder = _Recorder(stream)
         for name in wanted:
             cls(name).run(recorder)
