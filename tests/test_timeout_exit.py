@@ -30,7 +30,7 @@ SCRIPT = """
 
 
 def test_a_timed_out_collective_does_not_hold_up_shutdown_or_exit(tmp_path):
-    result = run_script(2, SCRIPT, tmp_path, timeout=LIMIT_S, cwd=ROOT)
+    result = run_script(2, SCRIPT, tmp_path, timeout=LIMIT_S, cwd=ROOT, env={"HPCDDP_GROUP_TIMEOUTS": "1"})
     assert result.returncode == 0, result.stdout[-5000:]
     assert "allreduce on process group '1' (global ranks [0, 1]): Timed out after 1 s" in result.stdout
     assert "default group 0 2" in result.stdout and "default group 1 2" in result.stdout

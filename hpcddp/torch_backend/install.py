@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import os
 import inspect
 import logging
 import threading
@@ -136,10 +137,30 @@ def new_group_over(
 
 
 def _seconds(timeout: datetime.timedelta | None) -> float | None:
-    """The timeout a communicator enforces: none for torch's default, which changes nothing."""
+    """The timeout a communicator enforces: none for torch's default, which changes nothing.
+
+    Enforced only with HPCDDP_GROUP_TIMEOUTS=1: MPI cannot cancel a collective, so a rank
+    that arrives after another gave up can wait for good in the transfer (a job that would
+    have finished hangs); without it the stall inspector reports and ends real stalls.
+    """
     if timeout is None or timeout == c10d.default_pg_timeout:
         return None
+    from ..env.settings import _switch
+
+    if not _switch("HPCDDP_GROUP_TIMEOUTS", os.environ.get("HPCDDP_GROUP_TIMEOUTS", "0").lower()):
+        if not _warned_timeout:
+            _warned_timeout.append(timeout)
+            log.warning(
+                "hpcddp: timeout=%s of init_process_group/new_group is not enforced on the MPI backend "
+                "(a rank arriving after the timeout could hang, MPI cannot cancel a collective); hpcddp's stall "
+                "inspector reports stalls (HPCDDP_STALL_TIMEOUT); HPCDDP_GROUP_TIMEOUTS=1 enforces it (experimental)",
+                timeout,
+            )
+        return None
     return timeout.total_seconds()
+
+
+_warned_timeout: list = []
 
 
 def release(comm) -> None:

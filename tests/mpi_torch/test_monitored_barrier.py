@@ -60,8 +60,23 @@ def test_rank_0_without_time_left_says_it_timed_out():
             group.monitored_barrier(timedelta(seconds=0))
 
 
+@pytest.fixture
+def group_timeouts(monkeypatch):
+    monkeypatch.setenv("HPCDDP_GROUP_TIMEOUTS", "1")
+
+
+def test_a_groups_timeout_is_not_enforced_unless_asked():
+    group = dist.new_group(timeout=timedelta(seconds=0.2))
+    if dist.get_rank() == 0:
+        time.sleep(0.5)  # later than the timeout: the other ranks wait, as before
+    total = torch.ones(3)
+    dist.all_reduce(total, group=group)
+    assert total.tolist() == [dist.get_world_size()] * 3
+    dist.destroy_process_group(group)
+
+
 @pytest.mark.parametrize("backend", ["hpcddp", "gloo"])
-def test_a_groups_timeout_fails_its_collective_and_leaves_the_default_group_working(backend):
+def test_a_groups_timeout_fails_its_collective_and_leaves_the_default_group_working(backend, group_timeouts):
     group = dist.new_group(backend=backend, timeout=timedelta(seconds=1))
     if dist.get_rank() == 0:
         started = time.monotonic()
@@ -79,7 +94,7 @@ def test_a_groups_timeout_fails_its_collective_and_leaves_the_default_group_work
     assert total.tolist() == [dist.get_world_size()] * 2
 
 
-def test_a_groups_timeout_does_not_fail_a_collective_the_ranks_all_join():
+def test_a_groups_timeout_does_not_fail_a_collective_the_ranks_all_join(group_timeouts):
     group = dist.new_group(backend="hpcddp", timeout=timedelta(seconds=2))
     if dist.get_rank() == 0:
         time.sleep(0.5)  # late, but within the timeout
