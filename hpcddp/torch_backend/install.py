@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import datetime
 import functools
-import os
 import inspect
 import logging
+import os
 import threading
 import warnings
 
