@@ -15,7 +15,8 @@
   ``new_group(..., backend="mpi")`` from the tutorials run unchanged.
 - ``timeout=``: torch hands it to a registered backend's creator but not to
   ``ProcessGroupMPI.create(ranks)``, so ``install()`` wraps torch's
-  ``_new_process_group_helper`` to see it while the group is made. A group whose
+  ``_new_process_group_helper`` to see it while the group is made. With
+  HPCDDP_GROUP_TIMEOUTS=1 (else a warning: see ``_seconds``), a group whose
   timeout is not torch's default fails a collective the other ranks do not join in
   time, and is unusable after that (rule 9 of ``hpcddp.comm.engine``). That failure
   belongs to a communicator, so a group shares the job's communicator only when it has
