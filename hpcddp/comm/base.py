@@ -41,6 +41,7 @@ class Handle:
         self._error: BaseException | None = None
         self._finishers: list[Callable[[Any], Any]] = []
         self._finished = False
+        self._completion_hooks: list[Callable[[], None]] = []
         #: perf_counter() when the backend started the operation, if it knows (timelines)
         self.started_at: float | None = None
         #: perf_counter() when the backend completed the operation (for timelines)
@@ -66,14 +67,13 @@ class Handle:
         """
         with _HOOKS_LOCK:
             if not self._done.is_set():
-                self._completion_hooks = [*getattr(self, "_completion_hooks", ()), hook]
+                self._completion_hooks.append(hook)
                 return
         hook()
 
     def _run_completion_hooks(self) -> None:
         with _HOOKS_LOCK:
-            hooks = getattr(self, "_completion_hooks", ())
-            self._completion_hooks = ()
+            hooks, self._completion_hooks = self._completion_hooks, []
         for hook in hooks:
             hook()
 

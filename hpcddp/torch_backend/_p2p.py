@@ -58,16 +58,16 @@ class PointToPoint:
     batch_isend_irecv)."""
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> _MessageWork:
-        self._comm.engine.check_open("send")
-        event = begin(f"{self._backend_name}:send", tensors)
-        return _MessageWork(end_when_done(event, self._comm.p2p.send(tensors[0], dst, tag)))
+        return self._message("send", tensors, lambda: self._comm.p2p.send(tensors[0], dst, tag))
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> _MessageWork:
-        self._comm.engine.check_open("recv")
-        event = begin(f"{self._backend_name}:recv", tensors)
-        return _MessageWork(end_when_done(event, self._comm.p2p.recv(tensors[0], src, tag)))
+        return self._message("recv", tensors, lambda: self._comm.p2p.recv(tensors[0], src, tag))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> _MessageWork:
-        self._comm.engine.check_open("recv")
-        event = begin(f"{self._backend_name}:recvAnySource", tensors)
-        return _MessageWork(end_when_done(event, self._comm.p2p.recv(tensors[0], None, tag)))
+        return self._message("recvAnySource", tensors, lambda: self._comm.p2p.recv(tensors[0], None, tag))
+
+    def _message(self, op: str, tensors: list[torch.Tensor], post) -> _MessageWork:
+        """Post a message (``post()``) on an open communicator, with its profiler event ``op`` (torch's name)."""
+        self._comm.engine.check_open("send" if op == "send" else "recv")
+        event = begin(f"{self._backend_name}:{op}", tensors)
+        return _MessageWork(end_when_done(event, post()))

@@ -36,21 +36,21 @@ def begin(name: str, inputs: Sequence[torch.Tensor]) -> _Event | None:
 
     Returns None while no profiler is on.
     """
-    if not torch.autograd._profiler_enabled() or not _watch_profiler_stops():
+    if not torch.autograd._profiler_enabled() or _ready() is None:
         return None
     record = torch._C._autograd._record_function_with_args_enter(name, *inputs)
     end = torch.futures.Future()
     torch.ops.profiler._call_end_callbacks_on_jit_fut(record, end)
     event = _Event(end, _session)
     with _stopping:
-        _open.add(event)  # freed only once ended: also an operation that never completes keeps it
+        _unended.add(event)  # freed only once ended: also an operation that never completes keeps it
     return event
 
 
 def end_when_done(event: _Event | None, handle):
     """End ``event`` (from ``begin``) when ``handle`` (an engine handle or a message) completes; return ``handle``."""
     if event is not None:
-        handle.on_completion(lambda: _ender().put(event))
+        handle.on_completion(lambda: _events.put(event))
     return handle
 
 
@@ -63,50 +63,39 @@ class _Event:
 
 _session = 0  # how many times a profiler stopped
 _stopping = threading.Lock()  # a profiler stops, or an event ends: never both at once
-_open: set[_Event] = set()  # begun, not yet ended
-_kept: list[_Event] = []  # open when their profiler stopped
-_watching = None
+_unended: set[_Event] = set()  # begun and not ended: those of a stopped profiler stay for good
+_events: queue.SimpleQueue | None = None  # completed operations' events, for the ending thread
+_setup_lock = threading.Lock()
 
 
-def _watch_profiler_stops() -> bool:
-    """Wrap torch's ``_disable_profiler`` (once) so that a stop starts a new session; False if it cannot."""
-    global _watching
-    if _watching is None:
-        from torch.autograd import profiler
+def _ready() -> queue.SimpleQueue | None:
+    """Once: wrap torch's ``_disable_profiler`` so that a stop starts a new session, and start the
+    thread that ends events. None when this torch has no ``_disable_profiler`` (then no events)."""
+    global _events
+    with _setup_lock:
+        if _events is None:
+            from torch.autograd import profiler
 
-        disable = getattr(profiler, "_disable_profiler", None)
-        _watching = disable is not None
-        if _watching:
+            disable = getattr(profiler, "_disable_profiler", None)
+            if disable is None:
+                return None
 
-            def disable_after_ending_events(*args, **kwargs):
+            def disable_between_event_ends(*args, **kwargs):
                 global _session
                 with _stopping:
                     _session += 1
                     return disable(*args, **kwargs)
 
-            profiler._disable_profiler = disable_after_ending_events
-    return _watching
+            profiler._disable_profiler = disable_between_event_ends
+            _events = queue.SimpleQueue()
+            threading.Thread(target=_end_events, args=(_events,), name="hpcddp-profiler-events", daemon=True).start()
+        return _events
 
 
 def _end_events(events: queue.SimpleQueue) -> None:
     while True:
         event = events.get()
         with _stopping:
-            _open.discard(event)
             if event.session == _session:
+                _unended.discard(event)
                 event.end.set_result(None)
-            else:
-                _kept.append(event)
-
-
-_events: queue.SimpleQueue | None = None
-_lock = threading.Lock()
-
-
-def _ender() -> queue.SimpleQueue:
-    global _events
-    with _lock:
-        if _events is None:
-            _events = queue.SimpleQueue()
-            threading.Thread(target=_end_events, args=(_events,), name="hpcddp-profiler-events", daemon=True).start()
-        return _events

@@ -170,8 +170,9 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
 
     # -- collectives ------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> _Work:
-        if any(t.layout != torch.strided for t in tensors):
-            layout = next(t.layout for t in tensors if t.layout != torch.strided)
+        layouts = {t.layout for t in tensors} - {torch.strided}
+        if layouts:
+            layout = layouts.pop()
             raise ValueError(
                 f"all_reduce of a {layout} tensor is not supported by the {self._backend_name!r} backend: "
                 "reduce tensor.to_dense(), or use a gloo group for sparse gradients"

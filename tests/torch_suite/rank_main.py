@@ -186,13 +186,9 @@ def _skip_reason(error: BaseException) -> str | None:
 
 def _realign(comm, barrier_class) -> None:
     """Put the ranks back in step after a test: a rank that failed early skipped barriers."""
-    barrier_class.barrier_id = comm.allreduce(barrier_class.barrier_id, op=_mpi_max())
-
-
-def _mpi_max():
     from mpi4py import MPI
 
-    return MPI.MAX
+    barrier_class.barrier_id = comm.allreduce(barrier_class.barrier_id, op=MPI.MAX)
 
 
 def main() -> int:
