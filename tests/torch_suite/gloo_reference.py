@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -32,7 +33,10 @@ def main(argv=None) -> int:
     names = [n for n in unittest.TestLoader().getTestCaseNames(suite_class) if args.only in n]
     result = unittest.TestResult()
     started = time.monotonic()
-    unittest.TestSuite([suite_class(n) for n in names]).run(result)
+    try:
+        unittest.TestSuite([suite_class(n) for n in names]).run(result)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
     counts = collections.Counter(
         fail=len(result.failures) + len(result.unexpectedSuccesses),
         error=len(result.errors),
