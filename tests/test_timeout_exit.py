@@ -35,3 +35,29 @@ def test_a_timed_out_collective_does_not_hold_up_shutdown_or_exit(tmp_path):
     assert "allreduce on process group '1' (global ranks [0, 1]): Timed out after 1 s" in result.stdout
     assert "default group 0 2" in result.stdout and "default group 1 2" in result.stdout
     assert "shutdown 0" in result.stdout and "shutdown 1" in result.stdout
+
+
+DESTROYED_DEFAULT_GROUP = """
+    import time
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    import hpcddp
+
+    hpcddp.init()
+    dist.init_process_group("mpi", timeout=timedelta(seconds=0.5))
+    dist.destroy_process_group()
+    rank = hpcddp.rank()
+    if rank == 0:
+        time.sleep(1.5)  # later than the destroyed group's timeout
+    total = torch.ones(2)
+    hpcddp.allreduce_(total, op="sum")  # hpcddp's own collective: the group's timeout went with it
+    print("sum", rank, total.tolist(), flush=True)
+"""
+
+
+def test_the_default_groups_timeout_ends_with_the_group(tmp_path):
+    result = run_script(
+        2, DESTROYED_DEFAULT_GROUP, tmp_path, timeout=LIMIT_S, cwd=ROOT, env={"HPCDDP_GROUP_TIMEOUTS": "1"}
+    )
+    assert result.returncode == 0, result.stdout[-5000:]
+    assert "sum 0 [2.0, 2.0]" in result.stdout and "sum 1 [2.0, 2.0]" in result.stdout

@@ -43,6 +43,7 @@ class Agreement:
         #: the error of the agreement that timed out, once one did
         self.failure: RuntimeError | None = None
         self._reduced = np.empty(5, dtype=np.int64)
+        self._confirmation = np.zeros(1, dtype=np.int64)
         self._vectors: dict[CollectiveCall, np.ndarray] = {}  # a training loop agrees on the same few again and again
 
     @property
@@ -53,18 +54,30 @@ class Agreement:
     def exchange(self, vector: np.ndarray, op: str = "join") -> np.ndarray:
         """MIN-reduce this rank's agreement ``vector`` over all ranks (the one primitive); "Timed out" past ``timeout``.
 
+        With a timeout the ranks then confirm, in a second small allreduce, that they all
+        got the result: a rank that gave up has left its request behind, and a late rank
+        completes its exchange against it, so without the confirmation the late rank
+        would go on into the data, which the other rank never sends, and wait for good.
+        It now waits for a confirmation that never comes and times out too.
+
         Args:
             vector: this rank's vector.
             op: the collective it is for (for the timeout's message).
         """
-        request = self.comm.Iallreduce(vector, self._reduced, op=self._MPI.MIN)
+        self._within_timeout(vector, self._reduced, op)
+        if self.timeout is not None:
+            self._within_timeout(self._confirmation, np.empty(1, dtype=np.int64), op)
+        return self._reduced
+
+    def _within_timeout(self, vector: np.ndarray, reduced: np.ndarray, op: str) -> None:
+        """MIN-reduce ``vector`` into ``reduced``; on timeout fail the communicator for good (rule 9) and raise."""
+        request = self.comm.Iallreduce(vector, reduced, op=self._MPI.MIN)
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         if not wait_for_request(request, self._progress, deadline):
             self.failure = timed_out(op, self.label, self.timeout)
-            abandon(request, vector, self._reduced)
+            abandon(request, vector, reduced)
             self._reduced = np.empty(5, dtype=np.int64)  # the abandoned request may still write the old one
             raise self.failure
-        return self._reduced
 
     def agree(self, call: CollectiveCall) -> None:
         """Check that every rank describes its next collective as ``call``.

@@ -72,7 +72,7 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
         backend_name: what ``dist.get_backend`` reports ("hpcddp", or "mpi" when
             torch's MPI name was routed here).
         on_shutdown: called when torch destroys the group (a subgroup's owner releases
-            its communicator there).
+            its communicator there; the default group's forgets its timeout).
         timeout: the group's timeout (torch's ``timeout=``); the communicator enforces it,
             this group uses it as gloo does for ``monitored_barrier``. None: torch's default.
     """
@@ -88,6 +88,7 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
         super().__init__(comm.rank, comm.size)
         self._comm = comm
         self._global_ranks = list(global_ranks) if global_ranks is not None else list(range(comm.size))
+        self._own_communicator = global_ranks is not None  # else the job's, shared with hpcddp's own collectives
         self._backend_name = backend_name
         self._on_shutdown = on_shutdown
         self._timeout = timeout if timeout is not None else default_pg_timeout
@@ -107,7 +108,7 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
 
     def _set_group_name(self, name: str) -> None:
         self._name = name
-        if self._on_shutdown is not None:  # the communicator is this group's alone: errors may name it
+        if self._own_communicator:  # errors may name the group
             self._comm.engine.agreement.label = f"process group {name!r} (global ranks {self._global_ranks})"
 
     @property

@@ -19,11 +19,10 @@
   HPCDDP_GROUP_TIMEOUTS=1 (else a warning: see ``_seconds``), a group whose
   timeout is not torch's default fails a collective the other ranks do not join in
   time, and is unusable after that (rule 9 of ``hpcddp.comm.engine``). That failure
-  belongs to a communicator, so a group shares the job's communicator only when it has
-  the same timeout: the default group (its timeout is then the communicator's, for
-  hpcddp's own collectives too, as they share one order), and a ``new_group`` over all
-  ranks with the default group's timeout. Any other group gets its own communicator,
-  so a timed-out ``new_group(timeout=...)`` never breaks the default group.
+  belongs to a communicator: the default group's timeout is the job's communicator's
+  (hpcddp's own collectives share its order, and so its timeout, until the group is
+  destroyed); every ``new_group`` has its own communicator, so a timed-out
+  ``new_group(timeout=...)`` never breaks the default group.
 - ``monitored_barrier``: torch's refuses every backend but gloo by name; for hpcddp's
   groups the wrapper calls the group's own (gloo's protocol and messages), and any
   other group still gets torch's.
@@ -112,9 +111,11 @@ def new_group_over(
     """Return a process group over ``global_ranks`` (the default group when empty or None); None on other ranks.
 
     Collective over the listed ranks only (``MPI_Comm_create_group``), in the order
-    torch creates groups. A subgroup, and a group over all ranks with another timeout
-    than the default group's, has its own communicator (its own queue, numbering and
-    thread), released when torch destroys the group.
+    torch creates groups. Every group but the default one has its own communicator (its
+    own queue, numbering and thread), released when torch destroys the group: a group
+    over all ranks too, since torch orders each group's collectives on its own (one
+    rank's collective on it may meet another's on the default group, and sharing a
+    communicator would pair them).
 
     Args:
         global_ranks: members, as ranks of the whole job; the group numbers them in list order.
@@ -123,13 +124,16 @@ def new_group_over(
     """
     world = _world_communicator(backend_name)
     seconds = _seconds(timeout)
-    if not global_ranks:  # the default group: its timeout is the job's communicator's
-        world.engine.agreement.timeout = seconds
-        world.engine.agreement.label = f"the default process group ({world.size} ranks)"
-        return ProcessGroupHPCDDP(world, None, backend_name, timeout=timeout)
+    if not global_ranks:  # the default group: its timeout is the job's communicator's while it lives
+        agreement = world.engine.agreement
+        agreement.timeout, label = seconds, agreement.label
+        agreement.label = f"the default process group ({world.size} ranks)"
+
+        def forget_timeout() -> None:
+            agreement.timeout, agreement.label = None, label
+
+        return ProcessGroupHPCDDP(world, None, backend_name, on_shutdown=forget_timeout, timeout=timeout)
     ranks = list(global_ranks)
-    if ranks == list(range(world.size)) and seconds == world.engine.agreement.timeout:
-        return ProcessGroupHPCDDP(world, None, backend_name, timeout=timeout)
     if world.rank not in ranks:
         return None
     comm = _own(world.group_over(ranks))

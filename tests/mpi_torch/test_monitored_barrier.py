@@ -102,3 +102,18 @@ def test_a_groups_timeout_does_not_fail_a_collective_the_ranks_all_join(group_ti
     dist.all_reduce(total, group=group)
     assert total.tolist() == [dist.get_world_size()] * 3
     dist.destroy_process_group(group)
+
+
+def test_a_rank_later_than_the_timeout_times_out_too_instead_of_hanging(gloo, group_timeouts):
+    # The others give up at 1 s and leave their agreement behind; the late rank's agreement
+    # completes against it, and then it must not wait for data that never comes.
+    group = dist.new_group(timeout=timedelta(seconds=1))
+    if dist.get_rank() == last_rank():
+        time.sleep(1.5)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=TIMED_OUT):
+        dist.all_reduce(torch.ones(2), group=group)
+    assert time.monotonic() - started < 10
+    total = torch.ones(2)
+    dist.all_reduce(total)  # the default group is its own communicator: still in step
+    assert total.tolist() == [dist.get_world_size()] * 2

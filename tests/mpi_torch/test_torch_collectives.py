@@ -277,6 +277,25 @@ def test_subgroups_match_gloo_subgroups(gloo):
         assert objects == sorted(ranks)
 
 
+def test_a_group_over_all_ranks_orders_its_collectives_apart_from_the_default_group(gloo):
+    # torch orders each group on its own: rank 0 runs the group's allreduce first, the
+    # others the default group's. One shared communicator would pair rank 0's group
+    # allreduce with the others' default-group one (same shape: silently wrong sums).
+    rank, size = rank_size()
+    group = dist.new_group()
+    in_group, in_default = torch.full((4,), float(rank)), torch.full((4,), 10.0 * (rank + 1))
+    if rank == 0:
+        work = dist.all_reduce(in_group, group=group, async_op=True)
+        dist.all_reduce(in_default)
+    else:
+        work = dist.all_reduce(in_default, async_op=True)
+        dist.all_reduce(in_group, group=group)
+    work.wait()
+    assert in_group.tolist() == [float(sum(range(size)))] * 4
+    assert in_default.tolist() == [10.0 * sum(range(1, size + 1))] * 4
+    dist.destroy_process_group(group)
+
+
 def test_mismatched_shapes_and_dtypes_raise_on_every_rank(gloo):
     rank, size = rank_size()
     with pytest.raises(
