@@ -21,9 +21,11 @@ __all__ = ["PointToPoint"]
 class _MessageWork(dist.Work):
     """A message in flight; ``is_completed()`` moves it on, ``wait()`` completes it (raising on a mismatch)."""
 
-    def __init__(self, message) -> None:
+    def __init__(self, message, group_timeout: float | None, describe: str) -> None:
         super().__init__()
         self._message = message
+        self._group_timeout = group_timeout
+        self._describe = describe
         self._future = torch.futures.Future()
 
     def _settle(self) -> None:
@@ -35,8 +37,12 @@ class _MessageWork(dist.Work):
             self._future.set_exception(err)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        seconds = timeout.total_seconds() if timeout else None
-        self._message.wait(seconds or None)  # raises a mismatch
+        """Complete the message; raise "Timed out" after ``timeout``, or the group's enforced timeout, as gloo does."""
+        seconds = (timeout.total_seconds() if timeout else None) or self._group_timeout
+        if not self._message._block(seconds):
+            self._message.withdraw()  # a late message then matches nothing here, and no stall is reported
+            raise RuntimeError(f"{self._describe}: Timed out after {seconds:g} s waiting for the peer")
+        self._message.wait()  # raises a mismatch
         self._settle()
         return True
 
@@ -58,16 +64,19 @@ class PointToPoint:
     batch_isend_irecv)."""
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> _MessageWork:
-        return self._message("send", tensors, lambda: self._comm.p2p.send(tensors[0], dst, tag))
+        return self._message("send", f"to rank {dst}", tensors, lambda: self._comm.p2p.send(tensors[0], dst, tag))
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> _MessageWork:
-        return self._message("recv", tensors, lambda: self._comm.p2p.recv(tensors[0], src, tag))
+        return self._message("recv", f"from rank {src}", tensors, lambda: self._comm.p2p.recv(tensors[0], src, tag))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> _MessageWork:
-        return self._message("recvAnySource", tensors, lambda: self._comm.p2p.recv(tensors[0], None, tag))
+        post = lambda: self._comm.p2p.recv(tensors[0], None, tag)  # noqa: E731
+        return self._message("recvAnySource", "from any rank", tensors, post)
 
-    def _message(self, op: str, tensors: list[torch.Tensor], post) -> _MessageWork:
+    def _message(self, op: str, peer: str, tensors: list[torch.Tensor], post) -> _MessageWork:
         """Post a message (``post()``) on an open communicator, with its profiler event ``op`` (torch's name)."""
-        self._comm.engine.check_open("send" if op == "send" else "recv")
+        engine = self._comm.engine
+        engine.check_open("send" if op == "send" else "recv")
         event = begin(f"{self._backend_name}:{op}", tensors)
-        return _MessageWork(end_when_done(event, post()))
+        describe = f"{op} {peer} on {engine.agreement.label}"
+        return _MessageWork(end_when_done(event, post()), engine.agreement.timeout, describe)

@@ -117,3 +117,21 @@ def test_a_rank_later_than_the_timeout_times_out_too_instead_of_hanging(gloo, gr
     total = torch.ones(2)
     dist.all_reduce(total)  # the default group is its own communicator: still in step
     assert total.tolist() == [dist.get_world_size()] * 2
+
+
+def test_a_receive_times_out_at_the_groups_timeout_and_takes_no_later_message(gloo, group_timeouts):
+    group = dist.new_group(timeout=timedelta(seconds=1))
+    rank = dist.get_rank()
+    if rank == 0:
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=TIMED_OUT):
+            dist.recv(torch.zeros(2), src=1, group=group, tag=7)
+        assert 0.9 <= time.monotonic() - started < 10
+    dist.barrier()
+    if rank == 1:
+        dist.send(torch.full((2,), 5.0), dst=0, group=group, tag=7)
+    elif rank == 0:
+        later = torch.zeros(2)
+        dist.recv(later, src=1, group=group, tag=7)  # the withdrawn receive did not take it
+        assert later.tolist() == [5.0, 5.0]
+    dist.destroy_process_group(group)
