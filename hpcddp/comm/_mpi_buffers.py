@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .dtypes import DTYPES, mpi_datatype, numpy_view
+from .dtypes import DTYPES, host_array, mpi_datatype, numpy_view
 
 __all__ = [
     "bytes_view",
@@ -29,7 +29,7 @@ MESSAGE_PIECE_BYTES = 256 * MB
 
 def bytes_view(tensor: torch.Tensor) -> np.ndarray:
     """Return a contiguous CPU tensor's memory as a flat uint8 array (no copy)."""
-    return tensor.reshape(-1).view(torch.uint8).numpy()
+    return host_array(tensor.reshape(-1).view(torch.uint8))
 
 
 def staged(tensor: torch.Tensor) -> torch.Tensor:

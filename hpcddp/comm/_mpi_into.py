@@ -209,7 +209,7 @@ class IntoOps:
                     f"alltoall_into: split sizes disagree ({'; '.join(wrong)}); nothing was transferred"
                 )
             comm.Alltoallv(
-                [send.numpy(), send_counts, displacements(send_counts), MPI.BYTE],
+                [bytes_view(send), send_counts, displacements(send_counts), MPI.BYTE],
                 [bytes_view(buffer), recv_counts, displacements(recv_counts), MPI.BYTE],
             )
             if isinstance(out, list):

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 __all__ = [
+    "host_array",
     "DTYPES",
     "HALF_DTYPES",
     "Carried",
@@ -68,9 +69,39 @@ def dtype_named(name: str) -> torch.dtype:
 
 def numpy_view(tensor: torch.Tensor) -> np.ndarray:
     """Return a contiguous CPU tensor of a dtype in ``DTYPES`` as a flat numpy array of its carried type (no copy)."""
-    carried = DTYPES[tensor.dtype]
     flat = tensor.reshape(-1)
-    return flat.numpy() if carried.native else flat.view(torch.int16).numpy()
+    return host_array(flat if DTYPES[tensor.dtype].native else flat.view(torch.int16))
+
+
+class _TensorMemory:
+    """What a ``host_array`` views: the tensor's memory, and the tensor itself, kept alive as the array's base."""
+
+    def __init__(self, tensor: torch.Tensor, typestr: str) -> None:
+        self.tensor = tensor
+        self.__array_interface__ = {
+            "data": (tensor.data_ptr(), False),
+            "shape": (tensor.numel(),),
+            "typestr": typestr,
+            "version": 3,
+        }
+
+
+_TYPESTRS: dict[torch.dtype, str] = {}
+
+
+def host_array(flat: torch.Tensor) -> np.ndarray:
+    """Return a 1-D contiguous CPU tensor's memory as a numpy array (no copy), leaving the tensor as it was.
+
+    ``tensor.numpy()`` marks the tensor's storage not resizable for good: a user's
+    tensor that went through MPI could not be resized afterwards (torch's
+    ``batched_powerSGD_hook`` resizes DDP's bucket and failed on "mpi").
+    """
+    typestr = _TYPESTRS.get(flat.dtype)
+    if typestr is None:
+        typestr = _TYPESTRS[flat.dtype] = torch.empty(0, dtype=flat.dtype).numpy().dtype.str
+    if flat.numel() == 0:
+        return np.empty(0, dtype=typestr)
+    return np.asarray(_TensorMemory(flat, typestr))
 
 
 def mpi_datatype(MPI, dtype: torch.dtype):

@@ -32,7 +32,7 @@ from . import oplog
 from ._mpi_buffers import staged
 from .agreement import CollectiveMismatchError
 from .base import Handle
-from .dtypes import dtype_name
+from .dtypes import dtype_name, host_array
 
 __all__ = ["Message", "PointToPoint", "describe_tensors"]
 
@@ -240,7 +240,7 @@ class PointToPoint:
         header = (source.dtype, tuple(source.shape), data_tag)
         message._requests.append(self.comm.isend(header, dest=dest, tag=tag))
         for chunk in _chunks(_bytes(source)):
-            message._requests.append(self.comm.Isend(chunk.numpy(), dest=dest, tag=data_tag))
+            message._requests.append(self.comm.Isend(host_array(chunk), dest=dest, tag=data_tag))
         return message
 
     def recv(self, tensor: torch.Tensor, source: int | None, tag: int = 0, *, reserved: bool = False) -> Message:
@@ -298,7 +298,7 @@ class PointToPoint:
         else:
             message._buffer = target = _receiving(tensor)
         for chunk in _chunks(_bytes(target)):
-            message._requests.append(self.comm.Irecv(chunk.numpy(), source=message.source, tag=data_tag))
+            message._requests.append(self.comm.Irecv(host_array(chunk), source=message.source, tag=data_tag))
 
 
 def _receiving(tensor: torch.Tensor) -> torch.Tensor:

@@ -296,6 +296,26 @@ def test_a_group_over_all_ranks_orders_its_collectives_apart_from_the_default_gr
     dist.destroy_process_group(group)
 
 
+def test_collectives_and_messages_leave_the_tensors_resizable_as_gloo_does(gloo):
+    # tensor.numpy() marks a storage not resizable for good; torch's batched PowerSGD
+    # hook resizes DDP's bucket after the first allreduces.
+    import hpcddp
+
+    rank, size = rank_size()
+    reduced, broadcast, own, received, sent = (torch.ones(4) for _ in range(5))
+    dist.all_reduce(reduced)
+    dist.broadcast(broadcast, src=0)
+    hpcddp.allreduce_(own)
+    works = [dist.isend(sent, (rank + 1) % size), dist.irecv(received, (rank - 1) % size)]
+    for work in works:
+        work.wait()
+    reference = torch.ones(4)
+    dist.all_reduce(reference, group=gloo)
+    for tensor in (reduced, broadcast, own, received, sent, reference):
+        assert tensor.untyped_storage().resizable()
+    reduced.resize_(8)
+
+
 def test_mismatched_shapes_and_dtypes_raise_on_every_rank(gloo):
     rank, size = rank_size()
     with pytest.raises(
