@@ -1,4 +1,6 @@
-"""A collective that timed out on a group with ``timeout=`` leaves nothing that holds up shutdown or exit."""
+"""Ends that must come at once: a timed-out collective holds up neither shutdown nor exit, a group that cannot meet is refused."""
+
+import pytest
 
 from hpcddp.testing import run_script
 
@@ -61,3 +63,28 @@ def test_the_default_groups_timeout_ends_with_the_group(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-5000:]
     assert "sum 0 [2.0, 2.0]" in result.stdout and "sum 1 [2.0, 2.0]" in result.stdout
+
+
+GLOO_BESIDE = """
+    import torch, torch.distributed as dist
+    import hpcddp
+
+    hpcddp.init()
+    dist.init_process_group("{backend}")
+    try:
+        dist.new_group(backend="gloo")
+    except ValueError as err:
+        print("refused", hpcddp.rank(), err, flush=True)
+"""
+
+
+@pytest.mark.parametrize("backend", ["mpi", "hpcddp"])
+def test_a_gloo_group_beside_a_default_group_without_a_store_is_refused_at_once(tmp_path, backend):
+    result = run_script(2, GLOO_BESIDE.format(backend=backend), tmp_path, timeout=LIMIT_S, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-5000:]
+    for rank in (0, 1):
+        assert (
+            f"refused {rank} new_group(backend='gloo'): the default group ({backend!r}) has no store the other ranks "
+            "reach" in result.stdout
+        ), result.stdout[-5000:]
+    assert "init_process_group('hpcddp', init_method='env://')" in result.stdout

@@ -53,6 +53,11 @@ class _MessageWork(dist.Work):
     def get_future(self) -> torch.futures.Future:
         return self._future
 
+    def result(self) -> list[torch.Tensor]:
+        """The message's tensor, once it completed (torch's deprecated ``Work.result``)."""
+        self.wait()
+        return list(self._future.value())
+
     def _source_rank(self) -> int:
         """The sender of a receive from any rank (torch's ``recv(src=None)`` returns it)."""
         self.wait()

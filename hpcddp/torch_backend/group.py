@@ -57,6 +57,18 @@ class _Work(dist.Work):
     def get_future(self) -> torch.futures.Future:
         return self._future
 
+    def result(self) -> list[torch.Tensor]:
+        """The operation's output tensors, once it completed (torch's deprecated ``Work.result``)."""
+        self.wait()
+        return output_tensors(self._future.value())
+
+
+def output_tensors(value) -> list[torch.Tensor]:
+    """A completed future's value as ``Work.result()`` gives it: a list of tensors."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for t in value if isinstance(t, torch.Tensor)] if isinstance(value, (list, tuple)) else []
+
 
 class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
     """torch.distributed's collectives over one hpcddp MPI communicator.

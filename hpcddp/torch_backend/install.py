@@ -41,6 +41,7 @@ import warnings
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from ._stores import refuse_placeholder_store, supply_store
 from .group import ProcessGroupHPCDDP
 
 __all__ = ["BACKEND_NAME", "install", "mpi_routed", "new_group_over", "no_mpi_world"]
@@ -188,13 +189,16 @@ class _MPIGroups:
 
 
 def _see_timeout(helper):
-    """Wrap torch's ``_new_process_group_helper`` so that ``_MPIGroups.create`` knows the group's ``timeout``."""
+    """Wrap torch's ``_new_process_group_helper`` so that ``_MPIGroups.create`` knows the group's ``timeout``
+    (and a gloo or NCCL group is refused where it would wait on a store no other rank reaches)."""
     signature = inspect.signature(helper)
 
     @functools.wraps(helper)
     def wrapper(*args, **kwargs):
         previous = getattr(_making, "timeout", None)
-        _making.timeout = signature.bind_partial(*args, **kwargs).arguments.get("timeout")
+        arguments = signature.bind_partial(*args, **kwargs).arguments
+        refuse_placeholder_store(arguments.get("backend"))
+        _making.timeout = arguments.get("timeout")
         try:
             return helper(*args, **kwargs)
         finally:
@@ -227,32 +231,6 @@ def _route_monitored_barrier(monitored_barrier):
     return wrapper
 
 
-def _supply_store(init_process_group):
-    @functools.wraps(init_process_group)
-    def wrapper(backend=None, init_method=None, *args, **kwargs):
-        # Only positional use of backend/init_method is shifted here; the rest passes through.
-        if str(backend).lower() == BACKEND_NAME and init_method is None and kwargs.get("store") is None and not args:
-            world = _world_communicator()
-            for name, value in (("rank", world.rank), ("world_size", world.size)):
-                given = kwargs.get(name, -1)
-                if given not in (-1, None, value):
-                    raise ValueError(
-                        f"init_process_group({BACKEND_NAME!r}): {name}={given} but MPI says {value}: drop {name}="
-                    )
-                kwargs[name] = value
-            kwargs["store"] = _local_store()
-        return init_process_group(backend, init_method, *args, **kwargs)
-
-    wrapper.__hpcddp__ = True
-    return wrapper
-
-
-def _local_store() -> dist.Store:
-    # Nothing in hpcddp's groups reads it. A gloo/NCCL group made beside them would wait
-    # in it, until its timeout, for keys that other processes never set (README).
-    return dist.HashStore()
-
-
 def install() -> None:
     """Register the ``hpcddp`` backend and, on torch builds without MPI, route ``"mpi"`` to it (idempotent)."""
     global _installed, _mpi_routed
@@ -260,7 +238,7 @@ def install() -> None:
         return
     dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
     if not getattr(c10d.init_process_group, "__hpcddp__", False):
-        c10d.init_process_group = dist.init_process_group = _supply_store(c10d.init_process_group)
+        c10d.init_process_group = dist.init_process_group = supply_store(c10d.init_process_group, _world_communicator)
     if not getattr(c10d.monitored_barrier, "__hpcddp__", False):
         c10d.monitored_barrier = dist.monitored_barrier = _route_monitored_barrier(c10d.monitored_barrier)
     if not getattr(c10d._new_process_group_helper, "__hpcddp__", False):

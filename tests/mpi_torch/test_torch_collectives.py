@@ -316,6 +316,16 @@ def test_collectives_and_messages_leave_the_tensors_resizable_as_gloo_does(gloo)
     reduced.resize_(8)
 
 
+def test_work_result_gives_the_outputs_as_gloo_does(gloo):
+    mine, reference = torch.ones(3), torch.ones(3)
+    works = dist.all_reduce(mine, async_op=True), dist.all_reduce(reference, group=gloo, async_op=True)
+    for work in works:
+        work.wait()  # gloo's result() refuses a work not waited for; hpcddp's waits itself
+    got, expected = (work.result() for work in works)
+    assert [t.tolist() for t in got] == [t.tolist() for t in expected] == [[dist.get_world_size()] * 3]
+    assert (got[0].data_ptr() == mine.data_ptr()) == (expected[0].data_ptr() == reference.data_ptr())
+
+
 def test_mismatched_shapes_and_dtypes_raise_on_every_rank(gloo):
     rank, size = rank_size()
     with pytest.raises(
