@@ -25,8 +25,12 @@ def check_torch_version(version: str | None = None) -> None:
     oldest = ".".join(map(str, OLDEST_TORCH))
     raise ImportError(
         f"hpcddp needs torch >= {oldest} (the oldest version its tests run on), found torch {version}: "
-        f"pip install 'torch>={oldest}'"
+        f"pip install 'torch>={oldest}'" + (_CPU_INDEX if "+cpu" in version else "")
     )
+
+
+#: a CPU build stays one: without PyTorch's CPU index pip would fetch the CUDA build (several GB)
+_CPU_INDEX = " --index-url https://download.pytorch.org/whl/cpu"
 
 
 check_torch_version()

@@ -254,3 +254,13 @@ def test_an_older_torch_than_the_tested_ones_fails_at_import_naming_the_fix():
         "ImportError: hpcddp needs torch >= 2.13 (the oldest version its tests run on), found torch 2.5.1+cu121: "
         "pip install 'torch>=2.13'"
     ), result.stderr
+
+
+def test_an_older_cpu_torch_is_told_the_cpu_index():
+    from hpcddp._requirements import check_torch_version
+
+    with pytest.raises(ImportError) as raised:
+        check_torch_version("2.5.1+cpu")
+    assert str(raised.value).endswith("pip install 'torch>=2.13' --index-url https://download.pytorch.org/whl/cpu"), (
+        raised.value
+    )
