@@ -184,3 +184,28 @@ def test_a_one_rank_checkpoint_stops_a_two_rank_job_unless_any_size_and_then_end
     expected, got = torch.load(reference), torch.load(final)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=1e-12)
+
+
+def test_a_run_does_not_save_over_another_runs_checkpoints(tmp_path, monkeypatch):
+    saved_state(tmp_path, monkeypatch, "8-old")
+    monkeypatch.setenv("HPCDDP_RUN_ID", "8-new")  # never restored: it would overwrite step 7 and delete the rest
+    expected = (
+        rf"^checkpoint directory '{tmp_path}' holds the checkpoints of run '8-old', this job is run '8-new': saving "
+        r"there would overwrite and delete them \(keep_last\); give this run its own directory, or resume run "
+        r"'8-old' on purpose \(HPCDDP_RESUME=any-run\) to continue it there$"
+    )
+    with pytest.raises(RuntimeError, match=expected):
+        hpcddp.save_checkpoint(tmp_path, {"step": 7, "run_id": "8-new"}, keep_last=1)
+    assert hpcddp.load_checkpoint(tmp_path)["run_id"] == "8-old"
+    monkeypatch.setenv("HPCDDP_RESUME", "any-run")  # continuing run 8-old there on purpose
+    hpcddp.save_checkpoint(tmp_path, {"step": 8, "run_id": "8-new"}, keep_last=1)
+    assert hpcddp.load_checkpoint(tmp_path)["run_id"] == "8-new"
+    monkeypatch.delenv("HPCDDP_RESUME")
+    hpcddp.save_checkpoint(tmp_path, {"step": 9, "run_id": "8-new"})  # the directory is 8-new's now
+
+
+def test_a_job_naming_no_run_saves_where_it_is_told(tmp_path, monkeypatch):
+    saved_state(tmp_path, monkeypatch, "9-old")
+    monkeypatch.delenv("HPCDDP_RUN_ID")  # plain mpirun: the directory the user chose is the user's run
+    hpcddp.save_checkpoint(tmp_path, {"step": 8}, keep_last=1)
+    assert hpcddp.load_checkpoint(tmp_path)["step"] == 8

@@ -27,13 +27,18 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from ..env.settings import RESUME_POLICIES, read_resume_policy, read_run_id
 
-__all__ = ["check_resumable", "resume_policy", "this_run"]
+__all__ = ["RUN_FILE", "check_directory_run", "check_resumable", "resume_policy", "this_run"]
+
+#: names the run whose checkpoints a directory holds (written at a named run's first save)
+RUN_FILE = ".hpcddp-run"
 
 log = logging.getLogger("hpcddp")
+_resumed_runs: set[str] = set()  # other runs whose checkpoints this job resumed on purpose (resume="any-run")
 
 
 def this_run() -> str | None:
@@ -76,6 +81,7 @@ def check_resumable(state: dict[str, Any], rank: int, size: int, resume: str | N
                 "run its own checkpoint directory, or set HPCDDP_RESUME=any-run (resume='any-run') to continue run "
                 f"{saved_run!r} on purpose"
             )
+        _resumed_runs.add(saved_run)
         if rank == 0:
             log.info("hpcddp: run %r resumes run %r's checkpoint of step %s (resume=%r)", mine, saved_run, step, policy)
     saved_size = state.get("world_size", len(state.get("rng", ())))
@@ -97,3 +103,35 @@ def check_resumable(state: dict[str, Any], rank: int, size: int, resume: str | N
                 policy,
                 saved_size,
             )
+
+
+def check_directory_run(directory: Path, holds_checkpoints: bool) -> None:
+    """Make ``directory`` this run's (rank 0, before a save); raise RuntimeError if it holds another run's checkpoints.
+
+    A save there would overwrite the other run's checkpoint of the same step, and
+    ``keep_last`` would delete its older ones. A job that names no run, and a
+    directory that names none, are not checked; a run that resumed the other run on
+    purpose (``resume="any-run"``, HPCDDP_RESUME) takes the directory over.
+
+    Args:
+        directory: the checkpoint directory.
+        holds_checkpoints: whether it holds any checkpoint now.
+    """
+    mine = this_run()
+    if mine is None:
+        return
+    marker = directory / RUN_FILE
+    try:
+        recorded = marker.read_text().strip() or None
+    except OSError:
+        recorded = None
+    if recorded == mine:
+        return
+    taken_over = recorded in _resumed_runs or resume_policy() in ("any-run", "any")
+    if recorded is not None and holds_checkpoints and not taken_over:
+        raise RuntimeError(
+            f"checkpoint directory {str(directory)!r} holds the checkpoints of run {recorded!r}, this job is run "
+            f"{mine!r}: saving there would overwrite and delete them (keep_last); give this run its own directory, or "
+            f"resume run {recorded!r} on purpose (HPCDDP_RESUME=any-run) to continue it there"
+        )
+    marker.write_text(mine + "\n")

@@ -27,6 +27,7 @@ import torch
 
 from ..env.files import probe_writable, write_atomically
 from .checksum import UNVERIFIED, save_with_checksum, verify_checksum
+from .identity import check_directory_run
 from .owner import check_not_owned_by_another_job, claim
 from .resume import rank_and_size
 
@@ -103,6 +104,7 @@ def save_checkpoint(
             target.parent.mkdir(parents=True, exist_ok=True)
             if directory_mode:  # a named file leaves its directory to others
                 claim(target.parent)
+                check_directory_run(target.parent, bool(find_checkpoints(target.parent)))
             _write_atomically(target, state)
             if keep_last is not None:
                 for old in find_checkpoints(target.parent)[:-keep_last]:
