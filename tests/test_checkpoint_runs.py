@@ -209,3 +209,9 @@ def test_a_job_naming_no_run_saves_where_it_is_told(tmp_path, monkeypatch):
     monkeypatch.delenv("HPCDDP_RUN_ID")  # plain mpirun: the directory the user chose is the user's run
     hpcddp.save_checkpoint(tmp_path, {"step": 8}, keep_last=1)
     assert hpcddp.load_checkpoint(tmp_path)["step"] == 8
+
+
+def test_resume_is_read_like_hpcddp_resume_whatever_its_case():
+    from hpcddp.checkpoint.identity import resume_policy
+
+    assert (resume_policy("Any-Run"), resume_policy(" ANY ")) == ("any-run", "any")

@@ -54,6 +54,8 @@ def resume_policy(resume: str | None = None) -> str:
     """
     if resume is None:
         return read_resume_policy(os.environ) or "strict"
+    if isinstance(resume, str) and resume.strip().lower() in RESUME_POLICIES:
+        return resume.strip().lower()  # as HPCDDP_RESUME is read
     if resume not in RESUME_POLICIES:
         raise ValueError(f"resume must be one of {', '.join(map(repr, RESUME_POLICIES))}, got {resume!r}")
     return resume
