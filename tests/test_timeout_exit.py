@@ -75,6 +75,11 @@ GLOO_BESIDE = """
         dist.new_group(backend="gloo")
     except ValueError as err:
         print("refused", hpcddp.rank(), err, flush=True)
+    if "{backend}" == "hpcddp":  # a group of one rank meets nobody: the process-local store serves it
+        single, _ = dist.new_subgroups(group_size=1, backend="gloo")
+        total = torch.ones(2) * (hpcddp.rank() + 1)
+        dist.all_reduce(total, group=single)
+        print("single", hpcddp.rank(), total.tolist(), flush=True)
 """
 
 
@@ -88,3 +93,5 @@ def test_a_gloo_group_beside_a_default_group_without_a_store_is_refused_at_once(
             "reach" in result.stdout
         ), result.stdout[-5000:]
     assert "init_process_group('hpcddp', init_method='env://')" in result.stdout
+    if backend == "hpcddp":
+        assert "single 0 [1.0, 1.0]" in result.stdout and "single 1 [2.0, 2.0]" in result.stdout

@@ -96,6 +96,8 @@ def host_array(flat: torch.Tensor) -> np.ndarray:
     tensor that went through MPI could not be resized afterwards (torch's
     ``batched_powerSGD_hook`` resizes DDP's bucket and failed on "mpi").
     """
+    if flat.dim() != 1 or not flat.is_contiguous():
+        raise ValueError(f"host_array needs a 1-D contiguous tensor, got shape {list(flat.shape)}, {flat.stride()}")
     typestr = _TYPESTRS.get(flat.dtype)
     if typestr is None:
         typestr = _TYPESTRS[flat.dtype] = torch.empty(0, dtype=flat.dtype).numpy().dtype.str

@@ -132,33 +132,43 @@ class Message(Handle):
         self._p2p.take_data(self, header)
         self._p2p.arrived(self)
 
+    def cancel_unmatched(self) -> bool:
+        """Cancel a receive no message has matched yet (``MPI_Cancel``); return True when it now never takes one.
+
+        False for a send, for a receive already matched (its data is on the way: wait for
+        it) and for a completed message.
+        """
+        with self._lock:
+            if self._done.is_set() or self._header is None:
+                return False
+            self._header.Cancel()
+            status = self._p2p.MPI.Status()
+            header = self._header.wait(status)  # at once: cancelled, or matched just before
+            if not status.Is_cancelled():
+                self._header_arrived(header, status)
+                return False
+            self._header = None
+            self._p2p.arrived(self)
+            self._p2p.log.delivered(self._token)
+        self.set_exception(RuntimeError(f"{self} was withdrawn before a message came"))
+        return True
+
     def withdraw(self) -> bool:
         """Stop waiting for this message; return True when it was a receive that now never takes one.
 
-        A receive whose header has not arrived is cancelled (``MPI_Cancel``), so no later
-        message can match it. A send, or a receive whose header came, completes in MPI as
-        it would have, with nothing waiting for it. Either way the stall inspector stops
+        A receive no message has matched is cancelled (``cancel_unmatched``), so no later
+        message can match it. A send, or a receive already matched, completes in MPI as it
+        would have, with nothing waiting for it. Either way the stall inspector stops
         listing it.
         """
-        cancelled = False
+        if self.cancel_unmatched():
+            return True
         with self._lock:
             if self._done.is_set():
                 return False
-            if self._header is not None:
-                self._header.Cancel()
-                status = self._p2p.MPI.Status()
-                header = self._header.wait(status)  # at once: cancelled, or matched just before
-                if status.Is_cancelled():
-                    self._header = None
-                    self._p2p.arrived(self)
-                    cancelled = True
-                else:
-                    self._header_arrived(header, status)
             self._p2p.log.delivered(self._token)
-            self._p2p.withdrawn.append(self)  # its requests and buffers stay alive until MPI is done with them
-        if cancelled:
-            self.set_exception(RuntimeError(f"{self} was withdrawn before a message came"))
-        return cancelled
+        self._p2p.keep_until_done(self)
+        return False
 
     def _finish(self) -> None:
         self._p2p.log.delivered(self._token)
@@ -193,7 +203,7 @@ class PointToPoint:
         self._num_reserved = self.tag_limit // 4
         self._first_data_tag = self.tag_limit + self._num_reserved
         self._data_tags = upper + 1 - self._first_data_tag
-        #: messages nothing waits for any more (``Message.withdraw``), kept alive for MPI
+        #: messages nothing waits for any more (``Message.withdraw``), kept alive until MPI is done with them
         self.withdrawn: list[Message] = []
         self._sent = itertools.count()
         self._lock = threading.Lock()
@@ -267,6 +277,12 @@ class PointToPoint:
         if not self._awaiting_header:
             return None
         return max(0.0, self._next_scan - time.monotonic())
+
+    def keep_until_done(self, message: Message) -> None:
+        """Keep a withdrawn ``message`` (its requests and buffers) alive until it completes; drop the completed."""
+        with self._lock:
+            self.withdrawn = [m for m in self.withdrawn if not m.poll()]
+            self.withdrawn.append(message)
 
     def progress(self) -> None:
         """Test the headers of receives in flight and post their data (from any waiting thread)."""

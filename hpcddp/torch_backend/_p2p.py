@@ -9,6 +9,7 @@ APIs' messages match.
 from __future__ import annotations
 
 import datetime
+import threading
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ class _MessageWork(dist.Work):
         self._group_timeout = group_timeout
         self._describe = describe
         self._future = torch.futures.Future()
+        self._watch_lock, self._watched = threading.Lock(), False
 
     def _settle(self) -> None:
         if self._future.done() or not self._message.poll():
@@ -39,10 +41,10 @@ class _MessageWork(dist.Work):
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         """Complete the message; raise "Timed out" after ``timeout``, or the group's enforced timeout, as gloo does."""
         seconds = (timeout.total_seconds() if timeout else None) or self._group_timeout
-        if not self._message._block(seconds):
-            self._message.withdraw()  # a late message then matches nothing here, and no stall is reported
+        if not self._message._block(seconds) and (self._message.name == "send" or self._message.cancel_unmatched()):
+            self._message.withdraw()  # a late message matches nothing here, and no stall is reported
             raise RuntimeError(f"{self._describe}: Timed out after {seconds:g} s waiting for the peer")
-        self._message.wait()  # raises a mismatch
+        self._message.wait()  # raises a mismatch; a receive matched just in time takes its data
         self._settle()
         return True
 
@@ -51,7 +53,16 @@ class _MessageWork(dist.Work):
         return self._future.done()
 
     def get_future(self) -> torch.futures.Future:
+        """A future completed when the message is (by a thread of its own: nothing else moves a message on)."""
+        with self._watch_lock:
+            if not self._watched and not self._future.done():
+                self._watched = True
+                threading.Thread(target=self._complete_future, name="hpcddp-message-future", daemon=True).start()
         return self._future
+
+    def _complete_future(self) -> None:
+        self._message._block(None)
+        self._settle()
 
     def result(self) -> list[torch.Tensor]:
         """The message's tensor, once it completed (torch's deprecated ``Work.result``)."""

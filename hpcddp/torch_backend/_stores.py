@@ -45,15 +45,20 @@ def supply_store(init_process_group, world_communicator):
     return wrapper
 
 
-def refuse_placeholder_store(backend) -> None:
-    """Raise ValueError when a ``backend`` group (gloo, NCCL) would rendezvous in a store only this process sees."""
+def refuse_placeholder_store(backend, group_size: int | None) -> None:
+    """Raise ValueError when a ``backend`` group (gloo, NCCL) would rendezvous in a store only this process sees.
+
+    A group of one rank meets nobody: it works on the process-local store (torch's
+    placeholder fails even then).
+    """
     name = str(backend).lower() if backend is not None else ""
     if name in ("", BACKEND_NAME, "mpi", "undefined") or c10d.GroupMember.WORLD is None:
         return  # the default group itself, or one of hpcddp's: no store read
     default = c10d._world.pg_map.get(c10d.GroupMember.WORLD, (None, None))[1]
     while isinstance(default, dist.PrefixStore):
         default = default.underlying_store
-    if default is None or not (type(default) is dist.Store or any(default is s for s in _local_stores)):
+    local = any(default is s for s in _local_stores) and not (group_size is not None and group_size <= 1)
+    if default is None or not (type(default) is dist.Store or local):
         return
     raise ValueError(
         f"new_group(backend={name!r}): the default group ({dist.get_backend()!r}) has no store the other ranks "

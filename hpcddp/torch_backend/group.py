@@ -67,7 +67,9 @@ def output_tensors(value) -> list[torch.Tensor]:
     """A completed future's value as ``Work.result()`` gives it: a list of tensors."""
     if isinstance(value, torch.Tensor):
         return [value]
-    return [t for t in value if isinstance(t, torch.Tensor)] if isinstance(value, (list, tuple)) else []
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in output_tensors(item)]  # all_gather's outputs: one list per input
+    return []
 
 
 class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):

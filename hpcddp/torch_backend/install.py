@@ -197,7 +197,7 @@ def _see_timeout(helper):
     def wrapper(*args, **kwargs):
         previous = getattr(_making, "timeout", None)
         arguments = signature.bind_partial(*args, **kwargs).arguments
-        refuse_placeholder_store(arguments.get("backend"))
+        refuse_placeholder_store(arguments.get("backend"), arguments.get("group_size"))
         _making.timeout = arguments.get("timeout")
         try:
             return helper(*args, **kwargs)

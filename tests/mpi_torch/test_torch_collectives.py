@@ -324,6 +324,24 @@ def test_work_result_gives_the_outputs_as_gloo_does(gloo):
     got, expected = (work.result() for work in works)
     assert [t.tolist() for t in got] == [t.tolist() for t in expected] == [[dist.get_world_size()] * 3]
     assert (got[0].data_ptr() == mine.data_ptr()) == (expected[0].data_ptr() == reference.data_ptr())
+    size = dist.get_world_size()
+    gathered, gloo_gathered = ([torch.zeros(2) for _ in range(size)] for _ in range(2))
+    works = (
+        dist.all_gather(gathered, torch.full((2,), float(dist.get_rank())), async_op=True),
+        dist.all_gather(gloo_gathered, torch.full((2,), float(dist.get_rank())), group=gloo, async_op=True),
+    )
+    for work in works:
+        work.wait()
+    got, expected = (work.result() for work in works)
+    assert [t.tolist() for t in got] == [t.tolist() for t in expected] == [[float(r)] * 2 for r in range(size)]
+
+
+def test_a_messages_future_completes_without_a_wait(gloo):
+    rank, size = rank_size()
+    sent, received = torch.full((3,), float(rank)), torch.zeros(3)
+    works = [dist.isend(sent, (rank + 1) % size), dist.irecv(received, (rank - 1) % size)]
+    values = [work.get_future().wait() for work in works]  # gloo has no futures for messages
+    assert [v[0].tolist() for v in values] == [[float(rank)] * 3, [float((rank - 1) % size)] * 3]
 
 
 def test_mismatched_shapes_and_dtypes_raise_on_every_rank(gloo):
