@@ -33,8 +33,12 @@ The rules, written once here (every other module follows them by calling this on
    runs (an update between a forward pass and its backward makes autograd raise
    "modified by an inplace operation"). A step that raised leaves the lock with its
    thread, which may still ``close()``.
-4. **What stays local.** Integer buffers (BatchNorm's ``num_batches_tracked``) and the
-   optimizer's state (momentum, Adam's moments) are each rank's own, as in local SGD.
+4. **Buffers.** Floating buffers (BatchNorm's running statistics) ride in the same
+   rounds but take the round's average itself, not ``average - snapshot``: running
+   statistics decay, and the delta of a decaying running variance can push it below
+   zero; an average of the ranks' values stays within them (a round's staleness is
+   nothing to a running estimate). Integer buffers (``num_batches_tracked``) and the
+   optimizer's state (momentum, Adam's moments) stay each rank's own, as in local SGD.
 """
 
 from __future__ import annotations
@@ -59,8 +63,9 @@ class AsyncModelAverager:
     """Average a model over all ranks in the background while each rank steps its own optimizer.
 
     Construction is collective: every rank starts from rank 0's parameters and
-    buffers (a rank that does not construct it leaves the others waiting in that
-    broadcast, as with any collective). The first ``warmup_steps`` steps average the
+    buffers. A rank that does not construct it leaves the others waiting in its
+    first collective, as with any collective (or, when that rank runs another
+    collective, every rank raises CollectiveMismatchError on the mpi backend). The first ``warmup_steps`` steps average the
     parameters synchronously after each step; after that each step only looks at
     the round in flight (module docstring, rule 1) and never waits for it. Warm-up
     steps are collectives: every rank takes them (and pauses) at the same steps.
@@ -87,7 +92,8 @@ class AsyncModelAverager:
     ``hpcddp.shutdown()``) ends with identical parameters on every rank.
 
     Args:
-        model: the module whose floating parameters and buffers are averaged.
+        model: the module whose floating parameters and buffers are averaged; build the
+            averager once it has its device and dtype (it keeps the tensors it found).
         optimizer: the plain torch optimizer of ``model``'s parameters (not an
             ``hpcddp.DistributedOptimizer``); its ``step()`` stays in the loop.
         warmup_steps: steps averaged synchronously first (>= 0).
@@ -115,6 +121,8 @@ class AsyncModelAverager:
             devices = sorted({str(t.device) for _, t in named})
             raise ValueError(f"model must live on one device to be averaged, got {devices}: move it with model.to()")
         self._tensors = [t.detach() for _, t in named]
+        self._num_params = sum(1 for name, _ in named if name.startswith("parameter "))
+        self._params_numel = sum(t.numel() for t in self._tensors[: self._num_params])
         self._lock = threading.Lock()
         self._holder: int | None = None  # the thread inside a step (rule 3)
         self._in_flight: Handle | None = None
@@ -127,7 +135,7 @@ class AsyncModelAverager:
         numel = sum(t.numel() for t in self._tensors) + 1  # the last element: the stop request
         self._round = torch.empty(numel, dtype=dtype, device=self._tensors[0].device)
         self._snapshot = torch.empty_like(self._round)
-        self._round_views, self._snapshot_views = self._views(self._round), self._views(self._snapshot)
+        self._round_views = self._views(self._round)
         with torch.no_grad():
             self._pack()
             self._comm.broadcast_async_(self._round, 0, check="AsyncModelAverager start").wait()
@@ -169,6 +177,9 @@ class AsyncModelAverager:
     def _before_step(self, optimizer, args, kwargs) -> None:
         if self._holder != threading.get_ident():  # else a step of this thread raised and kept the lock
             self._lock.acquire()
+            if self._closed:  # closed by another thread while this one waited: the post-step hook is gone
+                self._lock.release()
+                return
             self._holder = threading.get_ident()
 
     def _after_step(self, optimizer, args, kwargs) -> None:
@@ -215,8 +226,11 @@ class AsyncModelAverager:
         handle, self._in_flight = self._in_flight, None
         handle.wait()  # raises the round's error, if it failed
         self._stopped = self._stopped or self._round[-1].item() > 0
-        self._round.sub_(self._snapshot)
-        torch._foreach_add_(self._tensors, self._round_views)
+        params = self._num_params
+        self._round[: self._params_numel].sub_(self._snapshot[: self._params_numel])
+        torch._foreach_add_(self._tensors[:params], self._round_views[:params])
+        if params < len(self._tensors):  # buffers take the average itself (rule 4)
+            torch._foreach_copy_(self._tensors[params:], self._round_views[params:])
         self.num_rounds += 1
 
     def _stop_rounds(self) -> None:
@@ -268,13 +282,15 @@ class AsyncModelAverager:
         Afterwards every rank holds bitwise identical parameters and floating buffers,
         and the optimizer steps alone. ``hpcddp.shutdown()`` calls it for a script that did not.
         """
+        if self._closed:
+            return
         with self._locked():
             if self._closed:
                 return
+            self._closed = True  # also when the collectives below fail: they are not tried twice
+            for hook in self._hooks:
+                hook.remove()
             if self._comm.size > 1:
                 self._stop_rounds()
                 with torch.no_grad():
                     self._average_now()
-            for hook in self._hooks:
-                hook.remove()
-            self._closed = True
