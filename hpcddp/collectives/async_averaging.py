@@ -110,9 +110,9 @@ class AsyncModelAverager:
     ) -> None:
         self._check_arguments(model, optimizer, warmup_steps)
         self.warmup_steps = warmup_steps
-        #: optimizer steps taken since construction
+        #: optimizer steps taken since construction (a world of one counts none: no hooks)
         self.num_steps = 0
-        #: asynchronous rounds applied
+        #: asynchronous rounds applied (after a ``pause()``, the same number on every rank)
         self.num_rounds = 0
         self._comm = job_communicator(communicator)
         named = [(f"parameter {n}", t) for n, t in model.named_parameters() if t.is_floating_point()]
