@@ -335,11 +335,10 @@ def straggler(
     requested = tuple(v.strip() for v in variants.split(",") if v.strip())
     if not requested or any(v not in VARIANTS for v in requested):
         raise click.BadParameter(f"--variants must list names among {', '.join(VARIANTS)}, got {variants!r}")
-    for module, hint in (("sklearn", "scikit-learn"), ("matplotlib", "matplotlib")):
-        if (module == "sklearn" or plot_path) and importlib.util.find_spec(module) is None:
-            _fail_once(
-                f"hpcddp bench straggler{' --plot' if module == 'matplotlib' else ''} needs {hint}: pip install {hint}"
-            )
+    if importlib.util.find_spec("sklearn") is None:
+        _fail_once("hpcddp bench straggler trains on scikit-learn's digits: pip install scikit-learn")
+    if plot_path and importlib.util.find_spec("matplotlib") is None:
+        _fail_once(PLOT_HINT)
     config = StragglerConfig(
         variants=requested, factor=factor, pause_ms=pause_ms, jitter_ms=jitter_ms, seconds=seconds, target=target,
         repeats=repeats, batch_size=batch_size, lr=lr, period=period,
