@@ -11,6 +11,7 @@ import sys as _sys
 
 from . import _requirements  # noqa: F401 - first: an old torch fails here, naming the fix
 from .checkpoint import TrainingProgress, load_checkpoint, restore_training_state, save_checkpoint, training_state
+from .collectives.async_averaging import AsyncModelAverager
 from .collectives.averaging import PeriodicModelAverager
 from .collectives.parameters import broadcast_optimizer_state, broadcast_parameters
 from .collectives.tensors import (
@@ -66,6 +67,7 @@ _sys.modules[f"{__name__}.timeline"] = timeline
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncModelAverager",
     "CollectiveMismatchError",
     "DistributedOptimizer",
     "Handle",

@@ -29,6 +29,7 @@ SOURCES = {
     "examples/train.py": "python",
     "examples/train_horovod.py": "python",
     "examples/post_local_sgd.py": "python",
+    "examples/async_train.py": "python",
     "slurm/train.sh": "shell-header",
 }
 

@@ -104,6 +104,9 @@ def test_workload_rejects_unknown_models():
         ),
         (["train", "--model", "resnet"], "'resnet' is not one of"),
         (["train", "--bucket-cap-mb", "0"], "--bucket-cap-mb"),
+        (["straggler", "--variants", "sync,hogwild"], "--variants must list names among sync, local-sgd, async"),
+        (["straggler", "--factor", "0.5"], "--factor"),
+        (["straggler", "--target", "1.5"], "--target"),
     ],
 )
 def test_cli_rejects_bad_arguments_without_a_traceback(args, message):
@@ -184,3 +187,32 @@ def test_plot_writes_a_png(tmp_path, busbw_scale):
     out = tmp_path / "busbw.png"
     plot_busbw(rows, str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_straggler_summary_takes_medians_and_counts_a_missed_target_as_slowest():
+    from hpcddp.bench.straggler import StragglerRun, summarize
+
+    def run(variant, seconds, accuracy, rate):
+        return StragglerRun(variant, 0, seconds, accuracy, [10, 10], rate)
+
+    runs = [run("sync", 4.0, 0.96, 10.0), run("sync", 2.0, 0.97, 12.0), run("sync", 3.0, 0.98, 11.0)]
+    runs += [run("async", 1.0, 0.97, 30.0), run("async", None, 0.95, 28.0), run("async", 1.5, 0.99, 29.0)]
+    rows = {row["variant"]: row for row in summarize(runs)}
+    assert rows["sync"]["seconds_to_target"] == 3.0 and rows["sync"]["vs_sync"] == 1.0
+    assert rows["async"]["seconds_to_target"] == 1.5 and rows["async"]["vs_sync"] == 0.5
+    assert rows["async"]["final_accuracy"] == 0.97 and rows["async"]["fast_steps_per_s"] == 29.0
+    assert rows["async"]["runs_seconds_to_target"] == [1.0, None, 1.5]
+    missed = summarize([run("sync", 2.0, 0.9, 1.0), run("async", None, 0.9, 1.0)])
+    assert missed[1]["seconds_to_target"] is None and missed[1]["vs_sync"] is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [("variants", ("sync", "x"), "variants must be among"), ("seconds", 0, "seconds must be > 0"),
+     ("target", 0, "target must be an accuracy"), ("repeats", 0, "repeats must be >= 1")],
+)  # fmt: skip
+def test_straggler_config_names_the_bad_field(field, value, message):
+    from hpcddp.bench.straggler import StragglerConfig
+
+    with pytest.raises(ValueError, match=message):
+        StragglerConfig(**{field: value})

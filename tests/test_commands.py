@@ -21,6 +21,7 @@ accuracy, the README script's last epoch on N ranks.
 """
 
 import configparser
+import json
 import os
 import re
 import shlex
@@ -160,6 +161,12 @@ def check_claims(command: str, output: str) -> None:
         assert last and float(last.group(1)) >= 95, output[-5000:]
     elif script == "examples/post_local_sgd.py":
         assert done and float(done.group(1)) >= 95, output[-5000:]
+    elif script == "examples/async_train.py":
+        assert done and float(done.group(1)) >= 95, output[-5000:]
+        steps = json.loads(re.search(r"^steps per rank (\[[\d, ]+\])", output, re.MULTILINE).group(1))
+        assert len(steps) == ranks, output[-5000:]
+        if "--slow-ms" in command:  # the others never wait for the slow last rank
+            assert min(steps[:-1]) > steps[-1], output[-5000:]
     else:
         pytest.fail(f"no claim to check for {command}: add one to check_claims")
 

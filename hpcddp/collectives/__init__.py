@@ -2,7 +2,8 @@
 
 - ``tensors``: ``hpcddp.allreduce`` & co., their async forms and the object collectives;
 - ``parameters``: ``broadcast_parameters`` and ``broadcast_optimizer_state``;
-- ``averaging``: ``PeriodicModelAverager`` (local SGD).
+- ``averaging``: ``PeriodicModelAverager`` (local SGD);
+- ``async_averaging``: ``AsyncModelAverager`` (averaging in the background, no rank waits).
 """
 
 from . import tensors as _tensors

@@ -21,7 +21,7 @@ import torch
 
 from ..comm.base import Communicator, ReduceOp
 
-__all__ = ["PeriodicModelAverager"]
+__all__ = ["PeriodicModelAverager", "check_count", "job_communicator"]
 
 
 class PeriodicModelAverager:
@@ -40,25 +40,19 @@ class PeriodicModelAverager:
     """
 
     def __init__(self, period: int, warmup_steps: int = 0, *, communicator: Communicator | None = None) -> None:
-        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
-            raise ValueError(f"period must be an integer >= 1, got {period!r}")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+        check_count("period", period, 1)
+        check_count("warmup_steps", warmup_steps, 0)
         if period == 1:
             warnings.warn(
                 "PeriodicModelAverager(period=1) averages the parameters at every step, which costs as much "
                 "communication as averaging the gradients: use hpcddp.DistributedOptimizer instead",
                 stacklevel=2,
             )
-        if communicator is None:
-            from ..runtime.state import communicator as current
-
-            communicator = current()
         self.period = period
         self.warmup_steps = warmup_steps
         #: calls of ``average_parameters`` so far
         self.step = 0
-        self._comm = communicator
+        self._comm = job_communicator(communicator)
 
     def average_parameters(self, params: Iterable[torch.Tensor] | Iterable[dict]) -> None:
         """Count a step and, when it is due, replace ``params`` by their average over all ranks.
@@ -73,6 +67,27 @@ class PeriodicModelAverager:
         if due:
             _average(_with_gradients(params), self._comm)
         self.step += 1
+
+
+def check_count(name: str, value: object, least: int) -> None:
+    """Raise ValueError unless ``value`` is an integer >= ``least`` (a bool is not a count).
+
+    Args:
+        name: the argument, for the message.
+        value: what the caller passed.
+        least: the smallest value allowed.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+
+
+def job_communicator(communicator: Communicator | None) -> Communicator:
+    """Return ``communicator``, or the one ``hpcddp.init()`` made when it is None."""
+    if communicator is not None:
+        return communicator
+    from ..runtime.state import communicator as current
+
+    return current()
 
 
 def _with_gradients(params: Iterable[torch.Tensor] | Iterable[dict]) -> list[torch.Tensor]:

@@ -186,6 +186,9 @@ class Communicator(abc.ABC):
     name: str = "abstract"
     #: run the agreement check where a caller asks for it (``check=``)
     check_collectives: bool = True
+    #: an ``*_async`` call's ``check=`` agreement runs on the communication thread, so the call
+    #: returns at once (mpi); False: the agreement waits for the other ranks in the calling thread
+    agrees_in_background: bool = False
     #: set by the runtime when the process ends (``close()`` then also ends what the script left)
     process_ending: bool = False
 

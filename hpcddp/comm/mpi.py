@@ -55,6 +55,7 @@ class MPICommunicator(VectorOps, IntoOps, Communicator):
     """
 
     name = "mpi"
+    agrees_in_background = True
 
     def __init__(self, comm=None, *, hierarchical: bool = False) -> None:
         MPI = import_mpi()

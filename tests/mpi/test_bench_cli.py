@@ -77,3 +77,21 @@ def test_train_two_steps_reports_every_variant(tmp_path):
     assert all(a <= b for a, b in zip(timeline["bucket_launch_ms"], timeline["bucket_done_ms"]))
     assert timeline["bucket_launch_ms"][0] < timeline["backward_end_ms"]
     assert "samples/s" in output and "hpcddp last step" in output
+
+
+def test_straggler_runs_every_variant_and_writes_curves(tmp_path):
+    out = tmp_path / f"straggler-{hpcddp.rank()}.json"
+    output = _invoke(
+        ["straggler", "--seconds", "0.4", "--repeats", "1", "--pause-ms", "2", "--target", "0.3", "--json", str(out)]
+    )
+    if hpcddp.rank() != 0:
+        assert output == "" and not out.exists()
+        return
+    payload = json.loads(out.read_text())
+    assert [row["variant"] for row in payload["summary"]] == ["sync", "local-sgd", "async"]
+    for run in payload["runs"]:
+        assert len(run["steps"]) == hpcddp.size() and run["curve"] and run["fast_steps_per_s"] > 0
+        assert 0 <= run["final_accuracy"] <= 1
+    sync = next(r for r in payload["runs"] if r["variant"] == "sync")
+    assert len(set(sync["steps"])) == 1  # synchronous ranks step together
+    assert "time to 30%" in output and "fast steps/s" in output
