@@ -48,6 +48,11 @@ def no_floats():
     return model, torch.optim.SGD(model.parameters(), lr=0.1), 0
 
 
+def with_complex(model):
+    model.phase = torch.nn.Parameter(torch.ones(2, dtype=torch.complex64))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), 0
+
+
 @pytest.mark.parametrize(
     "build, error, message",
     [
@@ -74,8 +79,22 @@ def no_floats():
             r"optimizer from model.parameters\(\)",
         ),
         (lambda m: no_floats(), ValueError, "model has no floating-point parameters to average, got NoFloats"),
+        (
+            lambda m: with_complex(m),
+            ValueError,
+            r"model has complex parameters \(phase\), which AsyncModelAverager does not average: hold them as "
+            r"torch.view_as_real\(\) pairs of floats",
+        ),
     ],
-    ids=["negative-warmup", "float-warmup", "not-a-module", "not-an-optimizer", "stray-parameter", "no-floats"],
+    ids=[
+        "negative-warmup",
+        "float-warmup",
+        "not-a-module",
+        "not-an-optimizer",
+        "stray-parameter",
+        "no-floats",
+        "complex",
+    ],
 )
 def test_bad_arguments_name_the_argument_and_the_fix(world_of_one, build, error, message):
     with pytest.raises(error, match=message):

@@ -19,9 +19,11 @@ def _register() -> None:
     # Each command lives in its own module; heavy imports (torch, mpi4py) happen
     # inside the commands so `hpcddp --help` stays fast.
     from .bench import bench
+    from .bench_straggler import straggler
     from .info import info
     from .run import run
 
+    bench.add_command(straggler)
     for command in (run, info, bench):
         main.add_command(command)
 

@@ -19,10 +19,11 @@ The rules, written once here (every other module follows them by calling this on
    rank has posted it. Rounds stop where every rank sees it: after the first round whose
    average carries a stop request (``pause()``, ``close()``), no rank posts another until
    it calls ``resume()``. ``pause()``, ``resume()`` and ``close()`` are therefore
-   collective: every rank calls them, equally often. Between ``pause()`` and ``resume()``
-   the script may run other collectives (an evaluation's allreduce); while rounds run,
-   another collective on the communicator would meet a round on some rank (on the mpi
-   backend every rank then raises CollectiveMismatchError).
+   collective: every rank calls them, equally often. Rounds run on a communicator of
+   their own (split from the job's at construction, closed by ``close()``): a round is
+   posted at a different point of each rank's script, so on a shared communicator it
+   would meet the script's own collectives (an evaluation's allreduce, the rounds of a
+   second averager) in a different order on each rank.
 3. **The lock.** The pre-step hook takes the averager's lock and the post-step hook
    releases it after the averaging update; ``pause()``, ``resume()`` and ``close()`` take
    it too. So an optimizer step and an averaging update never touch a tensor at once,
@@ -72,7 +73,7 @@ class AsyncModelAverager:
 
     **Staleness.** At most one round is in flight per rank. The average a rank applies
     at its step ``t`` was formed from snapshots taken ``k`` of its own steps earlier,
-    where ``k`` is the number of steps it takes while one round goes round: about 1 on
+    where ``k`` is the number of steps it takes while one round goes round: 1 to 2 on
     the slowest rank and about its speed ratio to the slowest rank elsewhere (a round
     completes once the slowest rank has posted it, once per slow step).
 
@@ -115,12 +116,14 @@ class AsyncModelAverager:
         #: asynchronous rounds applied (after a ``pause()``, the same number on every rank)
         self.num_rounds = 0
         self._comm = job_communicator(communicator)
-        named = [(f"parameter {n}", t) for n, t in model.named_parameters() if t.is_floating_point()]
-        named += [(f"buffer {n}", t) for n, t in model.named_buffers() if t.is_floating_point()]
+        self._model, self._optimizer = model, optimizer
+        self._optimizer_params = _count_params(optimizer)
+        named = _averaged(model)
         if len({t.device for _, t in named}) > 1:
             devices = sorted({str(t.device) for _, t in named})
             raise ValueError(f"model must live on one device to be averaged, got {devices}: move it with model.to()")
         self._tensors = [t.detach() for _, t in named]
+        self._pointers = [t.data_ptr() for t in self._tensors]
         self._num_params = sum(1 for name, _ in named if name.startswith("parameter "))
         self._params_numel = sum(t.numel() for t in self._tensors[: self._num_params])
         self._lock = threading.Lock()
@@ -130,6 +133,7 @@ class AsyncModelAverager:
         self._hooks = []
         if self._comm.size == 1:
             return
+        self._comm = self._comm.split(list(range(self._comm.size)))  # rule 2: the rounds' own
         check_same_parameters(self._comm, named, "AsyncModelAverager")
         dtype = functools.reduce(torch.promote_types, (t.dtype for t in self._tensors), torch.float32)
         numel = sum(t.numel() for t in self._tensors) + 1  # the last element: the stop request
@@ -168,8 +172,27 @@ class AsyncModelAverager:
             )
         if not any(p.is_floating_point() for p in model.parameters()):
             raise ValueError(f"model has no floating-point parameters to average, got {type(model).__name__}")
+        complex_ = [n for n, p in model.named_parameters() if p.is_complex()]
+        if complex_:
+            raise ValueError(
+                f"model has complex parameters ({', '.join(complex_[:3])}), which AsyncModelAverager does not average: "
+                "hold them as torch.view_as_real() pairs of floats"
+            )
+
+    def _check_tensors_unchanged(self) -> None:
+        """Raise RuntimeError when the model's tensors were replaced or the optimizer grew since construction."""
+        if _count_params(self._optimizer) != self._optimizer_params:
+            self._check_arguments(self._model, self._optimizer, self.warmup_steps)
+            self._optimizer_params = _count_params(self._optimizer)
+        if [t.data_ptr() for _, t in _averaged(self._model)] != self._pointers:
+            raise RuntimeError(
+                "AsyncModelAverager: the model's parameters or buffers were replaced after it was made (model.to(), "
+                ".double(), load_state_dict(assign=True)), so averaging would no longer reach them: make the averager "
+                "after the model has its final device and dtype"
+            )
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat``'s pieces shaped as the averaged tensors (the stop request, last, left out)."""
         sizes = [t.numel() for t in self._tensors]
         return [v.view(t.shape) for v, t in zip(flat[:-1].split(sizes), self._tensors)]
 
@@ -225,6 +248,7 @@ class AsyncModelAverager:
     def _apply_round(self) -> None:
         handle, self._in_flight = self._in_flight, None
         handle.wait()  # raises the round's error, if it failed
+        self._check_tensors_unchanged()
         self._stopped = self._stopped or self._round[-1].item() > 0
         params = self._num_params
         self._round[: self._params_numel].sub_(self._snapshot[: self._params_numel])
@@ -288,9 +312,23 @@ class AsyncModelAverager:
             if self._closed:
                 return
             self._closed = True  # also when the collectives below fail: they are not tried twice
-            for hook in self._hooks:
-                hook.remove()
-            if self._comm.size > 1:
-                self._stop_rounds()
-                with torch.no_grad():
-                    self._average_now()
+            try:
+                if self._comm.size > 1:
+                    self._stop_rounds()
+                    with torch.no_grad():
+                        self._average_now()
+                    self._comm.close()
+            finally:
+                # Last: until now a step in another thread waits in the pre-step hook for the lock (rule 3).
+                for hook in self._hooks:
+                    hook.remove()
+
+
+def _averaged(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The model's floating parameters, then its floating buffers, named for messages."""
+    named = [(f"parameter {n}", t) for n, t in model.named_parameters() if t.is_floating_point()]
+    return named + [(f"buffer {n}", t) for n, t in model.named_buffers() if t.is_floating_point()]
+
+
+def _count_params(optimizer: torch.optim.Optimizer) -> int:
+    return sum(len(group["params"]) for group in optimizer.param_groups)

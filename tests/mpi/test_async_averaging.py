@@ -3,6 +3,7 @@
 import time
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -215,3 +216,40 @@ def test_batchnorm_running_variance_stays_positive_when_ranks_see_other_scales()
     averager.close()
     assert averager.num_rounds > 0 or hpcddp.size() == 1
     assert same_on_every_rank(floating_state(model)) and (model[1].running_var > 0).all()
+
+
+def test_rounds_never_meet_the_scripts_collectives_or_a_second_averagers_rounds():
+    # Two same-size models (an ensemble) and an allreduce of the script's own in the loop:
+    # on one shared communicator a round would pair with whichever came first on each rank.
+    torch.manual_seed(0)
+    zeros, thousands = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    torch.nn.init.zeros_(zeros.weight), torch.nn.init.zeros_(zeros.bias)
+    torch.nn.init.constant_(thousands.weight, 1000.0), torch.nn.init.constant_(thousands.bias, 1000.0)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.0) for m in (zeros, thousands)]  # steps change nothing
+    averagers = [hpcddp.AsyncModelAverager(m, o) for m, o in zip((zeros, thousands), optimizers)]
+    rank, size = hpcddp.rank(), hpcddp.size()
+    for _ in range(30):
+        for model, optimizer in zip((zeros, thousands), optimizers):
+            optimizer.zero_grad()
+            model(torch.ones(2, 4)).sum().backward()
+            optimizer.step()
+        metric = torch.full((4, 4), float(rank))  # the shape of a weight: it would pass any shape check
+        assert hpcddp.allreduce(metric, op="sum").tolist() == [[float(sum(range(size)))] * 4] * 4
+        time.sleep(0.003 * (rank + 1))
+    for averager in averagers:
+        averager.close()
+    assert torch.equal(zeros.weight, torch.zeros(4, 4)) and torch.equal(zeros.bias, torch.zeros(4))
+    assert torch.equal(thousands.weight, torch.full((4, 4), 1000.0))
+
+
+def test_a_model_moved_after_construction_is_refused_at_the_next_round():
+    model = rank_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    averager = hpcddp.AsyncModelAverager(model, optimizer)
+    model.double()  # new tensors: rounds would update the old ones, silently
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    replaced = r"the model's parameters or buffers were replaced after it was made"
+    with pytest.raises(RuntimeError, match=replaced):
+        averager.pause()
+    with pytest.raises(RuntimeError, match=replaced):
+        averager.close()
