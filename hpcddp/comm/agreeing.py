@@ -43,7 +43,7 @@ class Agreement:
         #: the error of the agreement that timed out, once one did
         self.failure: RuntimeError | None = None
         self._reduced = np.empty(5, dtype=np.int64)
-        self._confirmation = np.zeros(1, dtype=np.int64)
+        self._confirmation, self._confirmed = np.zeros(1, dtype=np.int64), np.empty(1, dtype=np.int64)
         self._vectors: dict[CollectiveCall, np.ndarray] = {}  # a training loop agrees on the same few again and again
 
     @property
@@ -66,7 +66,7 @@ class Agreement:
         """
         self._within_timeout(vector, self._reduced, op)
         if self.timeout is not None:
-            self._within_timeout(self._confirmation, np.empty(1, dtype=np.int64), op)
+            self._within_timeout(self._confirmation, self._confirmed, op)
         return self._reduced
 
     def _within_timeout(self, vector: np.ndarray, reduced: np.ndarray, op: str) -> None:

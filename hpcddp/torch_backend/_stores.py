@@ -16,9 +16,10 @@ import functools
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from .group import BACKEND_NAME
+
 __all__ = ["refuse_placeholder_store", "supply_store"]
 
-BACKEND_NAME = "hpcddp"
 _local_stores: list[dist.Store] = []  # the process-local stores supply_store handed to torch
 
 

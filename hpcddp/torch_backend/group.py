@@ -34,7 +34,10 @@ from ._futures import OrderedFuture
 from ._p2p import PointToPoint
 from ._profiling import begin, end_when_done
 
-__all__ = ["ProcessGroupHPCDDP"]
+__all__ = ["BACKEND_NAME", "ProcessGroupHPCDDP"]
+
+#: the name to pass to ``init_process_group``
+BACKEND_NAME = "hpcddp"
 
 
 class _Work(dist.Work):

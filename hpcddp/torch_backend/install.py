@@ -42,12 +42,10 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ._stores import refuse_placeholder_store, supply_store
-from .group import ProcessGroupHPCDDP
+from .group import BACKEND_NAME, ProcessGroupHPCDDP
 
 __all__ = ["BACKEND_NAME", "install", "mpi_routed", "new_group_over", "no_mpi_world"]
 
-#: the name to pass to ``init_process_group``
-BACKEND_NAME = "hpcddp"
 
 log = logging.getLogger("hpcddp")
 _installed = False

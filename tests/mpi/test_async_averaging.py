@@ -5,9 +5,10 @@ import time
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 import hpcddp
+
+from .test_averaging import local_step
 
 FAST_PAUSE_S, SLOW_PAUSE_S = 0.002, 0.02
 
@@ -17,14 +18,6 @@ def rank_model():
     return torch.nn.Sequential(
         torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(), torch.nn.Linear(16, 3)
     )
-
-
-def local_step(model, optimizer, step):
-    generator = torch.Generator().manual_seed(1000 * hpcddp.rank() + step)
-    x, y = torch.randn(8, 6, generator=generator), torch.randint(0, 3, (8,), generator=generator)
-    optimizer.zero_grad()
-    F.cross_entropy(model(x), y).backward()
-    optimizer.step()
 
 
 def floating_state(model) -> np.ndarray:
