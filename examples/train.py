@@ -59,7 +59,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout before the last layer (draws per rank)")
     parser.add_argument(
-        "--compression", choices=("none", "fp16", "bf16"), default="none", help="gradients' dtype on the wire"
+        "--compression",
+        choices=("none", "fp16", "bf16", "powersgd", "int8"),
+        default="none",
+        help="gradients' dtype on the wire, or PowerSGD / int8 compression with error feedback",
     )
     parser.add_argument("--json", metavar="PATH", help="write final metrics here (rank 0)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")

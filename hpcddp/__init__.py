@@ -35,6 +35,7 @@ from .collectives.tensors import (
 )
 from .comm.agreement import CollectiveMismatchError
 from .comm.base import Handle, ReduceOp
+from .ddp.compression import Int8, PowerSGD
 from .ddp.join import join
 from .ddp.optimizer import DistributedOptimizer
 from .fault.abort import mark_configuration_error as _mark_configuration_error
@@ -72,7 +73,9 @@ __all__ = [
     "DistributedOptimizer",
     "Handle",
     "InitConfig",
+    "Int8",
     "PeriodicModelAverager",
+    "PowerSGD",
     "PreemptionHandler",
     "ReduceOp",
     "TrainingProgress",

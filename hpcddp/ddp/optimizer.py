@@ -12,6 +12,7 @@ import torch
 from ..comm.base import Communicator, ReduceOp
 from ..observe import timeline
 from .buckets import MB, Bucket
+from .compression import Compressor
 from .optimizer_args import check_arguments, collect_parameters
 from .reducer import Reducer, ReductionTimes
 
@@ -51,7 +52,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             communication starts early in backward.
         backward_passes_per_step: reduce once every this many backward passes,
             accumulating locally in between.
-        compression: None, "fp16" or "bf16": the dtype gradients travel in.
+        compression: None, "fp16" or "bf16" (the dtype gradients travel in);
+            "powersgd" or ``hpcddp.PowerSGD(...)`` (low-rank factors, torch's
+            PowerSGD hook's algorithm); "int8" or ``hpcddp.Int8(...)`` (8-bit
+            blocks). Both keep what they leave out and add it to the next
+            reduction (error feedback); the gradients still equal on every rank.
         op: "average" (default) or "sum" across ranks.
         communicator: the Communicator to use; the one ``hpcddp.init()`` made by default.
         skip_nonfinite: after each reduction, skip the step on every rank (and zero
@@ -80,7 +85,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         bucket_cap_mb: float = 25,
         first_bucket_mb: float = 1,
         backward_passes_per_step: int = 1,
-        compression: str | None = None,
+        compression: str | Compressor | None = None,
         op: str | ReduceOp = "average",
         *,
         communicator: Communicator | None = None,
@@ -112,6 +117,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             first_bucket_bytes=int(first_bucket_mb * MB),
             wire_dtype=arguments.wire_dtype,
             predivide=float(predivide),
+            compressor=arguments.compressor,
             backward_passes_per_step=backward_passes_per_step,
             # The timeline is looked up at every use: hvd.start_timeline() may begin one later.
             record_timeline=default_comm,

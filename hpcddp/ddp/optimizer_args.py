@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..comm.base import ReduceOp, parse_op
+from .compression import Compressor, Int8, PowerSGD
 
 __all__ = [
     "COMPRESSIONS",
@@ -19,6 +20,8 @@ __all__ = [
 
 #: compression name -> the dtype gradients travel in (None: as stored)
 COMPRESSIONS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+#: compression name -> the compressor with its default settings
+COMPRESSORS = {"powersgd": PowerSGD, "int8": Int8}
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,7 @@ class OptimizerArguments:
 
     op: ReduceOp
     wire_dtype: torch.dtype | None
+    compressor: Compressor | None = None
 
 
 def check_arguments(
@@ -45,9 +49,13 @@ def check_arguments(
     check_positive("bucket_cap_mb", bucket_cap_mb)
     check_positive("first_bucket_mb", first_bucket_mb)
     check_backward_passes(backward_passes_per_step)
+    compressor = _compressor(compression)
     key = compression.lower() if isinstance(compression, str) else compression
-    if key not in COMPRESSIONS:
-        raise ValueError(f"compression must be one of None, 'fp16', 'bf16', got {compression!r}")
+    if compressor is None and key not in COMPRESSIONS:
+        raise ValueError(
+            "compression must be one of None, 'fp16', 'bf16', 'powersgd', 'int8', hpcddp.PowerSGD(...) "
+            f"or hpcddp.Int8(...), got {compression!r}"
+        )
     reduce_op = parse_op(op)
     if reduce_op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise ValueError(f"op must be 'average' or 'sum' for gradients, got {op!r}")
@@ -57,7 +65,18 @@ def check_arguments(
             raise ValueError(
                 f"gradient_predivide_factor={gradient_predivide_factor!r} only applies to op='average', got op={op!r}"
             )
-    return OptimizerArguments(reduce_op, COMPRESSIONS[key])
+    return OptimizerArguments(reduce_op, None if compressor else COMPRESSIONS[key], compressor)
+
+
+def _compressor(compression) -> Compressor | None:
+    """The compressor ``compression`` names or is, or None for a dtype (or no) compression."""
+    if isinstance(compression, Compressor):
+        return compression
+    if isinstance(compression, type) and issubclass(compression, Compressor):
+        return compression()
+    if isinstance(compression, str) and compression.lower() in COMPRESSORS:
+        return COMPRESSORS[compression.lower()]()
+    return None
 
 
 def check_backward_passes(passes) -> None:

@@ -52,6 +52,7 @@ from ..comm.oplog import collective_tag
 from ..observe import timeline
 from .autograd_hooks import at_end_of_backward
 from .buckets import Bucket, adopt_grad, build_buckets, drop_unused_grads, probe_nonfinite
+from .compression import BucketCodec, Compressor, StagedReduction
 from .consistency import check_same_parameters
 from .control import ControlNumbers
 from .slots import GradSlot, fill_bucket, reset_bucket_grads
@@ -75,6 +76,8 @@ class Reducer:
         bucket_cap_bytes: size limit of a bucket.
         first_bucket_bytes: size limit of the first bucket.
         wire_dtype: the dtype gradients travel in, or None.
+        compressor: the compression scheme (PowerSGD, int8) each bucket is reduced
+            with, or None for plain allreduces.
         predivide: gradients are divided by this before the sum and the sum
             multiplied by ``predivide / size`` after it (op AVERAGE).
         backward_passes_per_step: reduce once every this many backward passes.
@@ -91,6 +94,7 @@ class Reducer:
         first_bucket_bytes: int,
         wire_dtype: torch.dtype | None,
         predivide: float,
+        compressor: Compressor | None = None,
         backward_passes_per_step: int = 1,
         record_timeline: bool = False,
     ) -> None:
@@ -120,6 +124,8 @@ class Reducer:
         self._predivide = predivide
         self._lock = threading.RLock()
         self._bucket_args = (bucket_cap_bytes, first_bucket_bytes, wire_dtype)
+        self._compressor = compressor
+        self._codecs: list[BucketCodec | None] = []
         self._record_timeline = record_timeline
         self._sync = True
         self._pass_open = False
@@ -229,6 +235,9 @@ class Reducer:
         self.close()
         cap, first, wire_dtype = self._bucket_args
         self._buckets = build_buckets([p for _, p in trainable], cap, first, wire_dtype, self._control.size)
+        # A rebuild starts the compression memory afresh (error feedback, warm start), on every rank alike.
+        compressor = self._compressor
+        self._codecs = [None if compressor is None else compressor.codec(b, self.comm) for b in self._buckets]
         names = {id(p): name for name, p in trainable}
         self._slots = {}
         self._bucket_slots = []
@@ -325,10 +334,14 @@ class Reducer:
         self._local_sums[index] = probe_nonfinite(bucket.grads)
         if bucket.control is not None:
             self._control.write(bucket.control, self.has_data, self._saw_new_trainable, self._local_sums)
-        payload = bucket.buffer if bucket.wire is None else bucket.wire.copy_(bucket.buffer)
+        codec = self._codecs[index]
         with collective_tag(f"bucket {index} of step {self.steps_taken}", self.steps_taken):
             self.times.bucket_submit[index] = time.perf_counter()
-            self._handles.append(self.comm.allreduce_async_(payload, ReduceOp.SUM))
+            handle = None if codec is None else codec.launch(self.num_reductions)
+            if handle is None:
+                payload = bucket.buffer if bucket.wire is None else bucket.wire.copy_(bucket.buffer)
+                handle = self.comm.allreduce_async_(payload, ReduceOp.SUM)
+            self._handles.append(handle)
 
     # -- finishing ------------------------------------------------------------------------------
     def _finish(self, started: float) -> None:
@@ -338,6 +351,9 @@ class Reducer:
             started: when the wait began (the ``synchronize`` span of the timeline).
         """
         recorder = timeline.current() if self._record_timeline else None
+        for handle in self._handles:  # every compressed bucket's second collective in flight before any wait
+            if isinstance(handle, StagedReduction):
+                handle.advance()
         for bucket, handle in zip(self._buckets, self._handles):
             handle.wait()
             copy_out_start = time.perf_counter()
@@ -345,6 +361,11 @@ class Reducer:
                 bucket.buffer.copy_(bucket.wire)
             self.times.done(bucket, handle, copy_out_start, recorder, self.num_reductions)
         changed, self.active_ranks, self.nonfinite_ranks = self._control.read(self._buckets[-1].control)
+        if self.nonfinite_ranks:
+            # An inf or NaN would stay in the compression memory and spoil every later step.
+            for codec in self._codecs:
+                if codec is not None:
+                    codec.reset()
         self._postscale()
         if self.set_to_none and not self.zero_unused:
             for bucket in self._buckets:

@@ -1,0 +1,199 @@
+"""PowerSGD and int8 compression in DistributedOptimizer against a numpy implementation of each algorithm.
+
+Every rank computes its local gradients on a plain copy of the model, gathers all
+ranks' with mpi4py, and runs the algorithm (as the docstrings of
+hpcddp/ddp/compression/powersgd.py and int8.py define it) in numpy; the gradients the
+optimizer hands to ``step()`` must match it at every step.
+"""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+
+import hpcddp
+
+STEPS = 4
+
+
+class Net(torch.nn.Module):
+    """A conv weight (4-D), matrices worth compressing, one too small to gain, 1-D biases."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 6, 3)
+        self.fc1 = torch.nn.Linear(6 * 4 * 4, 40)
+        self.fc2 = torch.nn.Linear(40, 30)
+        self.small = torch.nn.Linear(30, 3)
+
+    def forward(self, x):
+        x = torch.tanh(self.conv(x)).flatten(1)
+        return self.small(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+def local_gradients(model, step):
+    """This rank's gradient of each parameter at ``step`` (registration order), from a plain copy."""
+    generator = torch.Generator().manual_seed(1000 * step + hpcddp.rank())
+    x, y = torch.randn(8, 2, 6, 6, generator=generator), torch.randint(0, 3, (8,), generator=generator)
+    plain = copy.deepcopy(model)
+    F.cross_entropy(plain(x), y).backward()
+    return (x, y), [p.grad.detach().numpy().copy() for p in plain.parameters()]
+
+
+def every_ranks(grads):
+    """[rank][param] local gradients of every rank, through plain mpi4py."""
+    return MPI.COMM_WORLD.allgather(grads)
+
+
+def run(compression, bucket_cap_mb=25.0):
+    """Yield (reduced gradients, every rank's local gradients, bucket layout) per step; SGD with lr 0."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = hpcddp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        model.named_parameters(),
+        bucket_cap_mb=bucket_cap_mb,
+        first_bucket_mb=min(bucket_cap_mb, 1.0),
+        compression=compression,
+    )
+    params = list(model.parameters())
+    layout = [[next(i for i, p in enumerate(params) if p is q) for q in b.params] for b in optimizer.buckets]
+    try:
+        for step in range(STEPS):
+            (x, y), grads = local_gradients(model, step)
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            reduced = [p.grad.detach().numpy().copy() for p in params]
+            optimizer.step()
+            yield reduced, every_ranks(grads), layout
+    finally:
+        optimizer.close()
+
+
+class PowerSGDReference:
+    """PowerSGD in float64 numpy, per bucket, from the algorithm's definition."""
+
+    def __init__(self, settings, layout, shapes, size):
+        self.s, self.layout, self.shapes, self.n = settings, layout, shapes, size
+        self.error = [[np.zeros(self.matrix_shape(i)) for i in range(len(shapes))] for _ in range(size)]
+        self.q = {}
+        for index, members in enumerate(layout):
+            compressed = [i for i in members if self.compressed(i)]
+            total = sum(self.matrix_shape(i)[1] * self.rank(i) for i in compressed)
+            draw = torch.randn(total, generator=torch.Generator().manual_seed(settings.random_seed + index))
+            at = 0
+            for i in compressed:
+                cols, r = self.matrix_shape(i)[1], self.rank(i)
+                self.q[i] = draw[at : at + cols * r].numpy().astype(np.float64).reshape(cols, r)
+                at += cols * r
+
+    def matrix_shape(self, i):
+        shape = self.shapes[i]
+        return (shape[0], int(np.prod(shape[1:]))) if len(shape) >= 2 else (1, int(np.prod(shape)))
+
+    def rank(self, i):
+        rows, cols = self.matrix_shape(i)
+        return min(self.s.matrix_approximation_rank, rows, cols)
+
+    def compressed(self, i):
+        rows, cols = self.matrix_shape(i)
+        return len(self.shapes[i]) >= 2 and (rows + cols) * self.rank(i) * self.s.min_compression_rate < rows * cols
+
+    def step(self, step, grads):
+        """Reduced gradients from every rank's local ones (op average: each divided by size first)."""
+        local = [[g.astype(np.float64) / self.n for g in rank_grads] for rank_grads in grads]
+        out = []
+        for i, shape in enumerate(self.shapes):
+            if step < self.s.start_powerSGD_iter or not self.compressed(i):
+                out.append(sum(rank_grads[i] for rank_grads in local))
+                continue
+            m = [local[w][i].reshape(self.matrix_shape(i)) + (self.error[w][i] if self.s.use_error_feedback else 0)
+                 for w in range(self.n)]  # fmt: skip
+            p, _ = np.linalg.qr(sum(mw @ self.q[i] for mw in m))
+            q_sum = sum(mw.T @ p for mw in m)
+            approx = p @ q_sum.T
+            for w in range(self.n):
+                self.error[w][i] = m[w] - approx / self.n
+            if self.s.warm_start:
+                self.q[i] = q_sum
+            out.append(approx.reshape(shape))
+        if not self.s.warm_start and step >= self.s.start_powerSGD_iter:
+            raise AssertionError("tested with warm start only")
+        return out
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        hpcddp.PowerSGD(start_powerSGD_iter=1),
+        hpcddp.PowerSGD(matrix_approximation_rank=2, start_powerSGD_iter=0, random_seed=7),
+        hpcddp.PowerSGD(start_powerSGD_iter=0, use_error_feedback=False),
+    ],
+    ids=["rank1-start1", "rank2-seed7", "no-error-feedback"],
+)
+@pytest.mark.parametrize("bucket_cap_mb", [25.0, 0.004], ids=["one-bucket", "buckets"])
+def test_powersgd_matches_the_algorithm(settings, bucket_cap_mb):
+    reference = None
+    for step, (reduced, grads, layout) in enumerate(run(settings, bucket_cap_mb)):
+        if reference is None:
+            assert (len(layout) > 1) == (bucket_cap_mb < 1)
+            reference = PowerSGDReference(settings, layout, [g.shape for g in grads[0]], hpcddp.size())
+        expected = reference.step(step, grads)
+        for i, (got, want) in enumerate(zip(reduced, expected)):
+            scale = np.abs(want).max()
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale, err_msg=f"step {step}, parameter {i}")
+        if step >= settings.start_powerSGD_iter:
+            exact = sum(g[2] for g in grads) / hpcddp.size()  # fc1.weight: compressed, so not the exact average
+            assert np.abs(reduced[2] - exact).max() > 1e-3 * np.abs(exact).max()
+
+
+def int8_reference(values, errors, block):
+    """Quantise float32 ``values`` + ``errors`` per block as the docstring says; return (dequantised, new errors)."""
+    x = values + errors
+    blocks = x.reshape(-1, block)
+    scales = np.abs(blocks).max(axis=1) / np.float32(127)
+    divisor = np.where(scales > 0, scales, np.float32(1))
+    q = np.clip(np.round(blocks / divisor[:, None]), -127, 127).astype(np.int8)
+    dequantized = (q.astype(np.float32) * scales[:, None]).reshape(-1)
+    return dequantized, x - dequantized
+
+
+@pytest.mark.parametrize("feedback", [True, False], ids=["error-feedback", "no-error-feedback"])
+def test_int8_matches_the_algorithm(feedback):
+    block, n = 16, hpcddp.size()
+    send_errors = own_errors = None
+    for reduced, grads, layout in run(hpcddp.Int8(block_size=block, use_error_feedback=feedback), 0.004):
+        assert len(layout) > 1
+        for members in layout:
+            # Each rank's bucket: its gradients divided by size, in bucket order, padded to size whole shards.
+            flat = [np.concatenate([g[i].reshape(-1) / np.float32(n) for i in members]) for g in grads]
+            count = flat[0].size
+            shard = -(-count // (n * block)) * block
+            if send_errors is None or members[0] not in send_errors:
+                send_errors = {} if send_errors is None else send_errors
+                own_errors = {} if own_errors is None else own_errors
+                send_errors[members[0]] = [np.zeros(n * shard, np.float32) for _ in range(n)]
+                own_errors[members[0]] = [np.zeros(shard, np.float32) for _ in range(n)]
+            sent = []
+            for w in range(n):
+                padded = np.zeros(n * shard, np.float32)
+                padded[:count] = flat[w]
+                dequantized, error = int8_reference(padded, send_errors[members[0]][w], block)
+                if feedback:
+                    send_errors[members[0]][w] = error
+                sent.append(dequantized)
+            result = []
+            for owner in range(n):
+                total = sent[0][owner * shard : (owner + 1) * shard].copy()
+                for w in range(1, n):
+                    total += sent[w][owner * shard : (owner + 1) * shard]
+                dequantized, error = int8_reference(total, own_errors[members[0]][owner], block)
+                if feedback:
+                    own_errors[members[0]][owner] = error
+                result.append(dequantized)
+            expected = np.concatenate(result)[:count]
+            got = np.concatenate([reduced[i].reshape(-1) for i in members])
+            np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7 * np.abs(expected).max())
