@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import hpcddp
 from hpcddp.comm.base import Communicator, ReduceOp, completed
 from hpcddp.comm.local import LocalCommunicator
 from hpcddp.ddp.optimizer import DistributedOptimizer
@@ -216,7 +217,7 @@ def test_state_dict_round_trip_and_param_groups():
         ({"op": "sum", "gradient_predivide_factor": 2.0}, "gradient_predivide_factor=2.0 only applies to op='average'"),
         ({"backward_passes_per_step": 0}, "backward_passes_per_step must be an integer >= 1, got 0"),
         ({"backward_passes_per_step": 1.5}, "backward_passes_per_step must be an integer >= 1, got 1.5"),
-        ({"compression": "int8"}, "compression must be one of None, 'fp16', 'bf16', got 'int8'"),
+        ({"compression": "int4"}, "compression must be one of None, 'fp16', 'bf16', 'powersgd', 'int8', "),
         ({"op": "median"}, "op must be one of"),
         ({"op": "max"}, "op must be 'average' or 'sum' for gradients, got 'max'"),
     ],
@@ -225,6 +226,29 @@ def test_bad_arguments_name_the_argument_and_value(kwargs, message):
     model, _, _ = model_and_data()
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         wrap(model, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (
+            lambda: hpcddp.PowerSGD(matrix_approximation_rank=0),
+            "PowerSGD matrix_approximation_rank must be an integer >= 1, got 0",
+        ),
+        (
+            lambda: hpcddp.PowerSGD(start_powerSGD_iter=-1),
+            "PowerSGD start_powerSGD_iter must be an integer >= 0, got -1",
+        ),
+        (
+            lambda: hpcddp.PowerSGD(min_compression_rate=float("nan")),
+            "PowerSGD min_compression_rate must be a finite number > 0, got nan",
+        ),
+        (lambda: hpcddp.Int8(block_size=30), "Int8 block_size must be a positive multiple of 4, got 30"),
+    ],
+)
+def test_bad_compression_settings_name_the_setting(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
 
 
 def test_parameter_listed_twice_is_refused():

@@ -1,6 +1,6 @@
-"""Time training steps: local compute, torch DDP (gloo/nccl, or over hpcddp's MPI backend), Horovod
-(when importable), hpcddp, hpcddp with fp16 gradients, and local SGD (parameters averaged every
-``LOCAL_SGD_PERIOD`` steps)."""
+"""Time training steps: local compute, torch DDP (gloo/nccl, or over hpcddp's MPI backend, also with
+torch's PowerSGD hook), Horovod (when importable), hpcddp (fp32, fp16, PowerSGD, int8 gradients), and
+local SGD (parameters averaged every ``LOCAL_SGD_PERIOD`` steps)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,28 @@ from .models import Workload
 __all__ = ["VARIANTS", "TrainResult", "bench_train", "horovod_available"]
 
 #: every variant, in the order each round runs them; "ddp-hpcddp" is torch DDP on the
-#: ``hpcddp`` torch.distributed backend (hpcddp's MPI communicator)
-VARIANTS = ("local", "ddp", "ddp-hpcddp", "horovod", "hpcddp", "hpcddp-fp16", "local-sgd")
+#: ``hpcddp`` torch.distributed backend (hpcddp's MPI communicator), "ddp-powersgd" the same
+#: with torch's PowerSGD hook
+VARIANTS = (
+    "local",
+    "ddp",
+    "ddp-hpcddp",
+    "ddp-powersgd",
+    "horovod",
+    "hpcddp",
+    "hpcddp-fp16",
+    "hpcddp-powersgd",
+    "hpcddp-int8",
+    "local-sgd",
+)
+#: DistributedOptimizer's compression per hpcddp variant; PowerSGD from the first step (the
+#: timed steps follow a few untimed ones, and torch's hook starts at its earliest, step 2)
+HPCDDP_COMPRESSION = {
+    "hpcddp": None,
+    "hpcddp-fp16": "fp16",
+    "hpcddp-powersgd": hpcddp.PowerSGD(start_powerSGD_iter=0),
+    "hpcddp-int8": "int8",
+}
 
 #: steps between parameter averages of the local-sgd variant
 LOCAL_SGD_PERIOD = 4
@@ -69,12 +89,18 @@ def _make_step(variant: str, workload: Workload, hpcddp_options: dict) -> tuple[
         device = next(model.parameters()).device
         runner = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
         optimizer = _optimizer(runner)
-    elif variant == "ddp-hpcddp":
+    elif variant in ("ddp-hpcddp", "ddp-powersgd"):
         from torch.nn.parallel import DistributedDataParallel
 
         from ._torchdist import hpcddp_process_group
 
-        runner = DistributedDataParallel(model, process_group=hpcddp_process_group())
+        group = hpcddp_process_group()
+        runner = DistributedDataParallel(model, process_group=group)
+        if variant == "ddp-powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+            state = powerSGD_hook.PowerSGDState(process_group=group, start_powerSGD_iter=2)
+            runner.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         optimizer = _optimizer(runner)
     elif variant == "horovod":
         import horovod.torch as hvd
@@ -83,8 +109,10 @@ def _make_step(variant: str, workload: Workload, hpcddp_options: dict) -> tuple[
         optimizer = hvd.DistributedOptimizer(_optimizer(model), named_parameters=model.named_parameters())
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         runner = model
-    elif variant in ("hpcddp", "hpcddp-fp16"):
-        options = {**hpcddp_options, "compression": "fp16"} if variant == "hpcddp-fp16" else hpcddp_options
+    elif variant in HPCDDP_COMPRESSION:
+        options = dict(hpcddp_options)
+        if variant != "hpcddp":
+            options["compression"] = HPCDDP_COMPRESSION[variant]
         optimizer = hpcddp.DistributedOptimizer(_optimizer(model), model.named_parameters(), **options)
         runner = model
     elif variant == "local-sgd":
@@ -203,7 +231,7 @@ def bench_train(
             result.vs_ddp = result.step_ms / by_name["ddp"].step_ms
     if "hpcddp" in built:
         by_name["hpcddp"].timeline = _timeline(built["hpcddp"][1])
-    for variant in ("hpcddp", "hpcddp-fp16"):
+    for variant in HPCDDP_COMPRESSION:
         if variant in built:
             built[variant][1].close()
     return results

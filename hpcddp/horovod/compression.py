@@ -1,4 +1,4 @@
-"""``hvd.Compression``: the dtype tensors travel in."""
+"""``hvd.Compression``: the dtype tensors travel in; hpcddp's PowerSGD and int8 for DistributedOptimizer."""
 
 from __future__ import annotations
 
@@ -6,7 +6,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["BF16Compressor", "Compression", "Compressor", "FP16Compressor", "NoneCompressor"]
+__all__ = [
+    "BF16Compressor",
+    "Compression",
+    "Compressor",
+    "FP16Compressor",
+    "Int8Compressor",
+    "NoneCompressor",
+    "PowerSGDCompressor",
+]
 
 
 class Compressor:
@@ -55,13 +63,46 @@ class BF16Compressor(_CastCompressor):
     dtype = torch.bfloat16
 
 
+class _OptimizerOnlyCompressor(Compressor):
+    """A compression that keeps memory per gradient (error feedback): hvd.DistributedOptimizer only."""
+
+    name = ""
+
+    @classmethod
+    def compress(cls, tensor):
+        raise TypeError(
+            f"hvd.Compression.{cls.name} works in hvd.DistributedOptimizer only (it keeps per-gradient memory): "
+            "pass compression=hvd.Compression.fp16 or none to allreduce"
+        )
+
+
+class PowerSGDCompressor(_OptimizerOnlyCompressor):
+    """Gradients as PowerSGD's low-rank factors (hpcddp's addition; ``hpcddp.PowerSGD`` for settings)."""
+
+    name = "powersgd"
+
+
+class Int8Compressor(_OptimizerOnlyCompressor):
+    """Gradients as 8-bit blocks with error feedback (hpcddp's addition; ``hpcddp.Int8`` for settings)."""
+
+    name = "int8"
+
+
 class Compression:
-    """``hvd.Compression.none`` / ``.fp16`` (and hpcddp's ``.bf16``)."""
+    """``hvd.Compression.none`` / ``.fp16`` (and hpcddp's ``.bf16``, ``.powersgd``, ``.int8``)."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+    powersgd = PowerSGDCompressor
+    int8 = Int8Compressor
 
 
 #: what hpcddp.DistributedOptimizer's ``compression`` is for each compressor it supports
-OPTIMIZER_COMPRESSION = {NoneCompressor: None, FP16Compressor: "fp16", BF16Compressor: "bf16"}
+OPTIMIZER_COMPRESSION = {
+    NoneCompressor: None,
+    FP16Compressor: "fp16",
+    BF16Compressor: "bf16",
+    PowerSGDCompressor: "powersgd",
+    Int8Compressor: "int8",
+}

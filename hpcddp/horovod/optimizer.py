@@ -10,6 +10,7 @@ import weakref
 from collections.abc import Iterator
 
 from ..collectives import tensors as collectives
+from ..ddp.compression import Compressor as GradientCompressor
 from ..ddp.join import shadow_until_all_joined, sync_from_last_joiner
 from ..ddp.optimizer import DistributedOptimizer as _HpcddpOptimizer
 from ..ddp.optimizer_args import check_backward_passes
@@ -106,7 +107,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     Args:
         optimizer: any torch optimizer.
         named_parameters: ``model.named_parameters()``.
-        compression: ``Compression.none`` (default), ``.fp16`` or ``.bf16``.
+        compression: ``Compression.none`` (default), ``.fp16``, ``.bf16``, ``.powersgd``
+            or ``.int8``, or an ``hpcddp.PowerSGD(...)`` / ``hpcddp.Int8(...)`` with settings.
         backward_passes_per_step: reduce once every this many backward passes.
         op: ``Average`` or ``Sum``.
         gradient_predivide_factor: with Average, divide by this before the sum and
@@ -125,10 +127,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         comm = LocalCommunicator()
     else:
         comm = communicator_of(process_set)
-    if compression not in OPTIMIZER_COMPRESSION:
+    if isinstance(compression, GradientCompressor):
+        chosen = compression
+    elif compression in OPTIMIZER_COMPRESSION:
+        chosen = OPTIMIZER_COMPRESSION[compression]
+    else:
         raise ValueError(
-            f"compression must be hvd.Compression.none, .fp16 or .bf16, got {compression!r}: "
-            "custom compressors are not supported by DistributedOptimizer"
+            "compression must be hvd.Compression.none, .fp16, .bf16, .powersgd, .int8 or an hpcddp.PowerSGD/Int8, "
+            f"got {compression!r}: custom compressors are not supported by DistributedOptimizer"
         )
     reduce_op = resolve_op(op)
     if reduce_op is not Average and gradient_predivide_factor != 1.0:
@@ -137,7 +143,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         optimizer,
         named_parameters,
         backward_passes_per_step=backward_passes_per_step,
-        compression=OPTIMIZER_COMPRESSION[compression],
+        compression=chosen,
         op=reduce_op,
         gradient_predivide_factor=gradient_predivide_factor if reduce_op is Average else None,
         # The default communicator for the global set: only then does it record timelines.

@@ -1,5 +1,6 @@
 """skip_nonfinite: an inf/NaN gradient on one rank skips that step on every rank, counted."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -36,7 +37,8 @@ def train(skip_nonfinite, compression=None):
 
 
 def test_nonfinite_step_is_skipped_on_every_rank():
-    for compression in (None, "bf16"):
+    # With PowerSGD and int8 the bad step also leaves no inf or NaN in their error feedback.
+    for compression in (None, "bf16", hpcddp.PowerSGD(start_powerSGD_iter=0), "int8"):
         optimizer, history = train(skip_nonfinite=True, compression=compression)
         assert optimizer.skipped_steps == 1
         torch.testing.assert_close(history[BAD_STEP + 1], history[BAD_STEP], atol=0, rtol=0)
@@ -52,7 +54,9 @@ def test_nonfinite_step_is_skipped_on_every_rank():
         assert hpcddp.allgather_object(optimizer.skipped_steps) == [1] * hpcddp.size()
 
 
-def test_without_the_option_the_nan_reaches_every_rank():
-    optimizer, history = train(skip_nonfinite=False)
+@pytest.mark.parametrize("compression", [None, hpcddp.PowerSGD(start_powerSGD_iter=0), "int8"])
+def test_without_the_option_the_nan_reaches_every_rank(compression):
+    # Compression must not turn an inf or NaN into finite numbers (int8: a non-finite scale).
+    optimizer, history = train(skip_nonfinite=False, compression=compression)
     assert optimizer.skipped_steps == 0
     assert not bool(history[-1].isfinite().all())

@@ -28,7 +28,7 @@ from ...comm.oplog import current_tag
 from ..buckets import Bucket
 from .staged import BucketCodec, Compressor, StagedReduction
 
-__all__ = ["Int8", "dequantize", "quantize"]
+__all__ = ["Int8"]
 
 
 @dataclass(frozen=True)
@@ -54,18 +54,18 @@ class Int8(Compressor):
         return _Int8Codec(self, bucket, comm)
 
 
-def quantize(values: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (int8 values, float32 scale per block) of float32 ``values`` (length a multiple of ``block_size``)."""
-    blocks = values.view(-1, block_size)
-    scales = blocks.abs().amax(dim=1) / 127
+def _quantize_into(blocks: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """Write the rounded quotients of ``blocks`` (float32, one row per block) into ``scratch``; return the scales.
+
+    |x / scale| <= 127 holds up to rounding of the scale, so round() never leaves int8's range.
+    An inf or NaN makes its block's scale non-finite, and the dequantised block with it.
+    """
+    torch.abs(blocks, out=scratch)
+    scales = scratch.amax(dim=1).div_(127)
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
-    quantized = (blocks / divisor[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-    return quantized.view(-1), scales
-
-
-def dequantize(quantized: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Return the float32 values ``quantize`` approximated."""
-    return (quantized.view(-1, block_size).to(torch.float32) * scales[:, None]).view(-1)
+    torch.div(blocks, divisor[:, None], out=scratch)
+    scratch.round_()
+    return scales
 
 
 class _Int8Codec(BucketCodec):
@@ -81,6 +81,8 @@ class _Int8Codec(BucketCodec):
         self._values = torch.zeros(size * self._shard, dtype=torch.float32, device=device)
         self._send_error = torch.zeros_like(self._values)
         self._own_error = torch.zeros(self._shard, dtype=torch.float32, device=device)
+        self._own_values = torch.zeros(self._shard, dtype=torch.float32, device=device)
+        self._scratch = torch.empty_like(self._values)
         self._tail = bucket.buffer[count:]
 
     def reset(self) -> None:
@@ -88,29 +90,38 @@ class _Int8Codec(BucketCodec):
         self._own_error.zero_()
 
     def _encode(self, values: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
-        """Quantise ``values`` (+ ``error``, updated to what is left out) into rows of wire bytes, one per shard."""
-        if self.settings.use_error_feedback:
-            values.add_(error)
-        quantized, scales = quantize(values, self.settings.block_size)
-        if self.settings.use_error_feedback:
-            torch.sub(values, dequantize(quantized, scales, self.settings.block_size), out=error)
+        """Quantise ``values`` (already plus the error) into rows of wire bytes, one per shard; ``error``
+        becomes what is left out."""
+        block = self.settings.block_size
         rows = values.numel() // self._shard
+        blocks = values.view(-1, block)
+        scratch = self._scratch[: values.numel()].view(-1, block)
+        scales = _quantize_into(blocks, scratch)
         wire = torch.empty(rows, self._width, dtype=torch.uint8, device=values.device)
-        wire[:, : self._shard].copy_(quantized.view(rows, -1).view(torch.uint8))
-        wire[:, self._shard :].copy_(scales.view(rows, -1).view(torch.uint8))
+        wire[:, : self._shard].view(torch.int8).copy_(scratch.view(rows, -1))
+        wire[:, self._shard :].view(torch.float32).copy_(scales.view(rows, -1))
+        if self.settings.use_error_feedback:
+            torch.mul(scratch, scales[:, None], out=scratch)  # the rounded quotients times the scale: dequantised
+            torch.sub(values, scratch.view(-1), out=error)
         return wire
 
-    def _decode(self, wire: torch.Tensor) -> torch.Tensor:
-        """Return the float32 values of each row of wire bytes, as a (rows, shard) tensor."""
-        quantized = wire[:, : self._shard].contiguous().view(torch.int8)
-        scales = wire[:, self._shard :].contiguous().view(torch.float32)
+    def _decode(self, wire: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Write the float32 values of each row of wire bytes into ``out`` (rows x shard); return it."""
         block = self.settings.block_size
-        return dequantize(quantized.reshape(-1), scales.reshape(-1), block).view(wire.shape[0], self._shard)
+        rows = wire.shape[0]
+        quantized = wire[:, : self._shard].view(torch.int8).view(rows, -1, block)
+        scales = wire[:, self._shard :].view(torch.float32).view(rows, -1, 1)
+        torch.mul(quantized, scales, out=out.view(rows, -1, block))
+        return out
 
     def launch(self, reduction: int) -> StagedReduction:
         grads = self.bucket.grads
-        self._values.zero_()
-        self._values[: grads.numel()].copy_(grads)
+        count = grads.numel()
+        if self.settings.use_error_feedback:
+            torch.add(grads, self._send_error[:count], out=self._values[:count])
+        else:
+            self._values[:count].copy_(grads)
+        self._values[count:].zero_()  # the padding: the buffer held other ranks' shards since
         wire = self._encode(self._values, self._send_error)
         handles = [] if self._tail.numel() == 0 else [self.comm.allreduce_async_(self._tail, ReduceOp.SUM)]
         self._exchange = self.comm.alltoall_async(wire)
@@ -119,15 +130,19 @@ class _Int8Codec(BucketCodec):
         return StagedReduction(name, [*handles, self._exchange], stages, current_tag(), self.bucket.buffer)
 
     def _sum_own_shard(self):
-        shards = self._decode(self._exchange.wait()[0])
-        total = shards[0].clone()
+        shards = self._decode(self._exchange.wait()[0], self._values.view(self.comm.size, -1))
+        total = self._own_values
+        total.copy_(shards[0])
         for shard in shards[1:]:  # in rank order, so the sum is the same whatever the backend
             total.add_(shard)
+        if self.settings.use_error_feedback:
+            total.add_(self._own_error)
         self._exchange = self.comm.allgather_async(self._encode(total, self._own_error).view(-1))
         return [self._exchange]
 
     def _unpack(self):
-        values = self._decode(self._exchange.wait().view(self.comm.size, self._width)).view(-1)
+        wire = self._exchange.wait().view(self.comm.size, self._width)
+        values = self._decode(wire, self._values.view(self.comm.size, -1)).view(-1)
         grads = self.bucket.grads
         grads.copy_(values[: grads.numel()])
         self._exchange = None

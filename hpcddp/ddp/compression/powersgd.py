@@ -158,8 +158,11 @@ class _PowerSGDCodec(BucketCodec):
     def _decompress(self):
         share = 1.0 / self.comm.size
         for matrix in self._matrices:
-            approx = matrix.p @ matrix.q.t()
-            matrix.grad.copy_(approx)
+            if matrix.grad.dtype == torch.float32:
+                approx = torch.matmul(matrix.p, matrix.q.t(), out=matrix.grad)
+            else:
+                approx = matrix.p @ matrix.q.t()
+                matrix.grad.copy_(approx)
             if self.settings.use_error_feedback:
                 matrix.memory.sub_(approx, alpha=share)
         if not self.settings.warm_start:
