@@ -1,7 +1,8 @@
-"""Plot training-step time against link rate from ``hpcddp bench train --json`` files, one per
-rate (written by docs/across_nodes.sh, which records the rate in the file name).
+"""Plot training-step time against link rate from ``hpcddp bench train --json`` files (and
+docs/horovod_step.py's), one per rate and job (written by docs/across_nodes.sh, which records
+the rate in the file name); print the table of docs/BENCHMARKS.md with ``--table``.
 
-    python docs/render_across_nodes.py docs/across_nodes/train-*.json --out docs/across_nodes.png
+    python docs/render_across_nodes.py docs/across_nodes/*.json --out docs/across_nodes.png --table
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 LABELS = {
     "ddp": "torch DDP (gloo)",
     "ddp-hpcddp": "torch DDP (hpcddp backend)",
-    "horovod": "Horovod",
+    "ddp-powersgd": "torch DDP + PowerSGD hook (hpcddp backend)",
+    "horovod": "Horovod 0.28.1",
     "hpcddp": "hpcddp (default)",
     "hpcddp-fp16": "hpcddp, fp16 gradients",
+    "hpcddp-int8": "hpcddp, int8 gradients",
+    "hpcddp-powersgd": "hpcddp, PowerSGD rank 1",
     "local-sgd": "hpcddp, local SGD (average every 4)",
     "local": "no communication",
 }
@@ -40,11 +44,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--table", action="store_true", help="also print a markdown table (ms, ratio to DDP)")
     args = parser.parse_args()
     series: dict[str, list[tuple[float, float]]] = {}
     for path in args.files:
         for result in json.loads(path.read_text())["results"]:
             series.setdefault(result["variant"], []).append((gbits(path), result["step_ms"]))
+    if args.table:
+        print_table(series)
     figure, axes = plt.subplots(figsize=(7, 4.5))
     for variant, label in LABELS.items():
         points = sorted(series.get(variant, []))
@@ -61,6 +68,24 @@ def main() -> None:
     figure.tight_layout()
     figure.savefig(args.out, dpi=120)
     print(f"wrote {args.out}")
+
+
+def print_table(series: dict[str, list[tuple[float, float]]]) -> None:
+    """Print step ms (ratio to torch DDP on gloo at the same rate) per variant and rate."""
+    rates = sorted({rate for points in series.values() for rate, _ in points})
+    ddp = dict(series.get("ddp", []))
+    print("| variant | " + " | ".join(f"{r:g} Gbit/s" for r in rates) + " |")
+    print("|---|" + "---|" * len(rates))
+    for variant, label in LABELS.items():
+        by_rate = dict(series.get(variant, []))
+        if not by_rate:
+            continue
+        cells = []
+        for rate in rates:
+            ms = by_rate.get(rate)
+            ratio = f" ({ms / ddp[rate]:.2f})" if ms is not None and rate in ddp else ""
+            cells.append("-" if ms is None else f"{ms:.0f}{ratio}")
+        print(f"| {label} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

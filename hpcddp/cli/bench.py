@@ -240,8 +240,9 @@ def allreduce(min_size, max_size, iters, warmup, paths, span, out_of_place, json
     default="local,ddp,ddp-hpcddp,horovod,hpcddp",
     show_default=True,
     help="Comma-separated among local, ddp (torch DDP on gloo/nccl), ddp-hpcddp (torch DDP on the hpcddp "
-    "backend), horovod (skipped when it does not import), hpcddp, hpcddp-fp16 (fp16 gradients on the wire), "
-    "local-sgd (local steps, parameters averaged every 4).",
+    "backend), ddp-powersgd (the same with torch's PowerSGD hook, rank 1), horovod (skipped when it does not "
+    "import), hpcddp, hpcddp-fp16 (fp16 gradients on the wire), hpcddp-powersgd (rank 1, from the first step), "
+    "hpcddp-int8, local-sgd (local steps, parameters averaged every 4).",
 )
 @click.option(
     "--bucket-cap-mb",
