@@ -158,4 +158,5 @@ def probe_nonfinite(grads: torch.Tensor) -> torch.Tensor:
     reading the whole buffer would cost a pass over every gradient, every step.
     """
     stride = -(-grads.numel() // PROBE_SIZE)
-    return grads[::stride].sum(dtype=torch.float32)
+    # float64: a float32 sum of large finite gradients overflows and would report them as inf.
+    return grads[::stride].sum(dtype=torch.float64)

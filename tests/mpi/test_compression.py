@@ -220,3 +220,32 @@ def test_horovods_compression_namespace_reaches_the_optimizer():
     assert 0 < error < 2 / 127
     with pytest.raises(TypeError, match="hvd.Compression.powersgd works in hvd.DistributedOptimizer only"):
         hvd.allreduce(torch.ones(3), compression=hvd.Compression.powersgd)
+
+
+def test_int8_keeps_the_sign_of_subnormal_gradients():
+    # A block whose largest value is subnormal: max/127 rounds coarsely, quotients may exceed 127.
+    weight = torch.nn.Parameter(torch.zeros(4))
+    optimizer = hpcddp.DistributedOptimizer(torch.optim.SGD([weight], lr=0.0), [("w", weight)], compression="int8")
+    grad = torch.tensor([2e-42, 6e-43, -2e-42, 1.5e-42])
+    (weight * grad).sum().backward()
+    optimizer.close()
+    assert torch.equal(torch.sign(weight.grad), torch.sign(grad))
+    assert float((weight.grad - grad).abs().max()) <= 4 * 2e-42 / 127  # a few steps: subnormal scales are coarse
+
+
+def test_powersgd_sends_float64_tensors_uncompressed_in_float64():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(40, 30).double()
+    optimizer = hpcddp.DistributedOptimizer(
+        torch.optim.SGD(layer.parameters(), lr=0.0),
+        layer.named_parameters(),
+        compression=hpcddp.PowerSGD(start_powerSGD_iter=0),
+    )
+    x = torch.randn(8, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(hpcddp.rank())) / 3
+    layer(x).sum().backward()
+    optimizer.close()
+    exact = sum(MPI.COMM_WORLD.allgather(x.sum(0).numpy()))[None, :] / hpcddp.size()
+    bias_exact = 8.0  # d(sum)/d(bias) = batch size, the same on every rank
+    np.testing.assert_allclose(layer.bias.grad.numpy(), np.full(30, bias_exact), rtol=0, atol=1e-12)
+    assert layer.weight.grad.dtype == torch.float64
+    np.testing.assert_allclose(layer.weight.grad.numpy()[0], exact[0], rtol=1e-9)  # rank 1 of a rank-1 gradient

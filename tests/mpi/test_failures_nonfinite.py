@@ -60,3 +60,30 @@ def test_without_the_option_the_nan_reaches_every_rank(compression):
     optimizer, history = train(skip_nonfinite=False, compression=compression)
     assert optimizer.skipped_steps == 0
     assert not bool(history[-1].isfinite().all())
+
+
+@pytest.mark.parametrize("compression", [hpcddp.PowerSGD(start_powerSGD_iter=0), "int8"], ids=["powersgd", "int8"])
+@pytest.mark.parametrize("bad", ["one-inf-element", "finite-overflow"])
+def test_a_non_finite_reduction_leaves_no_trace_in_the_compression_memory(compression, bad):
+    # One inf where the local probe does not look (the reduction itself must notice), or finite
+    # gradients so large that compressing them may overflow: at most that step is skipped, and
+    # the next ones, with ordinary gradients, are not (the memory starts afresh on every rank).
+    weight = torch.nn.Parameter(torch.zeros(64, 64))
+    optimizer = hpcddp.DistributedOptimizer(
+        torch.optim.SGD([weight], lr=0.1), [("w", weight)], compression=compression, skip_nonfinite=True
+    )
+    for step in range(5):
+        optimizer.zero_grad()
+        grad = 0.01 + 0.001 * torch.arange(4096.0).view(64, 64) / 4096
+        if step == 1 and bad == "one-inf-element" and hpcddp.rank() == hpcddp.size() - 1:
+            grad.view(-1)[1] = float("inf")  # the probe reads every 4th element of this bucket
+        if step == 1 and bad == "finite-overflow":
+            grad = grad * 1e38
+        (weight * grad).sum().backward()
+        optimizer.step()
+        if step == 1:
+            skipped_at_the_bad_step = optimizer.skipped_steps
+    optimizer.close()
+    assert optimizer.skipped_steps == skipped_at_the_bad_step
+    assert optimizer.skipped_steps == 1 if bad == "one-inf-element" else optimizer.skipped_steps <= 1
+    assert bool(weight.isfinite().all())

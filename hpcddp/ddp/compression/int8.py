@@ -5,12 +5,15 @@ Per bucket and reduction (the scheme of Bagua's ByteGrad, with error feedback on
 1. x = G + E_send (G: the bucket's gradients, zero-padded to ``size`` shards of a
    whole number of blocks; E_send: what this rank's earlier quantisation left out);
 2. each block of ``block_size`` values is quantised to int8 with its own scale,
-   ``max|x| / 127`` (round half to even, zero scale for an all-zero block), and
+   ``max|x| / 127`` (round half to even, clamped to +-127, zero scale for an all-zero block), and
    E_send = x - dequantised;
 3. an alltoall sends shard r (its int8 values and float32 scales) to rank r, which
    dequantises the shards it received and sums them in rank order;
 4. the owner adds its E_own, quantises the sum the same way, keeps E_own = y - dequantised,
    and an allgather hands every rank every shard: the gradients become the dequantised sum.
+
+A non-finite gathered scale (an inf or NaN on some rank, in its gradient or its memory) gives a
+non-finite gradient for that reduction and starts every rank's memory afresh.
 
 The bucket's tail (used counters, control numbers) travels exactly, in an allreduce of its own.
 Traffic per rank: 2 (size - 1) / size bytes per gradient (plus 4 / ``block_size`` for
@@ -57,14 +60,15 @@ class Int8(Compressor):
 def _quantize_into(blocks: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     """Write the rounded quotients of ``blocks`` (float32, one row per block) into ``scratch``; return the scales.
 
-    |x / scale| <= 127 holds up to rounding of the scale, so round() never leaves int8's range.
-    An inf or NaN makes its block's scale non-finite, and the dequantised block with it.
+    The clamp matters for subnormal maxima only, whose scale max/127 rounds coarsely enough to
+    put a quotient above 127. An inf or NaN makes its block's scale non-finite, and the
+    dequantised block with it.
     """
     torch.abs(blocks, out=scratch)
     scales = scratch.amax(dim=1).div_(127)
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
     torch.div(blocks, divisor[:, None], out=scratch)
-    scratch.round_()
+    scratch.round_().clamp_(-127, 127)
     return scales
 
 
@@ -146,4 +150,8 @@ class _Int8Codec(BucketCodec):
         grads = self.bucket.grads
         grads.copy_(values[: grads.numel()])
         self._exchange = None
+        # The gathered scales are the same on every rank: a non-finite one (an inf or NaN in some
+        # rank's gradient or memory) gives a non-finite gradient now, and must not stay in the memory.
+        if not bool(torch.isfinite(wire[:, self._shard :].view(torch.float32)).all()):
+            self.reset()
         return []

@@ -4,12 +4,16 @@ Per bucket and reduction, as torch's ``powerSGD_hook`` does:
 
 1. every matrix-shaped gradient G (a tensor viewed as ``shape[0] x rest``) becomes
    M = G + E (E: what earlier reductions left out); P = M Q, with Q the last
-   reduction's (warm start) or random;
+   reduction's (warm start, its columns scaled to unit length) or random;
 2. one allreduce carries every P of the bucket, the tensors left uncompressed (1-D
    ones, and matrices too small to gain ``min_compression_rate``) and the bucket's tail;
 3. each summed P is orthonormalised (QR), Q = M^T P, and a second allreduce sums the Qs;
 4. the gradient becomes P Q^T, an approximation of the sum over the ranks, and
    E = M - P Q^T / size: summed over the ranks, the part of the sum left out.
+
+A summed P or Q with an inf or NaN (a non-finite gradient or overflow on any rank; every rank
+sees the same sums) makes that reduction's gradient non-finite and starts the memory afresh.
+Float64 gradients are factored in float64, the others in float32.
 
 The first Q of each bucket is drawn from ``torch.Generator().manual_seed(random_seed +
 bucket index)`` as one ``randn`` over the bucket's Qs in bucket order, the same on every rank.
@@ -82,8 +86,8 @@ class _Matrix:
         self.grad = view.view(rows, cols)
         self.p = p_all[p_at : p_at + rows * rank].view(rows, rank)
         self.q = q_all[q_at : q_at + cols * rank].view(cols, rank)
-        #: M while a reduction runs, the error E between reductions (float32)
-        self.memory = torch.zeros(rows, cols, dtype=torch.float32, device=view.device)
+        #: M while a reduction runs, the error E between reductions (the codec's dtype)
+        self.memory = torch.zeros(rows, cols, dtype=p_all.dtype, device=view.device)
 
 
 class _PowerSGDCodec(BucketCodec):
@@ -105,8 +109,11 @@ class _PowerSGDCodec(BucketCodec):
         tail = bucket.buffer[bucket.grads.numel() :]
         plain_size = sum(v.numel() for v in self._plain)
         # First allreduce: [P of each matrix | uncompressed gradients | tail]; second: [Q of each matrix].
-        self._first = torch.zeros(p_size + plain_size + tail.numel(), dtype=torch.float32, device=device)
-        self._second = torch.zeros(q_size, dtype=torch.float32, device=device)
+        # float32 at least (fp16/bf16 gradients are factored in float32), float64 for float64 models.
+        dtype = torch.float64 if bucket.buffer.dtype == torch.float64 else torch.float32
+        self._first = torch.zeros(p_size + plain_size + tail.numel(), dtype=dtype, device=device)
+        self._second = torch.zeros(q_size, dtype=dtype, device=device)
+        self._p_part = self._first[:p_size]
         self._plain_part = self._first[p_size : p_size + plain_size]
         self._tail_part, self._tail = self._first[p_size + plain_size :], tail
         self._matrices = [_Matrix(view, rank, p, q, self._first, self._second) for view, rank, p, q in shapes]
@@ -120,6 +127,7 @@ class _PowerSGDCodec(BucketCodec):
 
     def _draw_q(self) -> None:
         self._second.copy_(torch.randn(self._second.numel(), generator=self._generator))
+        self._poisoned = False
 
     def reset(self) -> None:
         for matrix in self._matrices:
@@ -150,6 +158,9 @@ class _PowerSGDCodec(BucketCodec):
         self._tail_part.copy_(self._tail)
 
     def _second_stage(self):
+        # The summed P is the same on every rank: so is the decision. An inf or NaN in any rank's
+        # gradient or memory shows here, and would stay in the memory for good.
+        self._poisoned = not bool(torch.isfinite(self._p_part).all())
         for matrix in self._matrices:
             matrix.p.copy_(torch.linalg.qr(matrix.p).Q)
             torch.matmul(matrix.memory.t(), matrix.p, out=matrix.q)
@@ -157,6 +168,7 @@ class _PowerSGDCodec(BucketCodec):
 
     def _decompress(self):
         share = 1.0 / self.comm.size
+        self._poisoned = self._poisoned or not bool(torch.isfinite(self._second).all())
         for matrix in self._matrices:
             if matrix.grad.dtype == torch.float32:
                 approx = torch.matmul(matrix.p, matrix.q.t(), out=matrix.grad)
@@ -165,8 +177,15 @@ class _PowerSGDCodec(BucketCodec):
                 matrix.grad.copy_(approx)
             if self.settings.use_error_feedback:
                 matrix.memory.sub_(approx, alpha=share)
-        if not self.settings.warm_start:
+        if self._poisoned:
+            self.reset()  # this reduction's gradient is non-finite (skip_nonfinite skips it); the next starts afresh
+        elif not self.settings.warm_start:
             self._draw_q()
+        else:
+            # Q = M^T P has M's magnitude, and the next P = M Q its square: unit columns keep it in
+            # range (P's QR ignores the scale of its columns, so the result is the same).
+            for matrix in self._matrices:
+                matrix.q.div_(torch.linalg.vector_norm(matrix.q, dim=0).clamp_min_(torch.finfo(matrix.q.dtype).tiny))
         at = 0
         for view in self._plain:
             view.copy_(self._plain_part[at : at + view.numel()].view_as(view))
