@@ -52,9 +52,10 @@ from ..comm.oplog import collective_tag
 from ..observe import timeline
 from .autograd_hooks import at_end_of_backward
 from .buckets import Bucket, adopt_grad, build_buckets, drop_unused_grads, probe_nonfinite
-from .compression import BucketCodec, Compressor, StagedReduction
+from .compression import Compressor
 from .consistency import check_same_parameters
 from .control import ControlNumbers
+from .sending import BucketSender
 from .slots import GradSlot, fill_bucket, reset_bucket_grads
 from .timing import ReductionTimes
 from .trainable import average_loose_grads, require_trainable, watch_frozen
@@ -76,8 +77,7 @@ class Reducer:
         bucket_cap_bytes: size limit of a bucket.
         first_bucket_bytes: size limit of the first bucket.
         wire_dtype: the dtype gradients travel in, or None.
-        compressor: the compression scheme (PowerSGD, int8) each bucket is reduced
-            with, or None for plain allreduces.
+        compressor: how buckets are compressed (PowerSGD, int8), or None.
         predivide: gradients are divided by this before the sum and the sum
             multiplied by ``predivide / size`` after it (op AVERAGE).
         backward_passes_per_step: reduce once every this many backward passes.
@@ -124,8 +124,7 @@ class Reducer:
         self._predivide = predivide
         self._lock = threading.RLock()
         self._bucket_args = (bucket_cap_bytes, first_bucket_bytes, wire_dtype)
-        self._compressor = compressor
-        self._codecs: list[BucketCodec | None] = []
+        self._sender = BucketSender(comm, compressor)
         self._record_timeline = record_timeline
         self._sync = True
         self._pass_open = False
@@ -235,9 +234,7 @@ class Reducer:
         self.close()
         cap, first, wire_dtype = self._bucket_args
         self._buckets = build_buckets([p for _, p in trainable], cap, first, wire_dtype, self._control.size)
-        # A rebuild starts the compression memory afresh (error feedback, warm start), on every rank alike.
-        compressor = self._compressor
-        self._codecs = [None if compressor is None else compressor.codec(b, self.comm) for b in self._buckets]
+        self._sender.rebuild(self._buckets)
         names = {id(p): name for name, p in trainable}
         self._slots = {}
         self._bucket_slots = []
@@ -334,14 +331,9 @@ class Reducer:
         self._local_sums[index] = probe_nonfinite(bucket.grads)
         if bucket.control is not None:
             self._control.write(bucket.control, self.has_data, self._saw_new_trainable, self._local_sums)
-        codec = self._codecs[index]
         with collective_tag(f"bucket {index} of step {self.steps_taken}", self.steps_taken):
             self.times.bucket_submit[index] = time.perf_counter()
-            handle = None if codec is None else codec.launch(self.num_reductions)
-            if handle is None:
-                payload = bucket.buffer if bucket.wire is None else bucket.wire.copy_(bucket.buffer)
-                handle = self.comm.allreduce_async_(payload, ReduceOp.SUM)
-            self._handles.append(handle)
+            self._handles.append(self._sender.start(bucket, self.num_reductions))
 
     # -- finishing ------------------------------------------------------------------------------
     def _finish(self, started: float) -> None:
@@ -351,21 +343,15 @@ class Reducer:
             started: when the wait began (the ``synchronize`` span of the timeline).
         """
         recorder = timeline.current() if self._record_timeline else None
-        for handle in self._handles:  # every compressed bucket's second collective in flight before any wait
-            if isinstance(handle, StagedReduction):
-                handle.advance()
+        self._sender.advance(self._handles)
         for bucket, handle in zip(self._buckets, self._handles):
             handle.wait()
             copy_out_start = time.perf_counter()
-            if bucket.wire is not None:
-                bucket.buffer.copy_(bucket.wire)
+            self._sender.copy_out(bucket)
             self.times.done(bucket, handle, copy_out_start, recorder, self.num_reductions)
         changed, self.active_ranks, self.nonfinite_ranks = self._control.read(self._buckets[-1].control)
         if self.nonfinite_ranks:
-            # An inf or NaN would stay in the compression memory and spoil every later step.
-            for codec in self._codecs:
-                if codec is not None:
-                    codec.reset()
+            self._sender.reset()
         self._postscale()
         if self.set_to_none and not self.zero_unused:
             for bucket in self._buckets:
@@ -380,12 +366,9 @@ class Reducer:
     def _postscale(self) -> None:
         if self._op is not ReduceOp.AVERAGE:
             return
-        divisor = self.comm.size
-        # hpcddp.join(): joined ranks sent zeros, so the average is over the ranks
-        # that still had data in this step.
-        if self.divide_by_active and 0 < self.active_ranks < divisor:
-            divisor = self.active_ranks
-        factor = self._predivide / divisor
+        # hpcddp.join(): joined ranks sent zeros, so the average is over the ranks that still had data.
+        active = self.divide_by_active and 0 < self.active_ranks < self.comm.size
+        factor = self._predivide / (self.active_ranks if active else self.comm.size)
         if factor != 1.0:
             for bucket in self._buckets:
                 bucket.grads.mul_(factor)
@@ -395,8 +378,7 @@ class Reducer:
         for slot in self._slots.values():
             slot.used = False
             slot.scaled = False
-        # The last bucket waits for the end of the pass: its control numbers must
-        # describe the whole pass.
+        # The last bucket waits for the end of the pass: its control numbers describe the whole pass.
         self._pending = [len(b.params) for b in self._buckets]
         if self._pending:
             self._pending[-1] += 1

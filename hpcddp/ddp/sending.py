@@ -1,0 +1,58 @@
+"""How a bucket travels: a plain allreduce (in its wire dtype, for fp16/bf16) or a compressor's codec."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..comm.base import Communicator, Handle, ReduceOp
+from .buckets import Bucket
+from .compression import BucketCodec, Compressor, StagedReduction
+
+__all__ = ["BucketSender"]
+
+
+class BucketSender:
+    """Starts each bucket's reduction and finishes it; holds the compression memory of every bucket.
+
+    Args:
+        comm: the communicator.
+        compressor: PowerSGD, int8 or None (plain allreduces).
+    """
+
+    def __init__(self, comm: Communicator, compressor: Compressor | None) -> None:
+        self.comm = comm
+        self.compressor = compressor
+        self._codecs: list[BucketCodec | None] = []
+
+    def rebuild(self, buckets: Sequence[Bucket]) -> None:
+        """Make a codec per bucket; new buckets start their compression memory afresh, on every rank alike."""
+        compressor = self.compressor
+        self._codecs = [None if compressor is None else compressor.codec(b, self.comm) for b in buckets]
+
+    def start(self, bucket: Bucket, reduction: int) -> Handle:
+        """Start summing ``bucket`` over the ranks (reduction number ``reduction``)."""
+        codec = self._codecs[bucket.index]
+        handle = None if codec is None else codec.launch(reduction)
+        if handle is None:
+            payload = bucket.buffer if bucket.wire is None else bucket.wire.copy_(bucket.buffer)
+            handle = self.comm.allreduce_async_(payload, ReduceOp.SUM)
+        return handle
+
+    @staticmethod
+    def advance(handles: Sequence[Handle]) -> None:
+        """Put every compressed bucket's next collective in flight before any bucket is waited for."""
+        for handle in handles:
+            if isinstance(handle, StagedReduction):
+                handle.advance()
+
+    @staticmethod
+    def copy_out(bucket: Bucket) -> None:
+        """After the wait: move a bucket sent in another dtype back into its buffer."""
+        if bucket.wire is not None:
+            bucket.buffer.copy_(bucket.wire)
+
+    def reset(self) -> None:
+        """Forget the compression memory of every bucket (after an inf or NaN, which would stay in it)."""
+        for codec in self._codecs:
+            if codec is not None:
+                codec.reset()
