@@ -100,7 +100,7 @@ def test_workload_rejects_unknown_models():
         (["allreduce", "--paths", "hpcddp,nccl2"], "--paths must list names among hpcddp, mpi4py, torch"),
         (
             ["train", "--variants", "local,fsdp"],
-            "--variants must list names among local, ddp, ddp-hpcddp, horovod, hpcddp",
+            "--variants must list names among local, ddp, ddp-hpcddp, ddp-powersgd, horovod, hpcddp",
         ),
         (["train", "--model", "resnet"], "'resnet' is not one of"),
         (["train", "--bucket-cap-mb", "0"], "--bucket-cap-mb"),
