@@ -120,11 +120,6 @@ class _PowerSGDCodec(BucketCodec):
         self._generator = torch.Generator().manual_seed(settings.random_seed + bucket.index)
         self._draw_q()
 
-    @property
-    def compresses(self) -> bool:
-        """True if some gradient of the bucket is a matrix worth compressing."""
-        return bool(self._matrices)
-
     def _draw_q(self) -> None:
         self._second.copy_(torch.randn(self._second.numel(), generator=self._generator))
         self._poisoned = False
@@ -170,7 +165,7 @@ class _PowerSGDCodec(BucketCodec):
         share = 1.0 / self.comm.size
         self._poisoned = self._poisoned or not bool(torch.isfinite(self._second).all())
         for matrix in self._matrices:
-            if matrix.grad.dtype == torch.float32:
+            if matrix.grad.dtype == matrix.p.dtype:
                 approx = torch.matmul(matrix.p, matrix.q.t(), out=matrix.grad)
             else:
                 approx = matrix.p @ matrix.q.t()
