@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import horovod.torch as hvd
 import torch
 
+from hpcddp.bench.metrics import median
 from hpcddp.bench.models import build_workload
+from hpcddp.bench.train import _time_run as time_run  # the bench's timing rule, so both measure alike
 
 
 def main() -> None:
@@ -40,19 +40,15 @@ def main() -> None:
         torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), named_parameters=model.named_parameters()
     )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    rounds = []
-    for _ in range(args.repeats):
-        samples = []
-        for index in range(args.warmup + args.steps):
-            start = time.perf_counter()
-            optimizer.zero_grad()
-            workload.loss(model).backward()
-            optimizer.step()
-            if index >= args.warmup:
-                samples.append(time.perf_counter() - start)
-        rounds.append(max(hvd.allgather_object(statistics.median(samples))) * 1e3)
+
+    def step():
+        optimizer.zero_grad()
+        workload.loss(model).backward()
+        optimizer.step()
+
+    rounds = [max(hvd.allgather_object(time_run(step, args.steps, args.warmup))) * 1e3 for _ in range(args.repeats)]
     if hvd.rank() == 0:
-        result = {"variant": "horovod", "step_ms": statistics.median(rounds), "runs_ms": rounds}
+        result = {"variant": "horovod", "step_ms": median(rounds), "runs_ms": rounds}
         print(json.dumps(result))
         if args.json:  # the layout of `hpcddp bench train --json`, which docs/render_across_nodes.py reads
             with open(args.json, "w") as out:

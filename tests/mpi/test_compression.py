@@ -164,7 +164,7 @@ def int8_reference(values, errors, block):
 @pytest.mark.parametrize("feedback", [True, False], ids=["error-feedback", "no-error-feedback"])
 def test_int8_matches_the_algorithm(feedback):
     block, n = 16, hpcddp.size()
-    send_errors = own_errors = None
+    send_errors, own_errors = {}, {}  # per bucket (keyed by its first parameter), per rank
     for reduced, grads, layout in run(hpcddp.Int8(block_size=block, use_error_feedback=feedback), 0.004):
         assert len(layout) > 1
         for members in layout:
@@ -172,9 +172,7 @@ def test_int8_matches_the_algorithm(feedback):
             flat = [np.concatenate([g[i].reshape(-1) / np.float32(n) for i in members]) for g in grads]
             count = flat[0].size
             shard = -(-count // (n * block)) * block
-            if send_errors is None or members[0] not in send_errors:
-                send_errors = {} if send_errors is None else send_errors
-                own_errors = {} if own_errors is None else own_errors
+            if members[0] not in send_errors:
                 send_errors[members[0]] = [np.zeros(n * shard, np.float32) for _ in range(n)]
                 own_errors[members[0]] = [np.zeros(shard, np.float32) for _ in range(n)]
             sent = []

@@ -94,7 +94,7 @@ class _PowerSGDCodec(BucketCodec):
     def __init__(self, settings: PowerSGD, bucket: Bucket, comm: Communicator) -> None:
         self.settings, self.bucket, self.comm = settings, bucket, comm
         device = bucket.buffer.device
-        shapes, self._plain = [], []
+        shapes, plain = [], []
         p_size = q_size = 0
         for view in bucket.views:
             rows = view.shape[0] if view.dim() >= 2 else 0
@@ -105,17 +105,18 @@ class _PowerSGDCodec(BucketCodec):
                 p_size += rows * rank
                 q_size += cols * rank
             else:
-                self._plain.append(view.reshape(-1))
+                plain.append(view)
         tail = bucket.buffer[bucket.grads.numel() :]
-        plain_size = sum(v.numel() for v in self._plain)
+        plain_size = sum(view.numel() for view in plain)
         # First allreduce: [P of each matrix | uncompressed gradients | tail]; second: [Q of each matrix].
         # float32 at least (fp16/bf16 gradients are factored in float32), float64 for float64 models.
         dtype = torch.float64 if bucket.buffer.dtype == torch.float64 else torch.float32
         self._first = torch.zeros(p_size + plain_size + tail.numel(), dtype=dtype, device=device)
         self._second = torch.zeros(q_size, dtype=dtype, device=device)
         self._p_part = self._first[:p_size]
-        self._plain_part = self._first[p_size : p_size + plain_size]
-        self._tail_part, self._tail = self._first[p_size + plain_size :], tail
+        # (gradient view, its slot in the first allreduce) for each tensor sent as it is, then the tail
+        slots = self._first[p_size:].split([view.numel() for view in plain] + [tail.numel()])
+        self._exact = [(view, slot.view_as(view)) for view, slot in zip([*plain, tail], slots)]
         self._matrices = [_Matrix(view, rank, p, q, self._first, self._second) for view, rank, p, q in shapes]
         self._generator = torch.Generator().manual_seed(settings.random_seed + bucket.index)
         self._draw_q()
@@ -146,11 +147,8 @@ class _PowerSGDCodec(BucketCodec):
         )
 
     def _pack(self) -> None:
-        at = 0
-        for view in self._plain:
-            self._plain_part[at : at + view.numel()].copy_(view)
-            at += view.numel()
-        self._tail_part.copy_(self._tail)
+        for view, slot in self._exact:
+            slot.copy_(view)
 
     def _second_stage(self):
         # The summed P is the same on every rank: so is the decision. An inf or NaN in any rank's
@@ -181,9 +179,6 @@ class _PowerSGDCodec(BucketCodec):
             # range (P's QR ignores the scale of its columns, so the result is the same).
             for matrix in self._matrices:
                 matrix.q.div_(torch.linalg.vector_norm(matrix.q, dim=0).clamp_min_(torch.finfo(matrix.q.dtype).tiny))
-        at = 0
-        for view in self._plain:
-            view.copy_(self._plain_part[at : at + view.numel()].view_as(view))
-            at += view.numel()
-        self._tail.copy_(self._tail_part)
+        for view, slot in self._exact:
+            view.copy_(slot)
         return []
