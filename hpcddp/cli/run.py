@@ -31,11 +31,43 @@ __all__ = ["run"]
     metavar="NAME[=VALUE]",
     help="Set or forward a variable on every rank (repeatable); HPCDDP_*, NCCL_*, OMP_*, PATH ... go anyway.",
 )
+@click.option("--min-np", type=int, help="Elastic: fewest ranks to go on with after hosts fail (default -np).")
+@click.option(
+    "--max-np", type=int, help="Elastic: most ranks to grow to when hosts come (default -np; all with discovery)."
+)
+@click.option(
+    "--host-discovery-script",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Elastic: a program printing the hosts available now, one host:slots a line (polled every second).",
+)
+@click.option("--reset-limit", type=int, help="Elastic: most restarts of the job (default no limit).")
+@click.option(
+    "--elastic-timeout",
+    type=float,
+    default=600.0,
+    show_default=True,
+    help="Elastic: seconds to wait for --min-np slots.",
+)
 @click.option("--no-bind", is_flag=True, help="Do not bind ranks to cores (single host).")
 @click.option("--dry-run", is_flag=True, help="Print the command and exit.")
 @click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def run(num_proc, hosts, hostfile, launcher, env, no_bind, dry_run, script, args) -> None:
+def run(
+    num_proc,
+    hosts,
+    hostfile,
+    launcher,
+    env,
+    min_np,
+    max_np,
+    host_discovery_script,
+    reset_limit,
+    elastic_timeout,
+    no_bind,
+    dry_run,
+    script,
+    args,
+) -> None:
     """Run SCRIPT [ARGS...] on every rank and exit with the job's exit code.
 
     SCRIPT is a Python file (run with this Python) or any command:
@@ -50,21 +82,47 @@ def run(num_proc, hosts, hostfile, launcher, env, no_bind, dry_run, script, args
     binds each rank to cores // ranks cores (hpcddp.init() uses them as threads).
     Signals (TERM, USR1, ...) are passed on to every rank; the exit code is the
     job's: 130 after Ctrl-C, and 1 when ranks were lost although mpirun claims 0.
+
+    With --min-np, --max-np or --host-discovery-script the job is elastic (Horovod's
+    hvd.elastic API): when a rank or a node is lost the job starts again on the hosts
+    left, from the last commit, and it grows back when hosts return.
     """
     from .launch import LaunchConfig, build_launch_command, program_command
 
     if script.startswith("-"):  # ignore_unknown_options passes a mistyped option on as the script
         raise click.UsageError(f"no such option: {script} (see hpcddp run --help)")
+    elastic = min_np is not None or max_np is not None or host_discovery_script is not None
     try:
         config = LaunchConfig(
             num_proc=num_proc, hosts=hosts, hostfile=hostfile, launcher=launcher, env=env, bind=not no_bind
         )
-        command, environ = build_launch_command(config, program_command(script, args))
+        if not elastic:
+            command, environ = build_launch_command(config, program_command(script, args))
     except ValueError as err:
         raise click.UsageError(str(err)) from None
     except FileNotFoundError as err:
         raise click.ClickException(str(err)) from None
     _check_program(script)
+    if elastic:
+        if dry_run:
+            raise click.UsageError("--dry-run shows one launch; an elastic job has many: drop --dry-run")
+        from .elastic import run_elastic
+
+        sys.exit(
+            run_elastic(
+                num_proc=num_proc,
+                min_np=min_np,
+                max_np=max_np,
+                host_discovery_script=host_discovery_script,
+                reset_limit=reset_limit,
+                elastic_timeout=elastic_timeout,
+                hosts=hosts,
+                hostfile=hostfile,
+                launcher=launcher,
+                env=env,
+                program=program_command(script, args),
+            )
+        )
     if dry_run:
         click.echo(shlex.join(command))
         return

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from .base import ClusterEnvironment, RankLayout, Rendezvous, read_int
 from .network import interface_towards, list_interfaces
 
-__all__ = ["SlurmEnvironment", "expand_nodelist", "node_address"]
+__all__ = ["SlurmEnvironment", "expand_nodelist", "expand_tasks_per_node", "node_address"]
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -108,15 +108,19 @@ def node_address(node: str) -> str:
     return match.group(1) if match else node
 
 
-def _tasks_on_this_node(env: Mapping[str, str], world_size: int, num_nodes: int) -> int:
-    # SLURM_STEP_TASKS_PER_NODE looks like "2(x3),1": expand and pick our node.
-    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+def expand_tasks_per_node(spec: str) -> list[int]:
+    """Expand Slurm's ``SLURM_TASKS_PER_NODE`` form, e.g. ``2(x3),1`` -> [2, 2, 2, 1] (up to a malformed part)."""
     counts: list[int] = []
     for part in filter(None, spec.split(",")):
         match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
         if not match:
             break
         counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts
+
+
+def _tasks_on_this_node(env: Mapping[str, str], world_size: int, num_nodes: int) -> int:
+    counts = expand_tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "")
     node = read_int(env, "SLURM_NODEID", 0)
     if node < len(counts):
         return counts[node]

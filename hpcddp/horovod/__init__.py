@@ -24,6 +24,7 @@ from .basics import (
     Adasum,
     Average,
     HorovodInternalError,
+    HostsUpdatedInterrupt,
     Max,
     Min,
     Product,
@@ -67,6 +68,7 @@ from .ops import (
 from .optimizer import DistributedOptimizer, join
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .sync_batch_norm import SyncBatchNorm
+from . import elastic  # noqa: E402 - hvd.elastic, as in horovod.torch
 from .vector_ops import (
     allgather,
     allgather_async,
@@ -87,10 +89,10 @@ from .vector_ops import (
 
 __all__ = [
     "Adasum", "Average", "BF16Compressor", "Compression", "Compressor", "DistributedOptimizer", "FP16Compressor",
-    "HorovodInternalError", "Max", "Min", "NoneCompressor", "Product", "ProcessSet", "Sum", "SyncBatchNorm",
+    "HorovodInternalError", "HostsUpdatedInterrupt", "Max", "Min", "NoneCompressor", "Product", "ProcessSet", "Sum", "SyncBatchNorm",
     "add_process_set", "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
     "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
-    "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
+    "broadcast_async", "broadcast_async_", "elastic", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
     "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "global_process_set", "gloo_built",
     "gloo_enabled", "grouped_allgather", "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async",

@@ -8,7 +8,7 @@ from ..comm.base import ReduceOp
 from ..runtime import lifecycle, state
 
 __all__ = [
-    "Adasum", "Average", "HorovodInternalError", "Max", "Min", "Product", "Sum", "ccl_built", "cross_rank",
+    "Adasum", "Average", "HorovodInternalError", "HostsUpdatedInterrupt", "Max", "Min", "Product", "Sum", "ccl_built", "cross_rank",
     "cross_size", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "init", "is_initialized", "local_rank",
     "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "rocm_built",
     "shutdown", "size", "start_timeline", "stop_timeline",
@@ -25,6 +25,18 @@ Adasum = "adasum"
 
 class HorovodInternalError(RuntimeError):
     """Horovod's error for a failed collective; hpcddp raises CollectiveMismatchError (also a RuntimeError)."""
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Raised by ``state.commit()`` on every rank when hosts were added or removed (Horovod's elastic API).
+
+    Args:
+        skip_sync: True when hosts were only removed: the ranks left hold the same state.
+    """
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("the hosts of the elastic job changed")
+        self.skip_sync = skip_sync
 
 
 # (cross_rank, cross_size), computed collectively by init() (or the first call).

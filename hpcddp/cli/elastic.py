@@ -1,0 +1,69 @@
+"""``hpcddp run --min-np``: the elastic options, turned into an ElasticDriver."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+import click
+
+from ..elastic.driver import ElasticConfig, ElasticDriver
+from ..elastic.hosts import Host, HostPool, parse_hosts, read_hostfile, slurm_hosts
+from ..elastic.launchers import JobLauncher
+
+__all__ = ["ELASTIC_OPTIONS", "run_elastic"]
+
+#: the ``hpcddp run`` options that make a job elastic
+ELASTIC_OPTIONS = ("min_np", "max_np", "host_discovery_script")
+
+
+def run_elastic(
+    *,
+    num_proc: int | None,
+    min_np: int | None,
+    max_np: int | None,
+    host_discovery_script: str | None,
+    reset_limit: int | None,
+    elastic_timeout: float,
+    hosts: str | None,
+    hostfile: str | None,
+    launcher: str,
+    env: Sequence[str],
+    program: Sequence[str],
+    environ: Mapping[str, str] | None = None,
+) -> int:
+    """Run ``program`` as an elastic job and return its exit code (``hpcddp run``'s options, one to one)."""
+    environ = dict(os.environ if environ is None else environ)
+    in_slurm = bool(environ.get("SLURM_JOB_ID"))
+    if launcher == "auto":
+        launcher = "srun" if in_slurm and not (hosts or hostfile) else "mpirun"
+    try:
+        config = ElasticConfig(
+            min_np=min_np or num_proc or 1,
+            max_np=max_np if max_np is not None else (num_proc if host_discovery_script is None else None),
+            reset_limit=reset_limit,
+            elastic_timeout=elastic_timeout,
+        )
+        pool = HostPool(
+            hosts=None if host_discovery_script else _fixed_hosts(hosts, hostfile, in_slurm, num_proc, environ),
+            discovery_script=host_discovery_script,
+        )
+        job_launcher = JobLauncher(launcher, env, environ)
+    except ValueError as err:
+        raise click.UsageError(str(err)) from None
+    return ElasticDriver(config, pool, job_launcher, program).run()
+
+
+def _fixed_hosts(
+    hosts: str | None, hostfile: str | None, in_slurm: bool, num_proc: int | None, environ: Mapping[str, str]
+) -> list[Host]:
+    if hosts:
+        return parse_hosts(hosts)
+    if hostfile:
+        return read_hostfile(hostfile)
+    if in_slurm:
+        return slurm_hosts(environ)
+    if num_proc is None:
+        raise ValueError("-np is required for an elastic job on this host alone: hpcddp run -np 4 --min-np 2 ...")
+    # One host: a lost rank is started again here (this host passes its health check).
+    return [Host("localhost", num_proc)]

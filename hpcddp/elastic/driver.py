@@ -1,0 +1,337 @@
+"""The elastic driver: run a job on the hosts it has, and start it again when hosts fail or change.
+
+``hpcddp run -np 4 --min-np 2 ...`` runs this in place of a single launch. Each start
+is one mpirun (or srun) over the hosts available then; its ranks connect to the
+driver (``hpcddp.elastic.monitor``). When a rank's process dies, or a node goes silent,
+the driver stops the job, blacklists the hosts that fail a health check, and starts the
+job again on the rest (at least ``min_np`` ranks) while the new ranks resume from the
+last commit that survived on some node (``hpcddp.elastic.commits``). When a discovery
+script adds or drops hosts, the ranks are told; they leave at their next commit and the
+driver starts them again on the new hosts.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..env.elastic import DRIVER_VARIABLE, LAUNCH_VARIABLE, RUN_VARIABLE, TOKEN_VARIABLE
+from .hosts import Host, HostPool
+from .launchers import JobLauncher
+from .monitor import DriverServer, RankRecord
+from .protocol import HostUpdate
+
+__all__ = ["ElasticConfig", "ElasticDriver"]
+
+#: failures in a row without a new commit between them before the driver gives up
+MAX_FAILURES_WITHOUT_PROGRESS = 3
+_POLL_S = 0.1
+_DISCOVERY_INTERVAL_S = 1.0
+_KILL_GRACE_S = 3.0
+_RESTART_GRACE_S = 20.0
+
+
+@dataclass(kw_only=True)
+class ElasticConfig:
+    """How an elastic job may grow and shrink (``hpcddp run`` options of the same names)."""
+
+    min_np: int
+    """Fewest ranks the job may run with (--min-np)."""
+
+    max_np: int | None = None
+    """Most ranks it may run with (--max-np); None: every slot available."""
+
+    reset_limit: int | None = None
+    """How many times the job may be started again (--reset-limit); None: no limit."""
+
+    elastic_timeout: float = 600.0
+    """Seconds to wait for ``min_np`` slots before giving up (--elastic-timeout)."""
+
+    beat_timeout: float = 5.0
+    """Seconds without a beat from every rank on a host before the host is checked."""
+
+    def __post_init__(self) -> None:
+        if self.min_np < 1:
+            raise ValueError(f"--min-np must be >= 1, got {self.min_np}")
+        if self.max_np is not None and self.max_np < self.min_np:
+            raise ValueError(f"--max-np must be >= --min-np ({self.min_np}), got {self.max_np}")
+        if self.reset_limit is not None and self.reset_limit < 0:
+            raise ValueError(f"--reset-limit must be >= 0, got {self.reset_limit}")
+
+
+@dataclass
+class _Outcome:
+    kind: str  # finished, error, stopped, restart, failed
+    code: int = 0
+    failed_hosts: frozenset[str] = frozenset()
+    commit: int = -1
+
+
+def _log(message: str) -> None:
+    sys.stderr.write(f"[hpcddp run] elastic {time.strftime('%H:%M:%S')}: {message}\n")
+    sys.stderr.flush()
+
+
+class ElasticDriver:
+    """Supervise an elastic job (see the module's docstring).
+
+    Args:
+        config: the elastic limits.
+        pool: the hosts.
+        launcher: how a start reaches them.
+        program: the command every rank runs.
+    """
+
+    def __init__(self, config: ElasticConfig, pool: HostPool, launcher: JobLauncher, program: Sequence[str]) -> None:
+        self.config = config
+        self.pool = pool
+        self.launcher = launcher
+        self.program = list(program)
+        self.run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{secrets.token_hex(3)}"
+        self._token = secrets.token_hex(16)
+        self._stop_signal: int | None = None
+        self._proc: subprocess.Popen | None = None
+
+    def run(self) -> int:
+        """Run the job to its end and return its exit code."""
+        server = DriverServer(self._token)
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+        try:
+            return self._supervise(server)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            server.close()
+
+    def _supervise(self, server: DriverServer) -> int:
+        launch, failures, last_commit = 0, 0, -1
+        while True:
+            hosts = self._wait_for_slots()
+            if hosts is None:
+                return 1
+            outcome = self._run_launch(server, launch, hosts)
+            if outcome.kind in ("finished", "error", "stopped"):
+                return outcome.code
+            if outcome.failed_hosts:
+                self.pool.fail(sorted(outcome.failed_hosts))
+                _log(f"blacklisted {', '.join(sorted(outcome.failed_hosts))}")
+            if outcome.kind == "failed":
+                failures = 0 if outcome.commit > last_commit else failures + 1
+                if failures >= MAX_FAILURES_WITHOUT_PROGRESS:
+                    _log(f"{failures} failures in a row without a new commit: giving up (exit {outcome.code or 1})")
+                    return outcome.code or 1
+            last_commit = max(last_commit, outcome.commit)
+            launch += 1
+            if self.config.reset_limit is not None and launch > self.config.reset_limit:
+                _log(f"--reset-limit {self.config.reset_limit} reached: giving up")
+                return outcome.code or 1
+
+    def _wait_for_slots(self) -> list[Host] | None:
+        """Return the hosts of the next start (slots trimmed to max_np), or None after elastic_timeout."""
+        deadline = time.monotonic() + self.config.elastic_timeout
+        said = False
+        while self._stop_signal is None:
+            hosts = self.pool.discover()
+            if sum(h.slots for h in hosts) >= self.config.min_np:
+                return self._assign(hosts)
+            if not said:
+                _log(f"waiting for {self.config.min_np} slots (have {sum(h.slots for h in hosts)})")
+                said = True
+            if time.monotonic() > deadline:
+                _log(f"fewer than --min-np {self.config.min_np} slots for {self.config.elastic_timeout:g} s: giving up")
+                return None
+            time.sleep(_DISCOVERY_INTERVAL_S)
+        return None
+
+    def _assign(self, hosts: list[Host]) -> list[Host]:
+        left = self.config.max_np if self.config.max_np is not None else sum(h.slots for h in hosts)
+        assigned = []
+        for host in hosts:
+            take = min(host.slots, left)
+            if take > 0:
+                assigned.append(Host(host.name, take))
+                left -= take
+        return assigned
+
+    def _run_launch(self, server: DriverServer, launch: int, hosts: list[Host]) -> _Outcome:
+        server.begin_launch(launch)
+        num_proc = sum(h.slots for h in hosts)
+        variables = {
+            DRIVER_VARIABLE: f"{','.join(server.addresses)}:{server.port}",
+            TOKEN_VARIABLE: self._token,
+            RUN_VARIABLE: self.run_id,
+            LAUNCH_VARIABLE: str(launch),
+        }
+        command, environ = self.launcher.command(hosts, self.program, variables)
+        _log(f"start {launch}: {num_proc} ranks on {', '.join(map(str, hosts))}")
+        self._proc = proc = subprocess.Popen(command, env=environ, start_new_session=True)
+        names = {h.name for h in hosts}
+        watch = _HostWatch(self.pool, names, self.config, launch)
+        restart_since = None
+        checked: dict[str, float] = {}
+        try:
+            while proc.poll() is None:
+                time.sleep(_POLL_S)
+                if self._stop_signal is not None:
+                    return _Outcome("stopped", self._wait_stopped(proc))
+                records = server.records()
+                done = any(r.ended == "done" for r in records.values())
+                if not done and any(r.ended == "lost" for r in records.values()):
+                    time.sleep(0.5)  # a rank that failed says so before its abort takes the others
+                    records = server.records()
+                    if any(r.ended == "error" for r in records.values()):
+                        return self._stop(proc, "error", frozenset(), records)
+                    _log(f"lost rank(s) {_describe(records, 'lost')}: stopping the job")
+                    return self._after_failure(proc, names, records)
+                now = time.monotonic()
+                silent = {
+                    h
+                    for h in _silent_hosts(records, self.config.beat_timeout)
+                    if now - checked.get(h, -1e9) > self.config.beat_timeout
+                }
+                if silent:
+                    checked.update(dict.fromkeys(silent, now))
+                    failed = self.launcher.failed_hosts(sorted(silent))
+                    if failed:
+                        _log(f"no word from the ranks on {', '.join(sorted(failed))}, which fail a health check")
+                        return self._stop(proc, "failed", failed, records)
+                    _log(
+                        f"no word from the ranks on {', '.join(sorted(silent))} for {self.config.beat_timeout:g} s, "
+                        "but the hosts pass a health check: the job goes on"
+                    )
+                if restart_since is None and any(r.ended == "restart" for r in records.values()):
+                    restart_since = time.monotonic()
+                if restart_since is not None and time.monotonic() - restart_since > _RESTART_GRACE_S:
+                    return self._stop(proc, "restart", frozenset(), records)
+                update = watch.poll()
+                if update:
+                    server.notify(time.time(), update)
+            return self._after_exit(server, proc.returncode, names)
+        finally:
+            _kill_group(proc)
+            self._proc = None
+
+    def _after_exit(self, server: DriverServer, code: int, names: set[str]) -> _Outcome:
+        deadline = time.monotonic() + 2.0
+        records = server.records()
+        while time.monotonic() < deadline and any(r.ended is None for r in records.values()):
+            time.sleep(_POLL_S)
+            records = server.records()
+        commit = max((r.commit for r in records.values()), default=-1)
+        ended = [r.ended for r in records.values()]
+        code = code if code >= 0 else 128 - code
+        if self._stop_signal is not None:
+            return _Outcome("stopped", code)
+        if ended and all(e == "done" for e in ended):
+            return _Outcome("finished", code, commit=commit)
+        if "error" in ended:
+            return _Outcome("error", code or 1, commit=commit)
+        if "restart" in ended:
+            return _Outcome("restart", code, commit=commit)
+        if not records:
+            _log(f"the job exited {code} before any rank reached hvd.elastic.run: not restarting it")
+            return _Outcome("error", code or 1)
+        _log(f"the job exited {code} with rank(s) {_describe(records, None, 'lost')} unfinished")
+        failed = frozenset(self.launcher.failed_hosts(sorted(names)))
+        return _Outcome("failed", code or 1, failed, commit)
+
+    def _after_failure(self, proc: subprocess.Popen, names: set[str], records: dict[int, RankRecord]) -> _Outcome:
+        _kill_group(proc)
+        started = time.monotonic()
+        failed = frozenset(self.launcher.failed_hosts(sorted(names)))
+        _log(
+            f"health check of {', '.join(sorted(names))} in {time.monotonic() - started:.1f} s: "
+            + (f"{', '.join(sorted(failed))} failed" if failed else "every host works")
+        )
+        return _Outcome("failed", 1, failed, max((r.commit for r in records.values()), default=-1))
+
+    def _stop(self, proc, kind: str, failed, records: dict[int, RankRecord]) -> _Outcome:
+        _kill_group(proc)
+        return _Outcome(kind, 1, frozenset(failed), max((r.commit for r in records.values()), default=-1))
+
+    def _wait_stopped(self, proc: subprocess.Popen) -> int:
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            code = proc.wait()
+        return code if code >= 0 else 128 - code
+
+    def _on_signal(self, signum, _frame) -> None:
+        # A scheduler's or a user's stop ends the elastic job: pass it on, start nothing again.
+        self._stop_signal = signum
+        if self._proc is not None and self._proc.poll() is None:
+            try:
+                os.killpg(self._proc.pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+class _HostWatch:
+    """Compare the hosts available now with those of the current start (at most once a second)."""
+
+    def __init__(self, pool: HostPool, used: set[str], config: ElasticConfig, launch: int) -> None:
+        self._pool, self._used, self._config = pool, used, config
+        self._next = time.monotonic() + _DISCOVERY_INTERVAL_S
+        self._told = HostUpdate.no_update
+
+    def poll(self) -> HostUpdate:
+        if time.monotonic() < self._next:
+            return HostUpdate.no_update
+        self._next = time.monotonic() + _DISCOVERY_INTERVAL_S
+        try:
+            available = {h.name: h.slots for h in self._pool.discover()}
+        except RuntimeError as err:
+            _log(f"{err} (the hosts stay as they are)")
+            return HostUpdate.no_update
+        update = HostUpdate.no_update
+        if self._used - set(available):
+            update |= HostUpdate.removed
+        used_slots = sum(available.get(name, 0) for name in self._used)
+        room = self._config.max_np is None or used_slots < self._config.max_np
+        if set(available) - self._used and room:
+            update |= HostUpdate.added
+        if update == self._told:
+            return HostUpdate.no_update
+        self._told = update
+        if update:
+            _log(f"hosts changed ({update.name}): the ranks start again at their next commit")
+        return update
+
+
+def _silent_hosts(records: dict[int, RankRecord], timeout: float) -> set[str]:
+    now = time.monotonic()
+    by_host: dict[str, list[RankRecord]] = {}
+    for record in records.values():
+        by_host.setdefault(record.host, []).append(record)
+    return {
+        host for host, ranks in by_host.items() if all(r.ended is None and now - r.last_seen > timeout for r in ranks)
+    }
+
+
+def _describe(records: dict[int, RankRecord], *kinds) -> str:
+    return ", ".join(
+        f"{r.rank} on {r.host}" for r in sorted(records.values(), key=lambda r: r.rank) if r.ended in kinds
+    )
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Stop the launcher and every process it started on this host: TERM, then KILL after a grace."""
+    if proc.poll() is not None:
+        return
+    for signum, wait in ((signal.SIGTERM, _KILL_GRACE_S), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue

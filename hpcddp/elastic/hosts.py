@@ -1,0 +1,128 @@
+"""Which hosts an elastic job may use: a fixed list or a discovery script, less the hosts that failed.
+
+A host whose ranks failed is blacklisted, as Horovod's driver does. With a discovery
+script a blacklisted host is taken back once the script has stopped listing it and
+lists it again (the node went away and returned, e.g. rebooted or replaced); a fixed
+list never takes it back.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ..env.slurm import expand_nodelist, expand_tasks_per_node
+
+__all__ = ["Host", "HostPool", "parse_host_lines", "parse_hosts", "read_hostfile", "slurm_hosts"]
+
+_DISCOVERY_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Host:
+    """A host and the ranks it may run."""
+
+    name: str
+    slots: int
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.slots}"
+
+
+def _host(item: str, what: str, default_slots: int | None) -> Host:
+    name, sep, slots = item.strip().partition(":")
+    if not sep:
+        if default_slots is None:
+            raise ValueError(f"{what}: {item!r} names no slots: write host:slots, e.g. {name}:2")
+        return Host(name, default_slots)
+    if not name or not slots.isdigit() or int(slots) < 1:
+        raise ValueError(f"{what}: {item!r} is not host:slots with slots >= 1, e.g. node1:2")
+    return Host(name, int(slots))
+
+
+def parse_hosts(spec: str) -> list[Host]:
+    """Parse mpirun's ``-H node1:2,node2:2`` (a host without slots has 1)."""
+    return [_host(item, "-H/--hosts", 1) for item in spec.split(",") if item.strip()]
+
+
+def parse_host_lines(text: str, what: str = "the host discovery script") -> list[Host]:
+    """Parse ``host:slots`` lines (Horovod's discovery format); blank lines and # comments are skipped."""
+    hosts = []
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            hosts.append(_host(line, what, None))
+    return hosts
+
+
+def read_hostfile(path: str) -> list[Host]:
+    """Read an Open MPI hostfile (``node1 slots=2`` lines; a host without slots has 1)."""
+    hosts = []
+    with open(path) as f:
+        for line in f:
+            words = line.split("#", 1)[0].split()
+            if not words:
+                continue
+            slots = 1
+            for word in words[1:]:
+                key, _, value = word.partition("=")
+                if key in ("slots", "max_slots", "max-slots") and value.isdigit() and key == "slots":
+                    slots = int(value)
+            hosts.append(Host(words[0], slots))
+    return hosts
+
+
+def slurm_hosts(environ: Mapping[str, str]) -> list[Host]:
+    """Return the nodes of this Slurm allocation with their tasks (SLURM_JOB_NODELIST, SLURM_TASKS_PER_NODE)."""
+    names = expand_nodelist(environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST") or "")
+    counts = expand_tasks_per_node(environ.get("SLURM_TASKS_PER_NODE", ""))
+    if not names or len(counts) != len(names):
+        raise ValueError(
+            "cannot tell the allocation's nodes and tasks from SLURM_JOB_NODELIST/SLURM_TASKS_PER_NODE: "
+            "give -H or --hostfile"
+        )
+    return [Host(name, count) for name, count in zip(names, counts)]
+
+
+class HostPool:
+    """The hosts an elastic job may use now.
+
+    Args:
+        hosts: a fixed list, or None with ``discovery_script``.
+        discovery_script: a program that prints the hosts available now, one ``host:slots`` a line.
+    """
+
+    def __init__(self, hosts: Sequence[Host] | None = None, discovery_script: str | None = None) -> None:
+        if (hosts is None) == (discovery_script is None):
+            raise ValueError("give the hosts (-H/--hostfile) or --host-discovery-script, one of the two")
+        self._fixed = list(hosts) if hosts is not None else None
+        self._script = discovery_script
+        self.blacklist: set[str] = set()
+        self._listed: set[str] = set()
+
+    def discover(self) -> list[Host]:
+        """Return the hosts that may be used now, in the order listed, without blacklisted ones."""
+        listed = self._fixed if self._fixed is not None else self._run_script()
+        names = {host.name for host in listed}
+        # A blacklisted host that the script dropped and lists again has come back.
+        self.blacklist -= names - self._listed
+        self._listed = names
+        return [host for host in listed if host.name not in self.blacklist]
+
+    def fail(self, names: Sequence[str]) -> None:
+        """Blacklist hosts whose ranks failed."""
+        self.blacklist.update(names)
+
+    def _run_script(self) -> list[Host]:
+        try:
+            done = subprocess.run(
+                [self._script], capture_output=True, text=True, timeout=_DISCOVERY_TIMEOUT_S, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired) as err:
+            raise RuntimeError(f"--host-discovery-script {self._script} failed: {err}") from None
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"--host-discovery-script {self._script} exited {done.returncode}: {done.stderr.strip()[-300:]}"
+            )
+        return parse_host_lines(done.stdout, f"--host-discovery-script {self._script}")

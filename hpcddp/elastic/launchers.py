@@ -1,0 +1,89 @@
+"""How the elastic driver starts the job on a set of hosts, and checks that a host still works.
+
+mpirun gets the hosts as ``-H host:slots,...``; srun (inside a Slurm allocation, whose
+job must survive a node's loss: ``sbatch --no-kill``) gets them as ``--nodelist``. A host
+is healthy when the same launcher can run ``true`` on it within a few seconds: that needs
+the node up, its launcher daemon able to start and its network to reach this host, which
+is what the job needs.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+
+from ..cli.launch import LaunchConfig, build_launch_command, mpirun_command
+from .hosts import Host
+
+__all__ = ["HEALTH_TIMEOUT_S", "JobLauncher"]
+
+#: how long a host may take to run ``true`` through the launcher before it counts as failed
+HEALTH_TIMEOUT_S = 8.0
+
+
+class JobLauncher:
+    """Start a program on hosts with mpirun or srun.
+
+    Args:
+        launcher: "mpirun" or "srun".
+        env: ``NAME`` / ``NAME=VALUE`` items for every rank (``hpcddp run -x``).
+        environ: the environment to start from.
+    """
+
+    def __init__(self, launcher: str, env: Sequence[str], environ: Mapping[str, str]) -> None:
+        if launcher not in ("mpirun", "srun"):
+            raise ValueError(f"launcher must be 'mpirun' or 'srun' for an elastic job, got {launcher!r}")
+        self.launcher = launcher
+        self._env = tuple(env)
+        self._environ = dict(environ)
+
+    def command(
+        self, hosts: Sequence[Host], program: Sequence[str], variables: Mapping[str, str]
+    ) -> tuple[list[str], dict[str, str]]:
+        """Return ``(argv, environment)`` that start ``program`` on every slot of ``hosts``."""
+        num_proc = sum(host.slots for host in hosts)
+        env = (*self._env, *(f"{name}={value}" for name, value in variables.items()))
+        if self.launcher == "mpirun":
+            spec = ",".join(str(host) for host in hosts)
+            config = LaunchConfig(num_proc=num_proc, hosts=spec, launcher="mpirun", env=env)
+            return build_launch_command(config, program, self._environ)
+        config = LaunchConfig(num_proc=num_proc, launcher="srun", env=env)
+        command, environ = build_launch_command(config, program, self._environ)
+        # srun takes no per-rank -x: the step inherits the environment built above.
+        nodes = ",".join(host.name for host in hosts)
+        placement = [f"--nodelist={nodes}", f"--nodes={len(hosts)}", "--distribution=block"]
+        return command[:1] + placement + command[1:], environ
+
+    def failed_hosts(self, hosts: Sequence[str], timeout: float = HEALTH_TIMEOUT_S) -> set[str]:
+        """Return the hosts among ``hosts`` that cannot run ``true`` through the launcher in ``timeout`` s."""
+        checks = {host: self._start_check(host) for host in hosts}
+        deadline = time.monotonic() + timeout
+        failed = set()
+        for host, proc in checks.items():
+            if proc is None:
+                failed.add(host)
+                continue
+            try:
+                code = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                code = -1
+            if code != 0:
+                failed.add(host)
+        return failed
+
+    def _start_check(self, host: str) -> subprocess.Popen | None:
+        if self.launcher == "mpirun":
+            command = mpirun_command(1, ["true"], hosts=f"{host}:1", environ=self._environ)
+        else:
+            srun = shutil.which("srun") or "srun"
+            command = [srun, f"--nodelist={host}", "--nodes=1", "--ntasks=1", "--immediate=5", "true"]
+        try:
+            return subprocess.Popen(
+                command, env=self._environ, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+            )
+        except OSError:
+            return None

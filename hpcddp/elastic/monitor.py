@@ -1,0 +1,158 @@
+"""The driver's socket: which ranks of the current start are alive, and how each one ended.
+
+Ranks connect (``hpcddp.elastic.worker``), beat once a second and end with a last word.
+A connection that closes without one is a lost rank (its process died: the kernel closes
+its sockets at once); one that goes silent is a lost node (cut off, or down).
+"""
+
+from __future__ import annotations
+
+import selectors
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..env.network import list_interfaces
+from .protocol import HostUpdate, LineReader, send_message
+
+__all__ = ["DriverServer", "RankRecord"]
+
+
+@dataclass
+class RankRecord:
+    """What the driver knows of one rank of the current start."""
+
+    rank: int
+    host: str
+    last_seen: float
+    ended: str | None = None
+    """"done", "restart", "error", or "lost" (closed without a last word); None while running."""
+    ended_at: float | None = None
+    text: str = ""
+    commit: int = -1
+    """The newest commit this rank reported (rank 0 reports them)."""
+
+
+@dataclass
+class _Connection:
+    reader: LineReader = field(default_factory=LineReader)
+    record: RankRecord | None = None
+
+
+class DriverServer:
+    """Accept the ranks' connections and keep their records (a thread of its own).
+
+    Args:
+        token: the secret every rank must present.
+        loopback_only: listen on 127.0.0.1 only (every rank runs on this host).
+    """
+
+    def __init__(self, token: str, loopback_only: bool = False) -> None:
+        self._token = token
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1" if loopback_only else "0.0.0.0", 0))
+        self._listener.listen(256)
+        self.port = self._listener.getsockname()[1]
+        interfaces = list_interfaces()
+        outward = [i.address for i in interfaces if not i.is_loopback]
+        self.addresses = ["127.0.0.1"] if loopback_only else [*outward, "127.0.0.1"]
+        self._lock = threading.Lock()
+        self._launch = 0
+        self._records: dict[int, RankRecord] = {}
+        self._connections: dict[socket.socket, _Connection] = {}
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="hpcddp-elastic-driver", daemon=True)
+        self._thread.start()
+
+    def begin_launch(self, launch: int) -> None:
+        """Forget the ranks of the previous start; only ranks of ``launch`` are taken from now on."""
+        with self._lock:
+            self._launch = launch
+            self._records = {}
+
+    def records(self) -> dict[int, RankRecord]:
+        """Return a copy of the current start's records, by rank."""
+        with self._lock:
+            return {rank: RankRecord(**vars(record)) for rank, record in self._records.items()}
+
+    def notify(self, timestamp: float, update: HostUpdate) -> None:
+        """Tell every connected rank that the hosts changed."""
+        with self._lock:
+            targets = [sock for sock, conn in self._connections.items() if conn.record and not conn.record.ended]
+        for sock in targets:
+            try:
+                send_message(sock, {"hosts_updated": timestamp, "update": int(update)})
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Stop serving and close every connection."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for sock in list(self._connections):
+            sock.close()
+        self._listener.close()
+        self._selector.close()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self._selector.select(timeout=0.2):
+                if key.fileobj is self._listener:
+                    self._accept()
+                else:
+                    self._read(key.fileobj)
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._listener.accept()
+        except OSError:
+            return
+        sock.setblocking(False)
+        self._connections[sock] = _Connection()
+        self._selector.register(sock, selectors.EVENT_READ)
+
+    def _read(self, sock: socket.socket) -> None:
+        conn = self._connections[sock]
+        try:
+            data = sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        now = time.monotonic()
+        messages = conn.reader.feed(data) if data else []
+        with self._lock:
+            for message in messages:
+                self._take(conn, message, now)
+            if conn.record is not None:
+                conn.record.last_seen = now
+                if not data and conn.record.ended is None:
+                    conn.record.ended, conn.record.ended_at = "lost", now
+        if not data or (conn.record is None and messages):
+            self._drop(sock)
+
+    def _take(self, conn: _Connection, message: dict, now: float) -> None:
+        if conn.record is None:
+            if message.get("hello") != self._token or message.get("launch") != self._launch:
+                return  # a stranger, or a rank of an earlier start
+            conn.record = RankRecord(rank=int(message["rank"]), host=str(message["host"]), last_seen=now)
+            self._records[conn.record.rank] = conn.record
+            return
+        if "commit" in message:
+            conn.record.commit = max(conn.record.commit, int(message["commit"]))
+        for kind in ("done", "restart", "error"):
+            if kind in message and conn.record.ended is None:
+                conn.record.ended, conn.record.ended_at = kind, now
+                conn.record.text = "" if message[kind] == 1 else str(message[kind])
+
+    def _drop(self, sock: socket.socket) -> None:
+        self._connections.pop(sock, None)
+        try:
+            self._selector.unregister(sock)
+        except (KeyError, ValueError):
+            pass
+        sock.close()
