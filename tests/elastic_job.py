@@ -58,12 +58,9 @@ log = open(os.path.join(args.log, f"launch{launch}-rank{hvd.rank()}.jsonl"), "a"
 
 @hvd.elastic.run
 def train(state):
-    for state.epoch in range(state.epoch, args.epochs):
+    for state.epoch in range(state.epoch, args.epochs):  # noqa: B020 - Horovod's own idiom
         loader = DataLoader(dataset, batch_size=args.batch_size, sampler=state.sampler)
-        iterator = iter(loader)
-        first = len(state.sampler.indices) if hasattr(state.sampler, "indices") else 0
-        del first
-        for batch_idx, (xb, yb) in enumerate(iterator):
+        for batch_idx, (xb, yb) in enumerate(loader):
             indices = state.sampler.indices[batch_idx * args.batch_size : (batch_idx + 1) * args.batch_size]
             optimizer.zero_grad()
             F.mse_loss(model(xb), yb).backward()

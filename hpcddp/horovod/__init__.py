@@ -20,6 +20,7 @@ second operation under a name still in flight raises ValueError. Where it differ
   others' allreduces, and their other collectives raise, as in Horovod.
 """
 
+from . import elastic  # noqa: E402 - hvd.elastic, as in horovod.torch
 from .basics import (
     Adasum,
     Average,
@@ -68,7 +69,6 @@ from .ops import (
 from .optimizer import DistributedOptimizer, join
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .sync_batch_norm import SyncBatchNorm
-from . import elastic  # noqa: E402 - hvd.elastic, as in horovod.torch
 from .vector_ops import (
     allgather,
     allgather_async,
