@@ -20,7 +20,7 @@ second operation under a name still in flight raises ValueError. Where it differ
   others' allreduces, and their other collectives raise, as in Horovod.
 """
 
-from . import elastic  # noqa: E402 - hvd.elastic, as in horovod.torch
+from . import elastic  # hvd.elastic, as in horovod.torch
 from .basics import (
     Adasum,
     Average,
