@@ -234,21 +234,27 @@ class ElasticDriver:
             return _Outcome("error", code or 1, commit=commit)
         if "restart" in ended:
             return _Outcome("restart", code, commit=commit)
-        if not records:
-            _log(f"the job exited {code} before any rank reached hvd.elastic.run: not restarting it")
+        if records:
+            _log(f"the job exited {code} with rank(s) {_describe(records, None, 'lost')} unfinished")
+        failed = self._check_hosts(names)
+        if not records and not failed:
+            # Every host works, so the script itself failed before it reached hvd.elastic.run.
+            _log(f"the job exited {code} before any rank reached hvd.elastic.run: not starting it again")
             return _Outcome("error", code or 1)
-        _log(f"the job exited {code} with rank(s) {_describe(records, None, 'lost')} unfinished")
-        failed = frozenset(self.launcher.failed_hosts(sorted(names)))
         return _Outcome("failed", code or 1, failed, commit)
 
-    def _after_failure(self, proc: subprocess.Popen, names: set[str], records: dict[int, RankRecord]) -> _Outcome:
-        _kill_group(proc)
+    def _check_hosts(self, names: set[str]) -> frozenset[str]:
         started = time.monotonic()
         failed = frozenset(self.launcher.failed_hosts(sorted(names)))
         _log(
             f"health check of {', '.join(sorted(names))} in {time.monotonic() - started:.1f} s: "
             + (f"{', '.join(sorted(failed))} failed" if failed else "every host works")
         )
+        return failed
+
+    def _after_failure(self, proc: subprocess.Popen, names: set[str], records: dict[int, RankRecord]) -> _Outcome:
+        _kill_group(proc)
+        failed = self._check_hosts(names)
         return _Outcome("failed", 1, failed, max((r.commit for r in records.values()), default=-1))
 
     def _stop(self, proc, kind: str, failed, records: dict[int, RankRecord]) -> _Outcome:

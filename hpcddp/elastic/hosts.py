@@ -99,15 +99,19 @@ class HostPool:
         self._fixed = list(hosts) if hosts is not None else None
         self._script = discovery_script
         self.blacklist: set[str] = set()
-        self._listed: set[str] = set()
+        self._listed: set[str] | None = None
 
     def discover(self) -> list[Host]:
         """Return the hosts that may be used now, in the order listed, without blacklisted ones."""
-        listed = self._fixed if self._fixed is not None else self._run_script()
-        names = {host.name for host in listed}
-        # A blacklisted host that the script dropped and lists again has come back.
-        self.blacklist -= names - self._listed
-        self._listed = names
+        if self._fixed is not None:
+            listed = self._fixed
+        else:
+            listed = self._run_script()
+            names = {host.name for host in listed}
+            # A blacklisted host that the script dropped and lists again has come back.
+            if self._listed is not None:
+                self.blacklist -= names - self._listed
+            self._listed = names
         return [host for host in listed if host.name not in self.blacklist]
 
     def fail(self, names: Sequence[str]) -> None:

@@ -1,0 +1,233 @@
+"""hpcddp.horovod.elastic and the elastic driver's parts, in one process (a world of one where a rank is needed)."""
+
+import os
+import random
+
+import pytest
+import torch
+
+import hpcddp.horovod as hvd
+from hpcddp.elastic.commits import CommitStore
+from hpcddp.elastic.hosts import Host, HostPool, parse_host_lines, parse_hosts, read_hostfile, slurm_hosts
+from hpcddp.elastic.protocol import HostUpdate, LineReader
+from hpcddp.env.elastic import read_elastic_session
+from hpcddp.horovod.elastic import sampler as sampler_module
+
+
+@pytest.fixture
+def hvd_world(world_of_one):
+    hvd.init()
+    yield
+    hvd.shutdown()
+
+
+# ---- hosts -------------------------------------------------------------------------------
+
+
+def test_host_lists_parse_as_mpirun_and_horovod_write_them(tmp_path):
+    assert parse_hosts("node1:2,node2") == [Host("node1", 2), Host("node2", 1)]
+    assert parse_host_lines("a:4\n\n# down for repair\nb:2  # rack 3\n") == [Host("a", 4), Host("b", 2)]
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("vnode1 slots=2\n# comment\nvnode2 slots=3 max_slots=4\nvnode3\n")
+    assert read_hostfile(str(hostfile)) == [Host("vnode1", 2), Host("vnode2", 3), Host("vnode3", 1)]
+    env = {"SLURM_JOB_NODELIST": "n[1-3]", "SLURM_TASKS_PER_NODE": "2(x2),1"}
+    assert slurm_hosts(env) == [Host("n1", 2), Host("n2", 2), Host("n3", 1)]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [("a", r"'a' names no slots: write host:slots, e.g. a:2"), ("a:0", r"'a:0' is not host:slots with slots >= 1")],
+)
+def test_a_discovery_line_without_slots_is_refused_naming_the_script(text, message):
+    with pytest.raises(ValueError, match=r"^the host discovery script: " + message):
+        parse_host_lines(text)
+
+
+def test_a_failed_host_comes_back_only_after_discovery_dropped_and_listed_it_again(tmp_path):
+    listing = tmp_path / "hosts.txt"
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {listing}\n")
+    script.chmod(0o755)
+    pool = HostPool(discovery_script=str(script))
+    listing.write_text("a:2\nb:2\n")
+    assert pool.discover() == [Host("a", 2), Host("b", 2)]
+    pool.fail(["b"])
+    assert pool.discover() == [Host("a", 2)]  # still listed: it failed, it stays out
+    listing.write_text("a:2\n")
+    assert pool.discover() == [Host("a", 2)]
+    listing.write_text("a:2\nb:2\n")
+    assert pool.discover() == [Host("a", 2), Host("b", 2)]  # it went away and returned
+
+
+def test_a_fixed_host_list_never_takes_a_failed_host_back():
+    pool = HostPool(hosts=[Host("a", 2), Host("b", 2)])
+    pool.fail(["a"])
+    assert pool.discover() == [Host("b", 2)]
+    assert pool.discover() == [Host("b", 2)]
+
+
+def test_a_failing_discovery_script_is_named(tmp_path):
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho broken >&2\nexit 3\n")
+    script.chmod(0o755)
+    with pytest.raises(RuntimeError, match=r"--host-discovery-script .*discover.sh exited 3: broken"):
+        HostPool(discovery_script=str(script)).discover()
+
+
+# ---- the rank's session variables, messages, commits ------------------------------------------
+
+
+def test_the_session_variables_are_read_or_refused_in_one_line():
+    assert read_elastic_session({}) is None
+    env = {"HPCDDP_ELASTIC_DRIVER": "10.0.0.1,127.0.0.1:4567", "HPCDDP_ELASTIC_LAUNCH": "2", "HPCDDP_ELASTIC_RUN": "r"}
+    session = read_elastic_session(env)
+    assert (session.addresses, session.port, session.launch, session.run) == (("10.0.0.1", "127.0.0.1"), 4567, 2, "r")
+    with pytest.raises(ValueError, match=r"^environment variable HPCDDP_ELASTIC_DRIVER must look like"):
+        read_elastic_session({"HPCDDP_ELASTIC_DRIVER": "10.0.0.1"})
+
+
+def test_messages_split_across_reads_arrive_whole():
+    reader = LineReader()
+    assert reader.feed(b'{"beat": 1}\n{"com') == [{"beat": 1}]
+    assert reader.feed(b'mit": 3}\nnot json\n') == [{"commit": 3}]
+
+
+def test_a_node_keeps_only_its_newest_whole_commit(tmp_path):
+    store = CommitStore("run/1", root=str(tmp_path), host="vnode1")
+    other = CommitStore("run/1", root=str(tmp_path), host="vnode2")
+    assert store.latest_serial() == -1
+    store.write(0, {"w": torch.arange(3.0)})
+    store.write(1, {"w": torch.arange(3.0) + 1})
+    (tmp_path / "hpcddp-elastic" / "run_1" / "vnode1" / ".commit-half").write_bytes(b"torn")  # a write cut short
+    serial, snapshot = store.read()
+    assert serial == 1 and torch.equal(snapshot["w"], torch.tensor([1.0, 2.0, 3.0]))
+    assert sorted(os.listdir(store.directory)) == [".commit-half", "commit-000000000001.pt"]
+    assert other.latest_serial() == -1  # another node's memory, even on a shared file system
+    store.remove()
+    assert store.latest_serial() == -1
+
+
+# ---- ElasticSampler ----------------------------------------------------------------------------
+
+
+def _shards(dataset, num_ranks, state=None, epoch=0):
+    shards = []
+    for rank in range(num_ranks):
+        sampler_module.size, sampler_module.rank = (lambda: num_ranks), (lambda r=rank: r)
+        sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=5)
+        sampler.set_epoch(epoch)
+        if state is not None:
+            sampler.load_state_dict(state)
+        shards.append(list(sampler))
+    return shards
+
+
+def test_the_sampler_shards_a_seeded_permutation_and_reshards_what_is_left(monkeypatch):
+    monkeypatch.setattr(sampler_module, "size", sampler_module.size)
+    monkeypatch.setattr(sampler_module, "rank", sampler_module.rank)
+    dataset = list(range(22))
+    order = list(range(22))
+    random.Random(5 + 1).shuffle(order)  # Horovod: random.Random(seed + epoch)
+    shards = _shards(dataset, 4, epoch=1)
+    assert [len(s) for s in shards] == [6, 6, 6, 6]
+    padded = order + order[:2]
+    assert shards == [padded[r::4] for r in range(4)]
+    # 2 batches of 2 per rank were processed at 4 ranks: 16 samples; 3 ranks share the other 6.
+    left = _shards(dataset, 3, state={"epoch": 1, "processed_num": 16}, epoch=1)
+    assert sorted(sum(left, [])) == sorted(order[16:])
+    assert left == [order[16:][r::3] for r in range(3)]
+
+
+def test_the_sampler_counts_batches_over_every_rank_and_set_epoch_starts_over(monkeypatch):
+    monkeypatch.setattr(sampler_module, "size", lambda: 2)
+    monkeypatch.setattr(sampler_module, "rank", lambda: 1)
+    sampler = hvd.elastic.ElasticSampler(list(range(10)), shuffle=False)
+    sampler.record_batch(0, 2)
+    assert sampler.state_dict() == {"epoch": 0, "processed_num": 4}
+    sampler.load_state_dict(sampler.state_dict())
+    assert list(sampler) == [5, 7, 9] and len(sampler) == 3
+    sampler.set_epoch(1)
+    assert sampler.state_dict() == {"epoch": 1, "processed_num": 0}
+    assert list(sampler) == [1, 3, 5, 7, 9]
+
+
+# ---- states ------------------------------------------------------------------------------------
+
+
+def test_object_state_restores_the_last_commit_and_keeps_attributes(hvd_world):
+    state = hvd.elastic.ObjectState(epoch=0, best=None)
+    state.epoch, state.best = 3, 0.5
+    state.commit()
+    state.epoch = 7
+    state.restore()
+    assert (state.epoch, state.best) == (3, 0.5)
+    state.sync()  # rank 0's values, here our own
+    assert state.epoch == 3
+
+
+def test_torch_state_restores_model_optimizer_and_sampler_to_the_commit(hvd_world):
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    sampler = hvd.elastic.ElasticSampler(list(range(8)), shuffle=False)
+    state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, batch=0)
+
+    def step():
+        optimizer.zero_grad()
+        model(torch.ones(2, 3)).sum().backward()
+        optimizer.step()
+
+    step()
+    state.batch = 1
+    sampler.record_batch(0, 2)
+    state.commit()
+    committed = [p.detach().clone() for p in model.parameters()]
+    committed_exp_avg = optimizer.state[model.weight]["exp_avg"].clone()
+    step()
+    state.batch = 2
+    sampler.record_batch(1, 2)
+    state.restore()
+    assert all(torch.equal(p, c) for p, c in zip(model.parameters(), committed))
+    assert torch.equal(optimizer.state[model.weight]["exp_avg"], committed_exp_avg)
+    assert state.batch == 1 and sampler.state_dict()["processed_num"] == 2
+    # A tracked attribute given a new object tracks (and saves) the new one, as in Horovod.
+    new_model = torch.nn.Linear(3, 1)
+    state.model = new_model
+    with torch.no_grad():
+        new_model.weight.zero_()
+    state.restore()
+    assert not torch.equal(new_model.weight, torch.zeros_like(new_model.weight))
+
+
+@pytest.mark.parametrize(
+    "updates, skip_sync", [([HostUpdate.removed], True), ([HostUpdate.added], False), ([1, 2], False)]
+)
+def test_commit_raises_hosts_updated_once_per_new_update(hvd_world, updates, skip_sync):
+    state = hvd.elastic.ObjectState(epoch=0)
+    for i, update in enumerate(updates):
+        state.on_hosts_updated(10.0 + i, HostUpdate(update))
+    with pytest.raises(hvd.HostsUpdatedInterrupt) as interrupt:
+        state.commit()
+    assert interrupt.value.skip_sync is skip_sync
+    state.commit()  # nothing new
+    state.on_hosts_updated(5.0, HostUpdate.added)  # older than the last one seen
+    state.commit()
+
+
+def test_run_restores_the_commit_and_runs_the_reset_callbacks_after_an_internal_error(hvd_world):
+    state = hvd.elastic.ObjectState(step=0)
+    calls, resets = [], []
+    state.register_reset_callbacks([lambda: resets.append(hvd.size())])
+
+    @hvd.elastic.run
+    def train(state, until):
+        calls.append(state.step)
+        while state.step < until:
+            state.step += 1
+            if state.step == 2:
+                state.commit()
+            if state.step == 3 and len(calls) == 1:
+                raise hvd.HorovodInternalError("a collective failed")
+        return state.step
+
+    assert train(state, 5) == 5
+    assert calls == [0, 2] and resets == [1]
