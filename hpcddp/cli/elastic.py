@@ -39,7 +39,7 @@ def run_elastic(
         launcher = "srun" if in_slurm and not (hosts or hostfile) else "mpirun"
     try:
         config = ElasticConfig(
-            min_np=min_np or num_proc or 1,
+            min_np=min_np if min_np is not None else (num_proc or 1),
             max_np=max_np if max_np is not None else (num_proc if host_discovery_script is None else None),
             reset_limit=reset_limit,
             elastic_timeout=elastic_timeout,

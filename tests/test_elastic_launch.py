@@ -1,0 +1,60 @@
+"""``hpcddp run --min-np`` on this host: a lost rank is started again from the last commit; a failing script is not."""
+
+import sys
+
+import pytest
+
+from hpcddp.testing import run_command
+
+from .conftest import ROOT
+from .elastic_reference import assert_matches_replay, read_steps
+
+TIME_LIMIT_S = 300
+HPCDDP = [sys.executable, "-m", "hpcddp.cli"]
+
+
+def test_a_killed_rank_is_started_again_and_the_job_ends_where_the_replay_ends(tmp_path):
+    log = tmp_path / "log"
+    command = [*HPCDDP, "run", "-np", "2", "--min-np", "1", "tests/elastic_job.py", "--log", str(log)]
+    result = run_command([*command, "--epochs", "2", "--die-at", "5", "--commit-every", "2"], TIME_LIMIT_S, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "elastic" in result.stdout and "start 1: 2 ranks on localhost:2" in result.stdout, result.stdout[-3000:]
+    counted = assert_matches_replay(log)
+    steps = read_steps(log)
+    # Killed after step 5, committed at step 4: one step ran again, in the second start.
+    assert max(s["step"] for s in steps if s["launch"] == 0) == 5
+    assert min(s["step"] for s in steps if s["launch"] == 1) == 5 and counted[5] == 1
+    assert all(s["resets"] == [2] for s in steps if s["launch"] == 1)  # the reset callbacks ran once, at size 2
+
+
+@pytest.mark.parametrize("where", ["in the training function", "before hvd.elastic.run"])
+def test_a_failing_script_ends_the_elastic_job_without_starting_it_again(tmp_path, where):
+    script = tmp_path / "fails.py"
+    body = "raise ValueError('a bug in the script')" if where == "before hvd.elastic.run" else "pass"
+    script.write_text(
+        "import hpcddp.horovod as hvd\n"
+        "hvd.init()\n"
+        f"{body}\n"
+        "state = hvd.elastic.ObjectState(step=0)\n\n"
+        "@hvd.elastic.run\n"
+        "def train(state):\n"
+        "    raise ValueError('a bug in the script')\n\n"
+        "train(state)\n"
+    )
+    result = run_command([*HPCDDP, "run", "-np", "2", "--min-np", "1", str(script)], TIME_LIMIT_S, cwd=ROOT)
+    assert result.returncode != 0
+    assert "ValueError: a bug in the script" in result.stdout
+    assert "start 0:" in result.stdout and "start 1:" not in result.stdout, result.stdout[-3000:]
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--min-np", "3", "--max-np", "2"], "--max-np must be >= --min-np (3), got 2"),
+        (["--min-np", "0"], "--min-np must be >= 1, got 0"),
+        (["--min-np", "1", "--dry-run"], "--dry-run shows one launch; an elastic job has many: drop --dry-run"),
+    ],
+)
+def test_elastic_options_are_checked_in_one_line(options, message):
+    result = run_command([*HPCDDP, "run", "-np", "2", *options, "tests/elastic_job.py"], 120, cwd=ROOT)
+    assert result.returncode == 2 and message in result.stdout, result.stdout
