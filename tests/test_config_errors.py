@@ -206,6 +206,11 @@ def test_invalid_integer_variable(fresh):
             "maybe",
             "environment variable HPCDDP_HIERARCHICAL_ALLREDUCE must be 0 or 1, got 'maybe'",
         ),
+        (
+            "HPCDDP_RESUME",
+            "anyrun",
+            "environment variable HPCDDP_RESUME must be one of strict, any-run, any-size, any, got 'anyrun'",
+        ),
     ],
 )
 def test_invalid_hpcddp_variable(fresh, name, value, message):

@@ -80,7 +80,7 @@ def read_settings(environ: Mapping[str, str]) -> dict[str, Any]:
     ``dist_timeout`` (seconds), HPCDDP_HIERARCHICAL_ALLREDUCE ``hierarchical_allreduce``
     (0 or 1), HPCDDP_TIMELINE ``timeline`` (a path), HPCDDP_CHECK_COLLECTIVES
     ``check_collectives`` (0 or 1); an explicit
-    ``init()`` argument wins over any of them.
+    ``init()`` argument wins over any of them. HPCDDP_RESUME is only checked here.
 
     Args:
         environ: the environment to read (``os.environ`` or a test's dict).
@@ -118,6 +118,9 @@ def read_settings(environ: Mapping[str, str]) -> dict[str, Any]:
     timeline = environ.get("HPCDDP_TIMELINE", "").strip()
     if timeline:
         settings["timeline"] = timeline
+    # No InitConfig field: checkpoints read it when they save or resume. Read here so that a
+    # typo stops the job at init() instead of at its first checkpoint, maybe hours in.
+    read_resume_policy(environ)
     return settings
 
 
