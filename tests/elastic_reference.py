@@ -35,7 +35,9 @@ def replay(log_dir):
     model = torch.nn.Linear(8, 1).double()
     for step in sorted(counted):
         batches = [line for line in lines if line["step"] == step and line["launch"] == counted[step]]
-        assert len(batches) == batches[0]["size"], f"step {step}: {len(batches)} ranks logged it of {batches[0]['size']}"
+        assert len(batches) == batches[0]["size"], (
+            f"step {step}: {len(batches)} ranks logged it of {batches[0]['size']}"
+        )
         grads = []
         for batch in batches:
             model.zero_grad()

@@ -1,0 +1,120 @@
+"""Elastic jobs across virtual nodes: a node crashes mid-training, the job goes on with the node left
+from its last commit, and grows back to every node when the crashed one returns.
+
+2 virtual nodes x 2 ranks (slurm/testing/virtual_cluster.sh), ``hpcddp run -np 4 --min-np 2
+--host-discovery-script`` with a script that lists what the test says is up (as a cloud's or
+scheduler's list would: the crashed node drops out a little after the crash, and returns).
+The job's parameters are checked against a one-process replay of the steps that counted.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .cluster_jobs import require_cluster_tests, start
+from .conftest import ROOT
+from .elastic_reference import assert_matches_replay, read_steps
+
+VCLUSTER = os.path.join(ROOT, "slurm", "testing", "virtual_cluster.sh")
+COMMIT_EVERY = 3
+TIME_LIMIT_S = 600
+
+
+@pytest.fixture(scope="module")
+def vcluster_env():
+    require_cluster_tests()
+    start(VCLUSTER, "up", "--nodes", "2")
+    try:
+        state = os.environ.get("VCLUSTER_STATE", "/run/hpcddp-vcluster")
+        env = {}
+        for line in Path(state, "env").read_text().splitlines():
+            if line.startswith("export "):
+                name, _, value = line.removeprefix("export ").partition("=")
+                env[name] = value.strip("'")
+        yield env
+    finally:
+        subprocess.run(["bash", VCLUSTER, "link", "vnode2", "up"], capture_output=True, timeout=60)
+        subprocess.run(["bash", VCLUSTER, "down"], capture_output=True, timeout=120)
+
+
+def _wait_for(what, predicate, proc, deadline):
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"the job ended (exit {proc.returncode}) while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within the time limit")
+        time.sleep(0.1)
+
+
+def test_a_crashed_node_is_left_behind_and_the_job_grows_back_when_it_returns(vcluster_env, tmp_path):
+    hosts, log = tmp_path / "hosts.txt", tmp_path / "log"
+    hosts.write_text("vnode1:2\nvnode2:2\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    command = [sys.executable, "-m", "hpcddp.cli", "run", "-np", "4", "--min-np", "2", "--max-np", "4"]
+    command += ["--host-discovery-script", str(discover), "tests/elastic_job.py", "--log", str(log)]
+    command += ["--epochs", "6", "--step-sleep", "0.25", "--commit-every", str(COMMIT_EVERY)]
+    output = open(tmp_path / "driver.txt", "w")
+    proc = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env={**os.environ, **vcluster_env},
+        stdout=output,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + TIME_LIMIT_S
+
+    def steps():
+        return read_steps(log)
+
+    try:
+        _wait_for("step 6 at 4 ranks", lambda: any(s["step"] >= 6 and s["size"] == 4 for s in steps()), proc, deadline)
+        crashed_at = time.time()
+        subprocess.run(["bash", VCLUSTER, "link", "vnode2", "down"], check=True, timeout=60)
+        subprocess.run(["bash", VCLUSTER, "crash", "vnode2"], check=True, timeout=60)
+        time.sleep(3)
+        hosts.write_text("vnode1:2\n")  # the node list notices the loss a little later
+        _wait_for("a step at 2 ranks", lambda: any(s["size"] == 2 for s in steps()), proc, deadline)
+        subprocess.run(["bash", VCLUSTER, "link", "vnode2", "up"], check=True, timeout=60)
+        hosts.write_text("vnode1:2\nvnode2:2\n")
+        returned_at = time.time()
+        proc.wait(timeout=max(1, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)])
+        proc.wait()
+        output.close()
+    driver = (tmp_path / "driver.txt").read_text()
+    assert proc.returncode == 0, driver[-5000:]
+    counted = assert_matches_replay(log)
+    lines = steps()
+    launches = {}
+    for s in lines:
+        launches.setdefault(s["launch"], s["size"])
+    sizes = [launches[k] for k in sorted(launches)]
+    assert sizes[0] == 4 and 2 in sizes and sizes[-1] == 4, (sizes, driver[-3000:])
+    first_small = min(s["launch"] for s in lines if s["size"] == 2)
+    last_before = max(s["step"] for s in lines if s["launch"] < first_small)
+    resumed = min(s["step"] for s in lines if s["launch"] == first_small)
+    assert last_before - resumed + 1 <= COMMIT_EVERY, (last_before, resumed)
+    recovery = min(s["time"] for s in lines if s["launch"] == first_small) - crashed_at
+    first_big = min(s["launch"] for s in lines if s["launch"] > first_small and s["size"] == 4)
+    grow = min(s["time"] for s in lines if s["launch"] == first_big) - returned_at
+    assert all(counted[s] in launches for s in counted)
+    print(
+        json.dumps(
+            {
+                "sizes": sizes,
+                "recovery_s": round(recovery, 1),
+                "steps_lost": last_before - resumed + 1,
+                "grow_back_s": round(grow, 1),
+            }
+        )
+    )
