@@ -34,6 +34,15 @@ LAUNCHER=${LAUNCHER:-srun}
 PYTHON=${PYTHON:-python3}
 # Space-separated environment modules to `module load`, e.g. MODULES="python/3.11 openmpi/5".
 MODULES=${MODULES:-}
+# Elastic training (Horovod's hvd.elastic API): the fewest ranks to go on with when nodes fail,
+# e.g. MIN_NP=2. Empty: a lost node ends the job (a requeue resumes it from its checkpoint).
+# Submit elastic jobs with `sbatch --no-kill`, or Slurm ends the whole allocation with the node.
+MIN_NP=${MIN_NP:-}
+# Elastic: the most ranks (default: every task of the allocation), and a program that prints the
+# nodes usable now, `node:slots` a line (default: the allocation's nodes, a failed one taken
+# back once it passes a health check again).
+MAX_NP=${MAX_NP:-}
+HOST_DISCOVERY_SCRIPT=${HOST_DISCOVERY_SCRIPT:-}
 # GPUs bound to each rank by srun (each rank then sees its own GPU as cuda:0); empty: none, or
 # what sbatch --gpus-per-task gave the job.
 GPUS_PER_TASK=${GPUS_PER_TASK:-${SLURM_GPUS_PER_TASK:-}}
@@ -140,6 +149,19 @@ if [[ ${SLURM_JOB_NUM_NODES:-1} == 1 ]]; then
         MASTER_PORT=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
         export MASTER_PORT
     fi
+fi
+
+if [[ -n $MIN_NP ]]; then
+    # hpcddp run supervises the job inside the allocation: a lost node's ranks start again on the
+    # nodes left, from the last commit, with srun/mpirun set up as below (hpcddp/cli/launch.py).
+    elastic=(--min-np "$MIN_NP" --launcher "$LAUNCHER")
+    if [[ -n $MAX_NP ]]; then
+        elastic+=(--max-np "$MAX_NP")
+    fi
+    if [[ -n $HOST_DISCOVERY_SCRIPT ]]; then
+        elastic+=(--host-discovery-script "$HOST_DISCOVERY_SCRIPT")
+    fi
+    exec "$PYTHON" -m hpcddp.cli run -np "$ntasks" "${elastic[@]}" "$@"
 fi
 
 case $LAUNCHER in

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import hpcddp.horovod as hvd
+from hpcddp.cli.elastic import hosts as hosts_module
+from hpcddp.cli.elastic.hosts import Host, HostPool, parse_host_lines, parse_hosts, read_hostfile, slurm_hosts
 from hpcddp.elastic.commits import CommitStore
-from hpcddp.elastic.hosts import Host, HostPool, parse_host_lines, parse_hosts, read_hostfile, slurm_hosts
 from hpcddp.elastic.protocol import HostUpdate, LineReader
 from hpcddp.env.elastic import read_elastic_session
 from hpcddp.horovod.elastic import sampler as sampler_module
@@ -59,11 +60,23 @@ def test_a_failed_host_comes_back_only_after_discovery_dropped_and_listed_it_aga
     assert pool.discover() == [Host("a", 2), Host("b", 2)]  # it went away and returned
 
 
-def test_a_fixed_host_list_never_takes_a_failed_host_back():
+def test_a_failed_host_is_checked_again_after_a_cooldown_that_doubles(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(hosts_module.time, "monotonic", lambda: now[0])
     pool = HostPool(hosts=[Host("a", 2), Host("b", 2)])
     pool.fail(["a"])
-    assert pool.discover() == [Host("b", 2)]
-    assert pool.discover() == [Host("b", 2)]
+    assert pool.discover() == [Host("b", 2)] and pool.due_for_recheck() == []
+    now[0] += 10
+    assert pool.due_for_recheck() == ["a"]
+    pool.rechecked([], ["a"])  # still broken: next check 20 s later
+    now[0] += 19
+    assert pool.due_for_recheck() == []
+    now[0] += 1
+    pool.rechecked(["a"], [])
+    assert pool.discover() == [Host("a", 2), Host("b", 2)]
+    pool.fail(["a"])  # a second failure: 20 s before the first check
+    now[0] += 10
+    assert pool.due_for_recheck() == []
 
 
 def test_a_failing_discovery_script_is_named(tmp_path):

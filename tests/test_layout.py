@@ -27,6 +27,7 @@ LEVELS = {
     "collectives": 5,
     "checkpoint": 6,
     "fault": 7,
+    "elastic": 7.5,
     "runtime.lifecycle": 8,
     "hpcddp": 9,
     "horovod": 9,

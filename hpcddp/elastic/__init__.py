@@ -1,6 +1,5 @@
-"""Elastic jobs: lose a node and go on, grow back when hosts return.
+"""Elastic jobs, a rank's side: its link to the driver and the commits kept on its node.
 
-``driver`` (with ``hosts``, ``launchers``, ``monitor``) is ``hpcddp run --min-np``'s side;
-``session`` (with ``worker`` and ``commits``) is a rank's side. The user's API is
-Horovod's, in ``hpcddp.horovod.elastic``.
+``session`` (with ``worker``, ``commits`` and ``protocol``) is what ``hvd.elastic`` uses in
+a rank; the driver that ``hpcddp run --min-np`` runs is ``hpcddp.cli.elastic``.
 """

@@ -7,9 +7,9 @@ from collections.abc import Mapping, Sequence
 
 import click
 
-from ..elastic.driver import ElasticConfig, ElasticDriver
-from ..elastic.hosts import Host, HostPool, parse_hosts, read_hostfile, slurm_hosts
-from ..elastic.launchers import JobLauncher
+from .driver import ElasticConfig, ElasticDriver
+from .hosts import Host, HostPool, parse_hosts, read_hostfile, slurm_hosts
+from .launchers import JobLauncher
 
 __all__ = ["ELASTIC_OPTIONS", "run_elastic"]
 

@@ -14,7 +14,7 @@ import subprocess
 import time
 from collections.abc import Mapping, Sequence
 
-from ..cli.launch import LaunchConfig, build_launch_command, mpirun_command
+from ..launch import LaunchConfig, build_launch_command, mpirun_command
 from .hosts import Host
 
 __all__ = ["HEALTH_TIMEOUT_S", "JobLauncher"]

@@ -13,8 +13,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..env.network import list_interfaces
-from .protocol import HostUpdate, LineReader, send_message
+from ...elastic.protocol import HostUpdate, LineReader, send_message
+from ...env.network import list_interfaces
 
 __all__ = ["DriverServer", "RankRecord"]
 

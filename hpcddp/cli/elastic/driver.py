@@ -17,15 +17,16 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..env.elastic import DRIVER_VARIABLE, LAUNCH_VARIABLE, RUN_VARIABLE, TOKEN_VARIABLE
+from ...elastic.protocol import HostUpdate
+from ...env.elastic import DRIVER_VARIABLE, LAUNCH_VARIABLE, RUN_VARIABLE, TOKEN_VARIABLE
 from .hosts import Host, HostPool
 from .launchers import JobLauncher
 from .monitor import DriverServer, RankRecord
-from .protocol import HostUpdate
 
 __all__ = ["ElasticConfig", "ElasticDriver"]
 
@@ -137,6 +138,10 @@ class ElasticDriver:
         deadline = time.monotonic() + self.config.elastic_timeout
         said = False
         while self._stop_signal is None:
+            due = self.pool.due_for_recheck()
+            if due:
+                failed = self.launcher.failed_hosts(due)
+                self.pool.rechecked([h for h in due if h not in failed], sorted(failed))
             hosts = self.pool.discover()
             if sum(h.slots for h in hosts) >= self.config.min_np:
                 return self._assign(hosts)
@@ -172,7 +177,7 @@ class ElasticDriver:
         _log(f"start {launch}: {num_proc} ranks on {', '.join(map(str, hosts))}")
         self._proc = proc = subprocess.Popen(command, env=environ, start_new_session=True)
         names = {h.name for h in hosts}
-        watch = _HostWatch(self.pool, names, self.config, launch)
+        watch = _HostWatch(self.pool, names, self.config, self.launcher)
         restart_since = None
         checked: dict[str, float] = {}
         try:
@@ -280,17 +285,24 @@ class ElasticDriver:
 
 
 class _HostWatch:
-    """Compare the hosts available now with those of the current start (at most once a second)."""
+    """Compare the hosts available now with those of the current start (at most once a second).
 
-    def __init__(self, pool: HostPool, used: set[str], config: ElasticConfig, launch: int) -> None:
-        self._pool, self._used, self._config = pool, used, config
+    Blacklisted hosts whose cooldown is over are health-checked in a thread of their own,
+    so that the watch never holds up the driver's loop.
+    """
+
+    def __init__(self, pool: HostPool, used: set[str], config: ElasticConfig, launcher: JobLauncher) -> None:
+        self._pool, self._used, self._config, self._launcher = pool, used, config, launcher
         self._next = time.monotonic() + _DISCOVERY_INTERVAL_S
         self._told = HostUpdate.no_update
+        self._recheck: threading.Thread | None = None
+        self._rechecked: tuple[list[str], list[str]] | None = None
 
     def poll(self) -> HostUpdate:
         if time.monotonic() < self._next:
             return HostUpdate.no_update
         self._next = time.monotonic() + _DISCOVERY_INTERVAL_S
+        self._take_recheck()
         try:
             available = {h.name: h.slots for h in self._pool.discover()}
         except RuntimeError as err:
@@ -309,6 +321,24 @@ class _HostWatch:
         if update:
             _log(f"hosts changed ({update.name}): the ranks start again at their next commit")
         return update
+
+    def _take_recheck(self) -> None:
+        if self._recheck is not None and not self._recheck.is_alive():
+            self._recheck = None
+            healthy, failed = self._rechecked or ([], [])
+            self._pool.rechecked(healthy, failed)
+            if healthy:
+                _log(f"{', '.join(healthy)} pass(es) the health check again: taken back")
+        due = self._pool.due_for_recheck() if self._recheck is None else []
+        if due:
+            self._recheck = threading.Thread(
+                target=self._check, args=(due,), name="hpcddp-elastic-recheck", daemon=True
+            )
+            self._recheck.start()
+
+    def _check(self, due: list[str]) -> None:
+        failed = self._launcher.failed_hosts(due)
+        self._rechecked = ([h for h in due if h not in failed], sorted(failed))
 
 
 def _silent_hosts(records: dict[int, RankRecord], timeout: float) -> set[str]:

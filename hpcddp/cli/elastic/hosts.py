@@ -1,22 +1,26 @@
 """Which hosts an elastic job may use: a fixed list or a discovery script, less the hosts that failed.
 
-A host whose ranks failed is blacklisted, as Horovod's driver does. With a discovery
-script a blacklisted host is taken back once the script has stopped listing it and
-lists it again (the node went away and returned, e.g. rebooted or replaced); a fixed
-list never takes it back.
+A host whose ranks failed is blacklisted, as Horovod's driver does, and taken back when
+it works again: when it passes the launcher's health check, tried 10 s after its failure
+and then at doubling intervals up to 5 min (Horovod's blacklist cooldown, so that a
+host that keeps failing costs ever fewer restarts), or, with a discovery script, when the
+script has stopped listing it and lists it again (the node went away and returned).
 """
 
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..env.slurm import expand_nodelist, expand_tasks_per_node
+from ...env.slurm import expand_nodelist, expand_tasks_per_node
 
 __all__ = ["Host", "HostPool", "parse_host_lines", "parse_hosts", "read_hostfile", "slurm_hosts"]
 
 _DISCOVERY_TIMEOUT_S = 30.0
+#: first wait before a failed host is checked again, and the longest
+RECHECK_FIRST_S, RECHECK_MAX_S = 10.0, 300.0
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,8 @@ class HostPool:
         self._script = discovery_script
         self.blacklist: set[str] = set()
         self._listed: set[str] | None = None
+        self._failures: dict[str, int] = {}
+        self._recheck_at: dict[str, float] = {}
 
     def discover(self) -> list[Host]:
         """Return the hosts that may be used now, in the order listed, without blacklisted ones."""
@@ -115,8 +121,26 @@ class HostPool:
         return [host for host in listed if host.name not in self.blacklist]
 
     def fail(self, names: Sequence[str]) -> None:
-        """Blacklist hosts whose ranks failed."""
-        self.blacklist.update(names)
+        """Blacklist hosts whose ranks failed; each is checked again after its cooldown."""
+        now = time.monotonic()
+        for name in names:
+            self.blacklist.add(name)
+            self._failures[name] = self._failures.get(name, 0) + 1
+            wait = min(RECHECK_MAX_S, RECHECK_FIRST_S * 2 ** (self._failures[name] - 1))
+            self._recheck_at[name] = now + wait
+
+    def due_for_recheck(self) -> list[str]:
+        """Return the blacklisted hosts whose cooldown is over (the driver health-checks them)."""
+        now = time.monotonic()
+        return sorted(name for name in self.blacklist if self._recheck_at.get(name, 0.0) <= now)
+
+    def rechecked(self, healthy: Sequence[str], failed: Sequence[str]) -> None:
+        """Take back hosts that passed the check; wait longer before checking the others again."""
+        self.blacklist.difference_update(healthy)
+        now = time.monotonic()
+        for name in failed:
+            wait = min(RECHECK_MAX_S, RECHECK_FIRST_S * 2 ** self._failures.get(name, 1))
+            self._recheck_at[name] = now + wait
 
     def _run_script(self) -> list[Host]:
         try:
