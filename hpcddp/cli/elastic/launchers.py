@@ -51,9 +51,11 @@ class JobLauncher:
             return build_launch_command(config, program, self._environ)
         config = LaunchConfig(num_proc=num_proc, launcher="srun", env=env)
         command, environ = build_launch_command(config, program, self._environ)
-        # srun takes no per-rank -x: the step inherits the environment built above.
+        # srun takes no per-rank -x: the step inherits the environment built above. --overlap: the
+        # previous start's step may still be "completing" on a lost node (Slurm waits for the node
+        # to be declared down), holding the CPUs of the nodes left.
         nodes = ",".join(host.name for host in hosts)
-        placement = [f"--nodelist={nodes}", f"--nodes={len(hosts)}", "--distribution=block"]
+        placement = [f"--nodelist={nodes}", f"--nodes={len(hosts)}", "--distribution=block", "--overlap"]
         return command[:1] + placement + command[1:], environ
 
     def failed_hosts(self, hosts: Sequence[str], timeout: float = HEALTH_TIMEOUT_S) -> set[str]:
@@ -80,7 +82,7 @@ class JobLauncher:
             command = mpirun_command(1, ["true"], hosts=f"{host}:1", environ=self._environ)
         else:
             srun = shutil.which("srun") or "srun"
-            command = [srun, f"--nodelist={host}", "--nodes=1", "--ntasks=1", "--immediate=5", "true"]
+            command = [srun, f"--nodelist={host}", "--nodes=1", "--ntasks=1", "--overlap", "--immediate=5", "true"]
         try:
             return subprocess.Popen(
                 command, env=self._environ, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
