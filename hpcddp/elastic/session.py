@@ -23,8 +23,8 @@ from .worker import DriverLink
 
 __all__ = ["RESTART_MESSAGE", "WorkerSession", "worker_session"]
 
-#: the text of the SystemExit that ends a rank leaving to be started again
-RESTART_MESSAGE = "hpcddp elastic: this rank leaves to be started again by the driver"
+#: what a rank that leaves to be started again says
+RESTART_MESSAGE = "leaves the elastic job to be started again by the driver"
 
 _session: WorkerSession | None = None
 
@@ -82,7 +82,9 @@ class WorkerSession:
         """Tell the driver, leave the job (``hpcddp.shutdown()``) and end the process; the driver starts it again."""
         self.finish("restart", reason)
         runtime.shutdown()
-        raise SystemExit(RESTART_MESSAGE)
+        sys.stderr.write(f"[hpcddp rank {self.rank}] {RESTART_MESSAGE} ({reason})\n")
+        sys.stderr.flush()
+        raise SystemExit(0)  # a clean end: the launcher must not report this rank as failed
 
     def finish(self, kind: str, text: str = "") -> None:
         """Send this rank's last word once (``done`` at a normal exit)."""
