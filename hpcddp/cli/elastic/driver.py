@@ -239,6 +239,8 @@ class ElasticDriver:
             return _Outcome("error", code or 1, commit=commit)
         if "restart" in ended:
             return _Outcome("restart", code, commit=commit)
+        if not records and code == 0:
+            return _Outcome("finished", 0)  # a script that never used hvd.elastic.run, and ended well
         if records:
             _log(f"the job exited {code} with rank(s) {_describe(records, None, 'lost')} unfinished")
         failed = self._check_hosts(names)
