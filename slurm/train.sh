@@ -47,10 +47,25 @@ HOST_DISCOVERY_SCRIPT=${HOST_DISCOVERY_SCRIPT:-}
 # what sbatch --gpus-per-task gave the job.
 GPUS_PER_TASK=${GPUS_PER_TASK:-${SLURM_GPUS_PER_TASK:-}}
 
+# Slurm's record of this job, read once: the original script's path and the run's marker come
+# from it. scontrol's multi-line form, because a Comment may hold spaces; empty where there is
+# no job or scontrol cannot read it (job_record_error says why: not installed, controller down,
+# or a job id that is not this job's, as when running by hand with SLURM_JOB_ID set).
+job_record=
+job_record_error=
+if [[ -n ${SLURM_JOB_ID:-} ]]; then
+    if ! command -v scontrol >/dev/null; then
+        job_record_error="scontrol is not on PATH"
+    elif ! job_record=$(scontrol show job "$SLURM_JOB_ID" 2>&1); then
+        job_record_error=${job_record%%$'\n'*}
+        job_record=
+    fi
+fi
+
 if [[ -z ${HPCDDP_ROOT:-} ]]; then
     if [[ -n ${SLURM_JOB_ID:-} ]]; then
         # sbatch runs a copy of this file from slurmd's spool dir; scontrol knows the original.
-        script=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | grep -oE 'Command=[^ ]+' | cut -d= -f2-) || true
+        script=$(sed -n '/^ *Command=/{s/^ *Command=//;s/ .*//;p;q}' <<<"$job_record")
         if [[ -n $script && -f $script ]]; then
             HPCDDP_ROOT=$(cd "$(dirname "$script")/.." && pwd)
         else
@@ -60,31 +75,72 @@ if [[ -z ${HPCDDP_ROOT:-} ]]; then
         HPCDDP_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
     fi
 fi
-# Checkpoints belong to a run, not to a job number: Slurm hands out old job numbers again (a
-# rebuilt controller starts at 1 once more), and a new job must not resume an old job's
-# checkpoints. A job's first start (SLURM_RESTART_COUNT unset or 0) names a new run,
-# <job id>-<UTC time>, and records it in a pointer file; a requeue (same job id, count >= 1)
-# reads it back, so it resumes the run's checkpoints. HPCDDP_RUN_ID names the run yourself:
-# jobs given the same one continue one run (chained jobs). hpcddp refuses another run's
-# checkpoint found in HPCDDP_CHECKPOINT_DIR unless HPCDDP_RESUME=any-run.
+# Checkpoints belong to a run, and a run to one Slurm job record, not to a job number: Slurm
+# hands out old job numbers again (a rebuilt controller starts at 1 once more), and a new job
+# must not resume an old job's checkpoints. A job's first start (SLURM_RESTART_COUNT unset or 0)
+# names a new run, <job id>-<UTC time>, and appends "hpcddp-run=<run id>" to the job's Comment
+# (scontrol update, which Slurm allows a user on their own running job; the user's comment
+# is kept). A requeue (same job id, count >= 1) is the same record, so it finds the marker and
+# resumes the run's checkpoints. A new job with a reused number is a new record without the
+# marker, even when its first start already counts a restart (requeued before this script ran:
+# a node lost in the prolog), so it starts a new run and says why. The pointer file
+# checkpoints/.hpcddp-job-<id> is only the fallback, used where Slurm's record cannot hold the
+# run (scontrol missing, show or update failing; the pointer then says "unmarked"): there it
+# cannot tell a requeue from a reused number, and the script says so. HPCDDP_RUN_ID names the
+# run yourself: jobs given the same one continue one run (chained jobs). hpcddp refuses another
+# run's checkpoint found in HPCDDP_CHECKPOINT_DIR unless HPCDDP_RESUME=any-run.
 restarts=${SLURM_RESTART_COUNT:-0}
 checkpoint_root=${SLURM_SUBMIT_DIR:-$PWD}/checkpoints
 # Beside the runs' directories, or in the one directory the user gave.
 run_pointer=${HPCDDP_CHECKPOINT_DIR:-$checkpoint_root}/.hpcddp-job-${SLURM_JOB_ID:-none}
+# The Comment line ("   Comment=<text> ", absent when empty) and the run marked in it.
+job_comment=$(sed -n 's/^ *Comment=//p' <<<"$job_record")
+job_comment=${job_comment% }
+marked_run=
+if [[ $job_comment =~ (^|[[:space:]])hpcddp-run=([A-Za-z0-9][A-Za-z0-9._-]*)([[:space:]]|$) ]]; then
+    marked_run=${BASH_REMATCH[2]}
+fi
 if [[ -z ${HPCDDP_RUN_ID:-} && -n ${SLURM_JOB_ID:-} ]] && ((restarts > 0)); then
+    pointer_run=
+    pointer_flag=
     if [[ -r $run_pointer ]]; then
-        read -r HPCDDP_RUN_ID <"$run_pointer" || true
+        read -r pointer_run pointer_flag <"$run_pointer" || true
+    fi
+    if [[ -n $marked_run ]]; then
+        HPCDDP_RUN_ID=$marked_run
+    elif [[ -z $job_record ]]; then
+        if [[ -n $pointer_run ]]; then
+            echo "hpcddp: restart $restarts of job $SLURM_JOB_ID cannot read its Slurm record ($job_record_error): resuming run $pointer_run from $run_pointer, which an older job with this number may have written" >&2
+            HPCDDP_RUN_ID=$pointer_run
+        else
+            echo "hpcddp: restart $restarts of job $SLURM_JOB_ID cannot read its Slurm record ($job_record_error) and finds no run in $run_pointer: starting a new run" >&2
+        fi
+    elif [[ -n $pointer_run && $pointer_flag == unmarked ]]; then
+        echo "hpcddp: restart $restarts of job $SLURM_JOB_ID: its Slurm record has no hpcddp-run= in Comment because the first start could not write it: resuming run $pointer_run from $run_pointer, which an older job with this number may have written" >&2
+        HPCDDP_RUN_ID=$pointer_run
     else
-        echo "hpcddp: restart $restarts of job $SLURM_JOB_ID finds no run in $run_pointer: starting a new run" >&2
+        echo "hpcddp: restart $restarts of job $SLURM_JOB_ID, but its Slurm record has no hpcddp-run= in Comment (a reused job number, or requeued before this script first ran): starting a new run${pointer_run:+, not run $pointer_run that $run_pointer names}" >&2
     fi
 fi
 if [[ -z ${HPCDDP_RUN_ID:-} ]]; then
     HPCDDP_RUN_ID=${SLURM_JOB_ID:-pid$$}-$(date -u +%Y%m%dT%H%M%SZ)
     if [[ -n ${SLURM_JOB_ID:-} ]]; then
+        pointer_flag=unmarked
+        if [[ -z $job_record ]]; then
+            echo "hpcddp: cannot read job $SLURM_JOB_ID's Slurm record ($job_record_error) to mark run $HPCDDP_RUN_ID in it: a requeue finds the run through $run_pointer only" >&2
+        else
+            # Any marker already there is not this run's (a comment copied from another job).
+            user_comment=$(sed -E 's/(^|[[:space:]])hpcddp-run=[^[:space:]]*//g' <<<"$job_comment")
+            if update_error=$(scontrol update job="$SLURM_JOB_ID" Comment="${user_comment:+$user_comment }hpcddp-run=$HPCDDP_RUN_ID" 2>&1); then
+                pointer_flag=
+            else
+                echo "hpcddp: cannot mark run $HPCDDP_RUN_ID in job $SLURM_JOB_ID's Comment (scontrol update: ${update_error%%$'\n'*}): a requeue finds the run through $run_pointer only; keep sbatch --comment under 1000 characters" >&2
+            fi
+        fi
         mkdir -p "$(dirname "$run_pointer")"
         # A rename: a requeue reads the whole name or none, even after a crash mid-write.
         pointer_tmp=$(mktemp "$run_pointer.XXXXXX")
-        echo "$HPCDDP_RUN_ID" >"$pointer_tmp"
+        echo "$HPCDDP_RUN_ID${pointer_flag:+ $pointer_flag}" >"$pointer_tmp"
         mv -f "$pointer_tmp" "$run_pointer"
     fi
 fi

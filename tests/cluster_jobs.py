@@ -70,16 +70,17 @@ def submit(
     name=None,
     checkpoints=True,
     script=None,
+    batch=TRAIN_SH,
 ):
     """sbatch slurm/train.sh examples/train.py --quiet ... (or ``script`` ...); return (job id, return code or None, output path).
 
-    The job runs in ``tmp_path``; with ``checkpoints`` it saves into ``tmp_path/checkpoints``
+    ``batch`` replaces slurm/train.sh as the batch script (a wrapper that runs it). The job runs in ``tmp_path``; with ``checkpoints`` it saves into ``tmp_path/checkpoints``
     (HPCDDP_CHECKPOINT_DIR), without it into train.sh's default, ``tmp_path/checkpoints/<run id>``.
     """
     output = tmp_path / f"{name or launcher}.out"
     command = ["sbatch", "--parsable", f"--output={output}", f"--export=ALL,LAUNCHER={launcher}", *sbatch_args]
     command += ["--wait"] if wait else []
-    command += [TRAIN_SH, *([script] if script else [TRAIN_PY, "--quiet"]), *train_args]
+    command += [batch, *([script] if script else [TRAIN_PY, "--quiet"]), *train_args]
     env = {k: v for k, v in env.items() if k != "HPCDDP_CHECKPOINT_DIR"}
     if checkpoints:
         env["HPCDDP_CHECKPOINT_DIR"] = str(tmp_path / "checkpoints")

@@ -1,20 +1,24 @@
 """Checkpoints belong to a run, not to a job number: slurm/train.sh on the one-node Slurm cluster.
 
 Job numbers come again (a rebuilt controller), so a new job with an old job's number
-must train from scratch, while a requeue of one job (same number, SLURM_RESTART_COUNT
->= 1) resumes its own run; a job handed another run's checkpoint directory stops unless
-told to continue that run. Gated like test_slurm.py.
+must train from scratch, even when its first start already counts a restart (requeued
+before the batch script ran), while a requeue of one job (same job record, which carries
+the run in its Comment) resumes its own run; a job handed another run's checkpoint
+directory stops unless told to continue that run. Gated like test_slurm.py.
 """
 
 import json
 import re
+import shlex
 import shutil
 import subprocess
+import sys
 
+import pytest
 import torch
 
 from . import test_slurm
-from .cluster_jobs import preempt_and_wait, submit
+from .cluster_jobs import TRAIN_SH, preempt_and_wait, slurm_environment, submit
 
 # test_slurm.py's fixtures: the one-node cluster (started once), and the environment for sbatch.
 slurm_cluster = test_slurm.slurm_cluster
@@ -38,14 +42,32 @@ def step_and_run(checkpoint):
     return state["step"], state["run_id"]
 
 
-def test_a_job_whose_number_an_old_job_had_trains_from_scratch_and_resumes_its_own_run_after_a_requeue(
-    slurm_env, tmp_path
-):
-    env, checkpoints = clean(slurm_env), tmp_path / "checkpoints"
+def slurm_comment(job, env):
+    """The job's Comment as Slurm holds it (scontrol's multi-line form keeps its spaces)."""
+    shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30, env=env)
+    assert shown.returncode == 0, shown.stderr
+    comment = re.search(r"^ *Comment=(.*) $", shown.stdout, flags=re.M)
+    return comment.group(1) if comment else None
+
+
+@pytest.fixture(scope="module")
+def old_run(slurm_cluster, tmp_path_factory):
+    """A finished run of 2 epochs (its id and directory), as an old job leaves it behind."""
+    tmp_path = tmp_path_factory.mktemp("old")
+    env = clean(slurm_environment())
+    env.pop("SLURM_CONF", None)  # the one-node cluster's slurm.conf, as slurm_env does
     old, rc, output = submit(env, tmp_path, "srun", "--epochs", "2", name="old", checkpoints=False)
     assert rc == 0, output.read_text()[-5000:]
-    ((old_run, _),) = runs_in(output.read_text(), old)
-    assert step_and_run(checkpoints / old_run / "checkpoint-000044.pt") == (2 * STEPS_PER_EPOCH, old_run)
+    ((run, _),) = runs_in(output.read_text(), old)
+    assert step_and_run(tmp_path / "checkpoints" / run / "checkpoint-000044.pt") == (2 * STEPS_PER_EPOCH, run)
+    return run, tmp_path / "checkpoints" / run
+
+
+def test_a_job_whose_number_an_old_job_had_trains_from_scratch_and_resumes_its_own_run_after_a_requeue(
+    slurm_env, tmp_path, old_run
+):
+    env, checkpoints = clean(slurm_env), tmp_path / "checkpoints"
+    old_run, old_dir = old_run
 
     # Slurm 22.05's sbatch cannot choose a job number (no --jobid), so the new job is held
     # while the old job's files are given its number, as a rebuilt controller would leave
@@ -56,8 +78,9 @@ def test_a_job_whose_number_an_old_job_had_trains_from_scratch_and_resumes_its_o
         env, tmp_path, "srun", *args, wait=False, timeout=60, sbatch_args=["--hold"], name="new", checkpoints=False
     )
     try:
+        shutil.copytree(old_dir, checkpoints / old_run)
         (checkpoints / f".hpcddp-job-{job}").write_text(f"{old_run}\n")
-        shutil.copytree(checkpoints / old_run, checkpoints / job)
+        shutil.copytree(old_dir, checkpoints / job)
     finally:
         subprocess.run(["scontrol", "release", job], check=True, timeout=30, env=env)
     last, states, log = preempt_and_wait(env, tmp_path, job, output, first_checkpoint=f"{job}-*/checkpoint-000004.pt")
@@ -74,6 +97,109 @@ def test_a_job_whose_number_an_old_job_had_trains_from_scratch_and_resumes_its_o
     assert json.loads((tmp_path / "new.json").read_text())["step"] == 2 * STEPS_PER_EPOCH
     assert step_and_run(checkpoints / run / "checkpoint-000044.pt") == (2 * STEPS_PER_EPOCH, run)
     assert (checkpoints / f".hpcddp-job-{job}").read_text() == f"{run}\n"
+    # scontrol_job splits `scontrol show job -o` at spaces: Slurm's record of the job names the run.
+    assert last.get("Comment") == f"hpcddp-run={run}", last
+
+
+def test_a_reused_job_number_requeued_before_train_sh_ran_starts_a_new_run_that_its_own_requeue_resumes(
+    slurm_env, tmp_path, old_run
+):
+    env, checkpoints = clean(slurm_env), tmp_path / "checkpoints"
+    old_run, old_dir = old_run
+    # A node lost in the prolog: Slurm requeues the job before its batch script ran, so
+    # train.sh's first start already counts restart 1. The wrapper has train.sh's #SBATCH
+    # lines and requeues itself at its first start, before it runs train.sh.
+    with open(TRAIN_SH) as script:
+        directives = "".join(line for line in script if line.startswith("#SBATCH"))
+    wrapper = tmp_path / "requeued_before_train_sh.sh"
+    wrapper.write_text(
+        f"#!/usr/bin/env bash\n{directives}set -euo pipefail\n"
+        'if ((${SLURM_RESTART_COUNT:-0} == 0)); then\n    scontrol requeue "$SLURM_JOB_ID"\n    sleep 300\nfi\n'
+        f'exec {shlex.quote(TRAIN_SH)} "$@"\n'
+    )
+    args = ["--epochs", "2", "--slow", "0.05", "--checkpoint-every", "4", "--json", str(tmp_path / "new.json")]
+    job, _, output = submit(
+        env,
+        tmp_path,
+        "srun",
+        *args,
+        wait=False,
+        timeout=60,
+        sbatch_args=["--hold", "--comment=user-note"],
+        name="new",
+        checkpoints=False,
+        batch=str(wrapper),
+    )
+    try:  # the old job's run and its pointer, under the new job's number
+        shutil.copytree(old_dir, checkpoints / old_run)
+        (checkpoints / f".hpcddp-job-{job}").write_text(f"{old_run}\n")
+    finally:
+        subprocess.run(["scontrol", "release", job], check=True, timeout=30, env=env)
+    last, states, log = preempt_and_wait(env, tmp_path, job, output, first_checkpoint=f"{job}-*/checkpoint-000004.pt")
+
+    assert last.get("JobState") == "COMPLETED" and int(last.get("Restarts", 0)) >= 2, f"{last} {states}\n{log[-5000:]}"
+    (run, restarts), *requeued = runs_in(log, job)
+    assert run.startswith(f"{job}-") and run != old_run and restarts == "1", log[-5000:]
+    why = f"hpcddp: restart 1 of job {job}, but its Slurm record has no hpcddp-run= in Comment (a reused job number"
+    why += f", or requeued before this script first ran): starting a new run, not run {old_run} that"
+    assert why in log, log[-5000:]
+    # hpcddp's own `scontrol requeue` (after USR1): the same record, so the same run, resumed.
+    assert requeued and all(start == (run, str(i + 2)) for i, start in enumerate(requeued)), log[-5000:]
+    stopped = re.search(r"^stopped at step (\d+)$", log, flags=re.M)
+    assert stopped and "resumed from" not in log[: stopped.start()], log[-5000:]
+    resumed = re.findall(r"^resumed from step (\d+) ", log, flags=re.M)
+    assert resumed == [stopped.group(1)] and 4 <= int(stopped.group(1)) < 2 * STEPS_PER_EPOCH, log[-5000:]
+    assert json.loads((tmp_path / "new.json").read_text())["step"] == 2 * STEPS_PER_EPOCH
+    assert step_and_run(checkpoints / run / "checkpoint-000044.pt") == (2 * STEPS_PER_EPOCH, run)
+    assert sorted(p.name for p in (checkpoints / old_run).iterdir()) == sorted(p.name for p in old_dir.iterdir())
+    # The user's comment is kept; scontrol_job splits `scontrol show job -o` at spaces.
+    assert last.get("Comment") == "user-note" and last.get("hpcddp-run") == run, last
+
+
+def test_train_sh_by_hand_under_a_job_record_without_a_run_marks_a_new_run_in_it_and_a_restart_resumes_it(
+    slurm_env, tmp_path
+):
+    # The reviewer's way of reusing a number, cheaply: train.sh run by hand as restart 1 of a
+    # real (held) job whose record has the user's comment but no run, beside an old pointer.
+    env = {k: v for k, v in clean(slurm_env).items() if not k.startswith("SLURM_")}
+    held = subprocess.run(
+        ["sbatch", "--parsable", "--hold", "--comment=note from  user", "--output=/dev/null", "--wrap", "sleep 1"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+        cwd=tmp_path,
+    )
+    job = held.stdout.strip().split(";")[0]
+    assert held.returncode == 0 and job.isdigit(), held.stderr
+    probe = tmp_path / "probe.py"
+    probe.write_text('import os\nprint("probe sees run", os.environ["HPCDDP_RUN_ID"])\n')
+
+    def start(restarts):
+        run_env = {**env, "SLURM_JOB_ID": job, "SLURM_RESTART_COUNT": str(restarts), "SLURM_NTASKS": "1"}
+        result = subprocess.run(
+            ["bash", TRAIN_SH, str(probe)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**run_env, "LAUNCHER": "mpirun", "PYTHON": sys.executable},
+            cwd=tmp_path,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        (run, _), *_ = runs_in(result.stdout, job)
+        assert f"probe sees run {run}" in result.stdout, result.stdout
+        return run, result.stderr
+
+    try:
+        (tmp_path / "checkpoints").mkdir()
+        (tmp_path / "checkpoints" / f".hpcddp-job-{job}").write_text("old-run\n")
+        run, stderr = start(1)
+        assert run.startswith(f"{job}-") and "not run old-run that" in stderr, stderr
+        assert slurm_comment(job, env) == f"note from  user hpcddp-run={run}"
+        assert (tmp_path / "checkpoints" / f".hpcddp-job-{job}").read_text() == f"{run}\n"
+        assert start(2) == (run, "")  # a requeue: the record names the run
+    finally:
+        subprocess.run(["scancel", job], timeout=30, env=env)
 
 
 def test_a_new_job_given_an_old_runs_checkpoint_dir_stops_unless_it_asks_to_continue_that_run(slurm_env, tmp_path):
