@@ -34,8 +34,8 @@ class AdasumOptimizer(OptimizerFacade):
     Args:
         optimizer: the torch optimizer that makes the local step.
         named_parameters: ``model.named_parameters()``, or None.
-        compression: ``hvd.Compression.none``, ``.fp16`` or ``.bf16`` (bf16 is then
-            refused by Adasum, as in Horovod): the dtype the changes travel in.
+        compression: ``hvd.Compression.none`` or ``.fp16``: the dtype the changes
+            travel in.
         backward_passes_per_step: the backward passes allowed between steps
             (gradients accumulate locally over them).
     """

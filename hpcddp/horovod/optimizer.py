@@ -140,12 +140,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                 "DistributedOptimizer(op=hvd.Adasum) reduces over the global process set only, as in Horovod: "
                 "drop process_set= or use op=hvd.Average"
             )
-        if compression not in (Compression.none, Compression.fp16, Compression.bf16):
+        if compression not in (Compression.none, Compression.fp16):  # Adasum refuses bfloat16, as Horovod's
             raise ValueError(
                 f"DistributedOptimizer(op=hvd.Adasum) takes compression=hvd.Compression.none or .fp16, got {compression!r}"
             )
-        cls = _subclass(AdasumOptimizer, type(optimizer))
-        return cls(_rebuild(optimizer), named_parameters, compression, backward_passes_per_step)
+        fresh = _rebuild(optimizer)
+        return _subclass(AdasumOptimizer, type(optimizer))(
+            fresh, named_parameters, compression, backward_passes_per_step
+        )
     if process_set is not None and process_set.included() is False:
         # Horovod's rule: a rank outside the set steps on its own gradients.
         from ..comm.local import LocalCommunicator
@@ -164,8 +166,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         )
     if reduce_op is Adasum:  # one rank: Horovod's plain optimizer, and the Adasum of one tensor is itself
         reduce_op = Average
+    fresh = _rebuild(optimizer)
     wrapped = _subclass(_HorovodOptimizer, type(optimizer))(
-        _rebuild(optimizer),
+        fresh,
         named_parameters,
         backward_passes_per_step=backward_passes_per_step,
         compression=chosen,
@@ -191,6 +194,8 @@ def _rebuild(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     name = type(optimizer).__name__
+    if isinstance(optimizer, (_HpcddpOptimizer, AdasumOptimizer)):
+        raise ValueError(f"optimizer is already a DistributedOptimizer ({name}): wrap the plain torch optimizer once")
     try:
         return type(optimizer)(optimizer.param_groups)
     except TypeError as err:
