@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -14,6 +15,12 @@ from .compression import Compression
 from .process_sets import communicator_of, global_process_set
 
 __all__ = ["AdasumOptimizer"]
+
+
+def _call_if_alive(method: weakref.WeakMethod, param: torch.Tensor) -> None:
+    bound = method()
+    if bound is not None:
+        bound(param)
 
 
 class AdasumOptimizer(OptimizerFacade):
@@ -53,9 +60,11 @@ class AdasumOptimizer(OptimizerFacade):
             check_adasum(self._comm.size, dtype)
         self._passes = {param: 0 for _, param in self._named}
         self._hooks = []
+        # A weak reference: the parameters' hooks must not keep a dropped optimizer alive.
+        count_pass = weakref.WeakMethod(self._count_pass)
         for _, param in self._named:
             param.grad = torch.zeros_like(param)
-            self._hooks.append(param.register_post_accumulate_grad_hook(self._count_pass))
+            self._hooks.append(param.register_post_accumulate_grad_hook(lambda p: _call_if_alive(count_pass, p)))
 
     def _count_pass(self, param: torch.Tensor) -> None:
         self._passes[param] += 1

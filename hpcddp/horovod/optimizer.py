@@ -81,11 +81,14 @@ class _HorovodOptimizer(_HpcddpOptimizer):
 
     def _watch_sparse(self) -> None:
         """Note the parameters whose gradients arrive sparse (the buckets take them in dense)."""
-        self._sparse = {}
+        # The hooks hold the dict, not self: a parameter's hooks live as long as the model,
+        # and through them the optimizer would outlive the user's last reference (hvd.join()
+        # then shadows a dead optimizer's reductions).
+        sparse = self._sparse = {}
 
         def densify(grad, param):
             if grad.is_sparse:  # the bucket copies it in dense (see step)
-                self._sparse[param] = True
+                sparse[param] = True
 
         for _, param in self.reducer.named:
             if param.requires_grad:

@@ -62,3 +62,27 @@ def test_state_broadcast_before_wrapping_is_not_carried_as_in_horovod():
     for a, b in zip(model.parameters(), adam_reference(3).parameters()):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-12, atol=1e-12)
     optimizer.close()
+
+
+def test_a_dropped_optimizer_is_freed_and_join_does_not_shadow_it():
+    import gc
+    import weakref
+
+    for op in (hvd.Average, hvd.Adasum) if hvd.size() & (hvd.size() - 1) == 0 else (hvd.Average,):
+        model = make_model()
+        optimizer = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), op=op
+        )
+        loss_of(model, batch(hvd.rank(), 0)).backward()
+        optimizer.step()
+        dropped = weakref.ref(optimizer)
+        del optimizer
+        gc.collect()
+        assert dropped() is None  # the model (and its parameters' hooks) outlive it
+    # Without a live optimizer join() stands in for the others' allreduces with zeros (Horovod's rule).
+    if hvd.rank() == 0:
+        assert hvd.join() in range(hvd.size())
+    else:
+        total = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after.join")
+        assert total.tolist() == [hvd.size() - 1.0] * 2
+        assert hvd.join() in range(hvd.size())
