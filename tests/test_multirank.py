@@ -19,7 +19,12 @@ def test_mpi_suite(num_ranks):
 
 # The communicator's and the Horovod API's suites at an odd world size too (uneven splits, rings,
 # halves, process sets), in one launch.
-THREE_RANK_FILES = ["tests/mpi/test_comm_ops.py", "tests/mpi/test_horovod.py", "tests/mpi/test_horovod_ops.py"]
+THREE_RANK_FILES = [
+    "tests/mpi/test_comm_ops.py",
+    "tests/mpi/test_horovod.py",
+    "tests/mpi/test_horovod_ops.py",
+    "tests/mpi/test_horovod_adasum.py",
+]
 
 
 def test_comm_suites_at_three_ranks():

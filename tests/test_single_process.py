@@ -79,3 +79,33 @@ def test_gloo_in_a_single_process_works(monkeypatch):
         assert torch.equal(hpcddp.allreduce(torch.ones(3), op="sum"), torch.ones(3))
     finally:
         hpcddp.shutdown()
+
+
+def test_horovod_optimizer_is_a_fresh_instance_of_the_users_class(single):
+    import hpcddp.horovod as hvd
+
+    model = torch.nn.Linear(3, 1)
+    base = torch.optim.Adam(model.parameters(), lr=0.5)
+    model(torch.ones(2, 3)).sum().backward()
+    base.step()
+    for op in (hvd.Average, hvd.Adasum):  # with one rank Adasum is Horovod's plain optimizer
+        optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), op=op)
+        assert isinstance(optimizer, torch.optim.Adam) and type(optimizer).__name__ == "Adam"
+        assert optimizer.state_dict()["state"] == {} and optimizer.param_groups[0]["lr"] == 0.5
+        optimizer.close()
+    t = torch.tensor([1.0, -2.0])
+    assert torch.equal(hvd.allreduce(t, op=hvd.Adasum), t)
+
+
+def test_adasum_combines_in_horovods_pairs():
+    from hpcddp.horovod.adasum import combine
+
+    # Orthogonal rows add up; a zero row leaves its partner as it is; equal rows stay.
+    eye = torch.eye(4, dtype=torch.float64) * torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
+    assert combine(eye, torch.float64).tolist() == [1.0, 2.0, 3.0, 4.0]
+    rows = torch.tensor([[0.0, 0.0], [3.0, 4.0]])
+    assert combine(rows, torch.float32).tolist() == [3.0, 4.0]
+    assert combine(torch.tensor([[2.0, 1.0]] * 4), torch.float32).tolist() == [2.0, 1.0]
+    # [a, b] then [c, d]: a = (1, 0), b = (1, 0) give (1, 0); c = (0, 1), d = (0, 1) give (0, 1); then orthogonal.
+    pairs = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
+    assert combine(pairs, torch.float64).tolist() == [1.0, 1.0]

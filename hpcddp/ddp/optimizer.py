@@ -13,6 +13,7 @@ from ..comm.base import Communicator, ReduceOp
 from ..observe import timeline
 from .buckets import MB, Bucket
 from .compression import Compressor
+from .facade import OptimizerFacade
 from .optimizer_args import check_arguments, collect_parameters
 from .reducer import Reducer, ReductionTimes
 
@@ -21,7 +22,7 @@ __all__ = ["DistributedOptimizer"]
 log = logging.getLogger("hpcddp")
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(OptimizerFacade):
     """Wrap a torch optimizer so that ``step()`` applies gradients averaged over all ranks.
 
     Gradients live in flat bucket buffers (``param.grad`` is a view into one), filled
@@ -77,6 +78,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # rank's gradient overflowed, instead of handing its state to a fused step of
     # the wrapped optimizer (which would bypass this wrapper's attributes).
     _step_supports_amp_scaling = False
+    _own_attributes = ("_optimizer", "reducer")
 
     def __init__(
         self,
@@ -128,36 +130,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         self._warned_nonfinite = False
 
-    # -- behave like the wrapped optimizer ---------------------------------------------
-    def __getattr__(self, name: str) -> Any:
-        if name in ("_optimizer", "reducer"):
-            raise AttributeError(name)
-        return getattr(self._optimizer, name)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self._optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self._optimizer.param_groups = value
-
-    @property
-    def state(self):  # type: ignore[override]
-        return self._optimizer.state
-
-    @property
-    def defaults(self):  # type: ignore[override]
-        return self._optimizer.defaults
-
-    def state_dict(self) -> dict[str, Any]:
-        """Return the wrapped optimizer's state dict."""
-        return self._optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict into the wrapped optimizer."""
-        self._optimizer.load_state_dict(state_dict)
-
+    # -- behave like the wrapped optimizer (the rest is OptimizerFacade's) -----------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Not supported: parameters must be known when the buckets are built."""
         raise RuntimeError(

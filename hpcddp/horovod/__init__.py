@@ -10,8 +10,11 @@ second operation under a name still in flight raises ValueError. Where it differ
   ``synchronize`` and ``poll`` as before;
 - collectives run in the order each rank calls them (Horovod matches them by name):
   every rank must call them in the same order;
-- ``Adasum``, custom compressors and ``sparse_as_dense=True`` raise NotImplementedError
-  or ValueError saying so;
+- custom compressors in ``DistributedOptimizer`` raise ValueError saying so;
+- ``Adasum`` gathers every rank's tensor (``size()`` times its traffic) and reduces over
+  all ranks on every device, where Horovod built with NCCL sums GPU tensors within a node
+  first; ``DistributedOptimizer(op=Adasum)`` steps and reduces in ``step()``, not during
+  backward;
 - ``DistributedOptimizer`` fuses gradients into DDP-sized buckets (``num_groups`` and
   ``groups`` are accepted and ignored) and waits, instead of failing, when
   ``zero_grad()`` comes while a reduction is in flight;

@@ -19,7 +19,7 @@ Sum = ReduceOp.SUM
 Min = ReduceOp.MIN
 Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
-#: accepted as a name so scripts import; using it raises NotImplementedError
+#: Horovod's Adasum reduction (see hpcddp.horovod.adasum); not a ReduceOp of the communicators
 Adasum = "adasum"
 
 

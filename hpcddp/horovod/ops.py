@@ -8,6 +8,7 @@ import torch
 
 from ..comm.base import Handle, ReduceOp, parse_op
 from ..comm.oplog import collective_tag
+from .adasum import adasum_async, check_adasum
 from .basics import Adasum, Average, Sum
 from .compression import Compression
 from .process_sets import communicator_of, global_process_set
@@ -39,14 +40,14 @@ def start(name: str | None, launch) -> Handle:
     return handle
 
 
-def resolve_op(op, average=None) -> ReduceOp:
-    """Return the ReduceOp for Horovod's ``op`` and deprecated ``average`` arguments."""
+def resolve_op(op, average=None) -> ReduceOp | str:
+    """Return the ReduceOp (or ``Adasum``) for Horovod's ``op`` and deprecated ``average`` arguments."""
     if average is not None:
         if op is not None:
             raise ValueError(f"give op= or the deprecated average=, not both: got op={op!r}, average={average!r}")
         return Average if average else Sum
     if op is Adasum:
-        raise NotImplementedError("op=hvd.Adasum is not supported by hpcddp: use hvd.Average")
+        return Adasum
     return Average if op is None else parse_op(op)
 
 
@@ -62,9 +63,13 @@ def scale_(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     return tensor.mul_(torch.tensor(factor, dtype=tensor.dtype, device=tensor.device))
 
 
-def allreduce_handle(tensor, op: ReduceOp, name, prescale_factor, postscale_factor, in_place, process_set,
+def allreduce_handle(tensor, op: ReduceOp | str, name, prescale_factor, postscale_factor, in_place, process_set,
                      compression=Compression.none) -> Handle:  # fmt: skip
     """Start one allreduce as Horovod's: scaling, integer averages, compression; the handle yields the output."""
+    if op is Adasum:  # Horovod refuses these before it looks at the process set
+        check_adasum(
+            communicator_of(global_process_set).size, tensor.dtype, global_set=process_set is global_process_set
+        )
     comm = communicator_of(process_set)
     # detach(): in place on a parameter (a leaf that requires grad) writes its data, as Horovod does.
     source = tensor.detach() if in_place else tensor.detach().clone()
@@ -72,7 +77,10 @@ def allreduce_handle(tensor, op: ReduceOp, name, prescale_factor, postscale_fact
     # Horovod's integer average truncates a sum; MPI sums, we divide after.
     integer_average = op is Average and not source.dtype.is_floating_point
     wire, ctx = compression.compress(source)
-    handle = start(name, lambda: comm.allreduce_async_(wire, Sum if integer_average else op, check=name or ""))
+    if op is Adasum:
+        handle = start(name, lambda: adasum_async(comm, wire, check=name or ""))
+    else:
+        handle = start(name, lambda: comm.allreduce_async_(wire, Sum if integer_average else op, check=name or ""))
 
     def finish(out: torch.Tensor) -> torch.Tensor:
         out = compression.decompress(out, ctx)

@@ -9,13 +9,16 @@ import warnings
 import weakref
 from collections.abc import Iterator
 
+import torch
+
 from ..collectives import tensors as collectives
 from ..ddp.compression import Compressor as GradientCompressor
 from ..ddp.join import shadow_until_all_joined, sync_from_last_joiner
 from ..ddp.optimizer import DistributedOptimizer as _HpcddpOptimizer
 from ..ddp.optimizer_args import check_backward_passes
 from ..runtime import state
-from .basics import Average
+from .adasum_optimizer import AdasumOptimizer
+from .basics import Adasum, Average, size
 from .compression import OPTIMIZER_COMPRESSION, Compression
 from .ops import resolve_op
 from .process_sets import communicator_of, global_process_set
@@ -78,11 +81,14 @@ class _HorovodOptimizer(_HpcddpOptimizer):
 
     def _watch_sparse(self) -> None:
         """Note the parameters whose gradients arrive sparse (the buckets take them in dense)."""
-        self._sparse = {}
+        # The hooks hold the dict, not self: a parameter's hooks live as long as the model,
+        # and through them the optimizer would outlive the user's last reference (hvd.join()
+        # then shadows a dead optimizer's reductions).
+        sparse = self._sparse = {}
 
         def densify(grad, param):
             if grad.is_sparse:  # the bucket copies it in dense (see step)
-                self._sparse[param] = True
+                sparse[param] = True
 
         for _, param in self.reducer.named:
             if param.requires_grad:
@@ -97,12 +103,19 @@ class _HorovodOptimizer(_HpcddpOptimizer):
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0, num_groups=0,
                          groups=None, sparse_as_dense=False,
-                         process_set=global_process_set) -> _HpcddpOptimizer:  # fmt: skip
-    """Wrap ``optimizer`` so that ``step()`` applies gradients reduced over all ranks (Horovod's signature).
+                         process_set=global_process_set) -> torch.optim.Optimizer:  # fmt: skip
+    """Return a new optimizer whose ``step()`` applies gradients reduced over all ranks (Horovod's signature).
+
+    As in Horovod, the result is an instance of a class named as ``optimizer``'s and
+    derived from it (``isinstance(opt, torch.optim.Adam)`` holds), built as
+    ``type(optimizer)(optimizer.param_groups)``: it shares ``optimizer``'s parameter
+    groups (lr, betas, ...) but not its state, so momenta or step counts that
+    ``optimizer`` built before (e.g. by ``broadcast_optimizer_state``) start afresh.
 
     Gradients are fused into hpcddp's buckets (DDP's sizes) rather than Horovod's
     fusion buffer; ``num_groups`` and ``groups`` are accepted and ignored, since
-    buckets already group gradients.
+    buckets already group gradients. With ``op=hvd.Adasum`` (more than one rank)
+    the optimizer is Horovod's delta optimizer instead (see ``AdasumOptimizer``).
 
     Args:
         optimizer: any torch optimizer.
@@ -110,7 +123,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         compression: ``Compression.none`` (default), ``.fp16``, ``.bf16``, ``.powersgd``
             or ``.int8``, or an ``hpcddp.PowerSGD(...)`` / ``hpcddp.Int8(...)`` with settings.
         backward_passes_per_step: reduce once every this many backward passes.
-        op: ``Average`` or ``Sum``.
+        op: ``Average``, ``Sum`` or ``Adasum``.
         gradient_predivide_factor: with Average, divide by this before the sum and
             by ``size() / factor`` after it.
         num_groups: ignored (see above).
@@ -120,6 +133,24 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         process_set: the ranks that reduce their gradients together (a ProcessSet);
             on ranks outside it the optimizer steps on local gradients.
     """
+    check_backward_passes(backward_passes_per_step)
+    reduce_op = resolve_op(op)
+    if reduce_op is not Average and gradient_predivide_factor != 1.0:
+        raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} needs op=hvd.Average, got op={op}")
+    if reduce_op is Adasum and size() > 1:
+        if process_set is not global_process_set:
+            raise NotImplementedError(
+                "DistributedOptimizer(op=hvd.Adasum) reduces over the global process set only, as in Horovod: "
+                "drop process_set= or use op=hvd.Average"
+            )
+        if compression not in (Compression.none, Compression.fp16):  # Adasum refuses bfloat16, as Horovod's
+            raise ValueError(
+                f"DistributedOptimizer(op=hvd.Adasum) takes compression=hvd.Compression.none or .fp16, got {compression!r}"
+            )
+        fresh = _rebuild(optimizer)
+        return _subclass(AdasumOptimizer, type(optimizer))(
+            fresh, named_parameters, compression, backward_passes_per_step
+        )
     if process_set is not None and process_set.included() is False:
         # Horovod's rule: a rank outside the set steps on its own gradients.
         from ..comm.local import LocalCommunicator
@@ -136,11 +167,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             "compression must be hvd.Compression.none, .fp16, .bf16, .powersgd, .int8 or an hpcddp.PowerSGD/Int8, "
             f"got {compression!r}: custom compressors are not supported by DistributedOptimizer"
         )
-    reduce_op = resolve_op(op)
-    if reduce_op is not Average and gradient_predivide_factor != 1.0:
-        raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} needs op=hvd.Average, got op={op}")
-    wrapped = _HorovodOptimizer(
-        optimizer,
+    if reduce_op is Adasum:  # one rank: Horovod's plain optimizer, and the Adasum of one tensor is itself
+        reduce_op = Average
+    fresh = _rebuild(optimizer)
+    wrapped = _subclass(_HorovodOptimizer, type(optimizer))(
+        fresh,
         named_parameters,
         backward_passes_per_step=backward_passes_per_step,
         compression=chosen,
@@ -155,6 +186,36 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     wrapped._watch_sparse()
     _optimizers.add(wrapped)
     return wrapped
+
+
+def _rebuild(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Return ``type(optimizer)(optimizer.param_groups)``: Horovod's fresh optimizer on the same groups.
+
+    The groups (and so lr, betas, ... and later changes to them) are shared with
+    ``optimizer``; its state (momenta, step counts) is not carried over.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    name = type(optimizer).__name__
+    if isinstance(optimizer, (_HpcddpOptimizer, AdasumOptimizer)):
+        raise ValueError(f"optimizer is already a DistributedOptimizer ({name}): wrap the plain torch optimizer once")
+    try:
+        return type(optimizer)(optimizer.param_groups)
+    except TypeError as err:
+        raise TypeError(
+            f"DistributedOptimizer builds a new {name}(optimizer.param_groups) as Horovod does, which failed ({err}): "
+            f"give {name}.__init__'s other arguments defaults"
+        ) from err
+
+
+@functools.cache
+def _subclass(wrapper: type, user_class: type) -> type:
+    """Return the class named as ``user_class`` that is both ``wrapper`` and a ``user_class`` (Horovod's dynamic class).
+
+    ``wrapper`` comes first: its ``step``, ``zero_grad`` and state forwarding win over
+    the user class's, and ``isinstance(opt, user_class)`` holds.
+    """
+    return type(user_class.__name__, (wrapper, user_class), {"__doc__": wrapper.__doc__})
 
 
 def join(device=-1) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..comm.base import Handle, parse_op
-from .basics import Average, Sum
+from .basics import Adasum, Average, Sum
 from .compression import Compression
 from .ops import GroupHandle, resolve_op, scale_, start, synchronize
 from .process_sets import communicator_of, global_process_set, set_rank
@@ -183,6 +183,11 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 def _reducescatter_handle(tensor, op, name, process_set, prescale, postscale) -> Handle:
     comm = communicator_of(process_set)
     op = resolve_op(op)
+    if op is Adasum:
+        # Horovod fails it in its background thread (a RuntimeError), not as bad input.
+        raise NotImplementedError(
+            "reducescatter does not support op=hvd.Adasum, as in Horovod: use hvd.Sum or hvd.Average"
+        )
     if op not in (Sum, Average):
         raise ValueError(f"reducescatter supports op=hvd.Sum or hvd.Average, got {op}")
     if tensor.dim() == 0:

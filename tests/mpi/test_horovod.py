@@ -99,8 +99,6 @@ def test_build_queries_barrier_and_unsupported_options():
     assert hvd.mpi_built() and hvd.gloo_built() and not hvd.gloo_enabled()
     assert isinstance(hvd.nccl_built(), int) and not hvd.rocm_built()
     hvd.barrier()
-    with pytest.raises(NotImplementedError, match="Adasum"):
-        hvd.allreduce(torch.ones(1), op=hvd.Adasum)
     with pytest.raises(TypeError, match="process_set must be a ProcessSet"):
         hvd.allreduce(torch.ones(1), process_set="other")
 
