@@ -164,6 +164,21 @@ def test_the_sampler_counts_batches_over_every_rank_and_set_epoch_starts_over(mo
     assert list(sampler) == [1, 3, 5, 7, 9]
 
 
+def test_every_rank_gets_a_full_shard_when_fewer_samples_than_ranks_are_left(monkeypatch):
+    # 10 samples, 3 ranks, batches of 3: 9 processed before a commit; the start that resumes
+    # from it has 1 sample for 3 ranks. A rank with an empty shard would skip the step the
+    # others make (a collective mismatch on every start: the job could never finish).
+    monkeypatch.setattr(sampler_module, "size", sampler_module.size)
+    monkeypatch.setattr(sampler_module, "rank", sampler_module.rank)
+    dataset = list(range(10))
+    order = list(range(10))
+    random.Random(5).shuffle(order)
+    shards = _shards(dataset, 3, state={"epoch": 0, "processed_num": 9})
+    assert shards == [[order[9]]] * 3
+    shards = _shards(dataset, 5, state={"epoch": 0, "processed_num": 8})
+    assert [len(s) for s in shards] == [1] * 5 and set(sum(shards, [])) == set(order[8:])
+
+
 # ---- states ------------------------------------------------------------------------------------
 
 
