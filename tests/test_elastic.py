@@ -120,6 +120,21 @@ def test_a_node_keeps_only_its_newest_whole_commit(tmp_path):
     assert store.latest_serial() == -1
 
 
+def test_an_elastic_job_on_this_host_alone_is_started_as_a_plain_run_oversubscribed_past_the_cores():
+    from hpcddp.cli.elastic.launchers import JobLauncher
+
+    many = len(os.sched_getaffinity(0)) + 1
+    command, _ = JobLauncher("mpirun", [], dict(os.environ), single_host=True).command(
+        [Host("localhost", many)], ["python", "train.py"], {"HPCDDP_ELASTIC_LAUNCH": "0"}
+    )
+    assert "--oversubscribe" in command and "-H" not in command
+    assert command[command.index("-np") + 1] == str(many)
+    command, _ = JobLauncher("mpirun", [], dict(os.environ)).command(
+        [Host("node1", 2), Host("node2", 2)], ["python", "train.py"], {}
+    )
+    assert command[command.index("-H") + 1] == "node1:2,node2:2"
+
+
 # ---- ElasticSampler ----------------------------------------------------------------------------
 
 
