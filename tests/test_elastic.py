@@ -274,3 +274,61 @@ def test_run_restores_the_commit_and_runs_the_reset_callbacks_after_an_internal_
 
     assert train(state, 5) == 5
     assert calls == [0, 2] and resets == [1]
+
+
+def test_a_host_update_sent_while_a_start_began_reaches_its_ranks(hvd_world, monkeypatch):
+    import importlib
+    import socket
+
+    from hpcddp.cli.elastic.monitor import DriverServer
+    from hpcddp.horovod.elastic import state as state_module
+
+    run_module = importlib.import_module("hpcddp.horovod.elastic.run")  # the package's `run` is the function
+
+    # The driver's side: the change came before the rank connected (it was importing torch).
+    server = DriverServer("secret", loopback_only=True)
+    try:
+        server.begin_launch(1)
+        server.notify(123.0, HostUpdate.added)
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as rank:
+            rank.sendall(b'{"hello":"secret","rank":0,"size":1,"host":"h","launch":1}\n')
+            assert LineReader().feed(rank.recv(1000)) == [{"hosts_updated": 123.0, "update": 2}]
+    finally:
+        server.close()
+
+    # The rank's side: the link replays it to the state after the reset of a start that resumes a commit.
+    class Link:
+        def add_listener(self, listener):
+            listener(123.0, HostUpdate.added)
+
+        def remove_listener(self, listener):
+            pass
+
+    class Session:
+        link = Link()
+        left = []
+
+        def newest_commit(self, allgather, broadcast):
+            return 4, {"objects": {"step": 7}}
+
+        def keep(self, serial, snapshot):
+            pass
+
+        def leave_for_restart(self, reason):
+            self.left.append(reason)
+            raise SystemExit("leaves")
+
+    session = Session()
+    monkeypatch.setattr(run_module, "worker_session", lambda: session)
+    monkeypatch.setattr(state_module, "worker_session", lambda: session)
+    state = hvd.elastic.ObjectState(step=0)
+
+    @hvd.elastic.run
+    def train(state):
+        state.step += 1
+        state.commit()
+        return state.step
+
+    with pytest.raises(SystemExit):
+        train(state)
+    assert session.left == ["the hosts changed"] and state.step == 8
