@@ -58,3 +58,25 @@ def test_a_failing_script_ends_the_elastic_job_without_starting_it_again(tmp_pat
 def test_elastic_options_are_checked_in_one_line(options, message):
     result = run_command([*HPCDDP, "run", "-np", "2", *options, "tests/elastic_job.py"], 120, cwd=ROOT)
     assert result.returncode == 2 and message in result.stdout, result.stdout
+
+
+def test_a_rank_killed_before_hvd_elastic_run_is_started_again(tmp_path):
+    # A signal (the OOM killer, a user's kill -9) before the ranks reach hvd.elastic.run is
+    # no bug in the script: the job starts again (it ended at start 0, exit 137).
+    script = tmp_path / "killed.py"
+    script.write_text(
+        "import os, signal\n"
+        "import hpcddp.horovod as hvd\n"
+        "hvd.init()\n"
+        "if os.environ['HPCDDP_ELASTIC_LAUNCH'] == '0' and hvd.rank() == 1:\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "state = hvd.elastic.ObjectState(step=0)\n\n"
+        "@hvd.elastic.run\n"
+        "def train(state):\n"
+        "    state.step += 1\n"
+        "    state.commit()\n\n"
+        "train(state)\n"
+    )
+    result = run_command([*HPCDDP, "run", "-np", "2", "--min-np", "1", str(script)], TIME_LIMIT_S, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "start 1: 2 ranks on localhost:2" in result.stdout, result.stdout[-3000:]

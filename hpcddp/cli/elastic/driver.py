@@ -217,12 +217,12 @@ class ElasticDriver:
                 update = watch.poll()
                 if update:
                     server.notify(time.time(), update)
-            return self._after_exit(server, proc.returncode, names)
+            return self._after_exit(server, proc.returncode, names, launch)
         finally:
             _kill_group(proc)
             self._proc = None
 
-    def _after_exit(self, server: DriverServer, code: int, names: set[str]) -> _Outcome:
+    def _after_exit(self, server: DriverServer, code: int, names: set[str], launch: int = 0) -> _Outcome:
         deadline = time.monotonic() + 2.0
         records = server.records()
         while time.monotonic() < deadline and any(r.ended is None for r in records.values()):
@@ -242,7 +242,10 @@ class ElasticDriver:
         if records:
             _log(f"the job exited {code} with rank(s) {_describe(records, None, 'lost')} unfinished")
         failed = self._check_hosts(names)
-        if not records and not failed:
+        # A rank killed by a signal (the OOM killer, a user's kill) did not fail by itself, and a
+        # script that reached hvd.elastic.run in an earlier start does again: start it again
+        # (three failures in a row without a commit end the job).
+        if not records and not failed and code <= 128 and launch == 0:
             # Every host works, so the script itself failed before it reached hvd.elastic.run.
             _log(f"the job exited {code} before any rank reached hvd.elastic.run: not starting it again")
             return _Outcome("error", code or 1)
