@@ -332,3 +332,19 @@ def test_a_host_update_sent_while_a_start_began_reaches_its_ranks(hvd_world, mon
     with pytest.raises(SystemExit):
         train(state)
     assert session.left == ["the hosts changed"] and state.step == 8
+
+
+def test_a_rank_lost_after_another_finished_ends_the_job_without_a_start_from_scratch():
+    from hpcddp.cli.elastic.driver import ElasticConfig, ElasticDriver
+    from hpcddp.cli.elastic.launchers import JobLauncher
+    from hpcddp.cli.elastic.monitor import RankRecord
+
+    class Server:
+        def records(self):
+            return {0: RankRecord(0, "h", 0.0, ended="done", commit=6), 1: RankRecord(1, "h", 0.0, ended="lost")}
+
+    driver = ElasticDriver(
+        ElasticConfig(min_np=1), HostPool(hosts=[Host("localhost", 2)]), JobLauncher("mpirun", [], {}), ["x"]
+    )
+    outcome = driver._after_exit(Server(), 137, {"localhost"})
+    assert (outcome.kind, outcome.code) == ("finished", 137)

@@ -239,6 +239,15 @@ class ElasticDriver:
             return _Outcome("error", code or 1, commit=commit)
         if "restart" in ended:
             return _Outcome("restart", code, commit=commit)
+        if "done" in ended:
+            # The training function returned on a rank, so every collective of it completed: the job
+            # is over (as in Horovod, where one worker's success ends the job). A start again would
+            # find no commit (the finished rank removed them) and train from the beginning.
+            _log(
+                f"rank(s) {_describe(records, None, 'lost')} ended without finishing after rank(s) "
+                f"{_describe(records, 'done')} finished: the job is over, exit {code or 1}"
+            )
+            return _Outcome("finished", code or 1, commit=commit)
         if records:
             _log(f"the job exited {code} with rank(s) {_describe(records, None, 'lost')} unfinished")
         failed = self._check_hosts(names)
