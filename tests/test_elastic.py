@@ -348,3 +348,30 @@ def test_a_rank_lost_after_another_finished_ends_the_job_without_a_start_from_sc
     )
     outcome = driver._after_exit(Server(), 137, {"localhost"})
     assert (outcome.kind, outcome.code) == ("finished", 137)
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"[" * 3000 + b"\n", b"x" * 200_000, b'{"hello":"secret","launch":0}\n', b"\xff\xfe\n"],
+    ids=["deeply nested json", "an endless line", "a hello without a rank", "not utf-8"],
+)
+def test_a_stranger_on_the_driver_port_leaves_the_driver_watching_its_ranks(garbage):
+    import socket
+    import time
+
+    from hpcddp.cli.elastic.monitor import DriverServer
+
+    server = DriverServer("secret", loopback_only=True)
+    try:
+        server.begin_launch(0)
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as stranger:
+            stranger.sendall(garbage)
+            time.sleep(0.5)
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as rank:
+                rank.sendall(b'{"hello":"secret","rank":0,"size":1,"host":"h","launch":0}\n')
+                deadline = time.monotonic() + 10
+                while not server.records() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert list(server.records()) == [0]
+    finally:
+        server.close()

@@ -18,6 +18,8 @@ from ...env.network import list_interfaces
 
 __all__ = ["DriverServer", "RankRecord"]
 
+_MAX_HELLO_BYTES = 4096
+
 
 @dataclass
 class RankRecord:
@@ -107,8 +109,11 @@ class DriverServer:
             for key, _ in self._selector.select(timeout=0.2):
                 if key.fileobj is self._listener:
                     self._accept()
-                else:
+                    continue
+                try:
                     self._read(key.fileobj)
+                except Exception:  # noqa: BLE001 - one connection's garbage must not stop the driver's watch
+                    self._drop(key.fileobj)
 
     def _accept(self) -> None:
         try:
@@ -145,14 +150,18 @@ class DriverServer:
                 conn.record.last_seen = now
                 if not data and conn.record.ended is None:
                     conn.record.ended, conn.record.ended_at = "lost", now
-        if not data or (conn.record is None and messages):
+        # A stranger: its first line was not a rank's hello, or it sends a line longer than any hello.
+        if not data or (conn.record is None and (messages or len(conn.reader.pending) > _MAX_HELLO_BYTES)):
             self._drop(sock)
 
     def _take(self, conn: _Connection, message: dict, now: float) -> None:
         if conn.record is None:
             if message.get("hello") != self._token or message.get("launch") != self._launch:
                 return  # a stranger, or a rank of an earlier start
-            conn.record = RankRecord(rank=int(message["rank"]), host=str(message["host"]), last_seen=now)
+            try:
+                conn.record = RankRecord(rank=int(message["rank"]), host=str(message["host"]), last_seen=now)
+            except (KeyError, TypeError, ValueError):
+                return
             self._records[conn.record.rank] = conn.record
             return
         if "commit" in message:
