@@ -375,3 +375,42 @@ def test_a_stranger_on_the_driver_port_leaves_the_driver_watching_its_ranks(garb
                 assert list(server.records()) == [0]
     finally:
         server.close()
+
+
+def test_a_discovery_script_that_fails_or_prints_garbage_leaves_a_running_job_as_it_is(tmp_path):
+    from hpcddp.cli.elastic.driver import ElasticConfig, _HostWatch
+    from hpcddp.cli.elastic.launchers import JobLauncher
+
+    listing = tmp_path / "hosts.txt"
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {listing}\n")
+    script.chmod(0o755)
+    pool = HostPool(discovery_script=str(script))
+    config = ElasticConfig(min_np=1)
+    watch = _HostWatch(pool, {"localhost"}, config, JobLauncher("mpirun", [], {}))
+    for text in ("this is not host:slots\n", "localhost:x\n"):
+        listing.write_text(text)
+        watch._next = 0.0
+        assert watch.poll() == HostUpdate.no_update
+    listing.write_text("localhost:1\nnode2:1\n")
+    watch._next = 0.0
+    assert watch.poll() == HostUpdate.added
+
+
+def test_a_discovery_script_unusable_from_the_start_ends_the_job_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho this is not host:slots\n")
+    script.chmod(0o755)
+    result = subprocess.run(
+        [sys.executable, "-m", "hpcddp.cli", "run", "-np", "1", "--min-np", "1"]
+        + ["--host-discovery-script", str(script), "true"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and "is not host:slots with slots >= 1" in result.stderr, result.stderr

@@ -113,7 +113,11 @@ class ElasticDriver:
     def _supervise(self, server: DriverServer) -> int:
         launch, failures, last_commit = 0, 0, -1
         while True:
-            hosts = self._wait_for_slots()
+            try:
+                hosts = self._wait_for_slots(first=launch == 0)
+            except ValueError as err:  # the discovery script cannot be used at all
+                _log(str(err))
+                return 2
             if hosts is None:
                 return 1
             outcome = self._run_launch(server, launch, hosts)
@@ -133,8 +137,13 @@ class ElasticDriver:
                 _log(f"--reset-limit {self.config.reset_limit} reached: giving up")
                 return outcome.code or 1
 
-    def _wait_for_slots(self) -> list[Host] | None:
-        """Return the hosts of the next start (slots trimmed to max_np), or None after elastic_timeout."""
+    def _wait_for_slots(self, first: bool = False) -> list[Host] | None:
+        """Return the hosts of the next start (slots trimmed to max_np), or None after elastic_timeout.
+
+        A discovery script that fails or prints what is not ``host:slots`` before the first start
+        raises ValueError; later it counts as no hosts until it works again (a node's outage
+        may take the script's source down with it).
+        """
         deadline = time.monotonic() + self.config.elastic_timeout
         said = False
         while self._stop_signal is None:
@@ -142,7 +151,14 @@ class ElasticDriver:
             if due:
                 failed = self.launcher.failed_hosts(due)
                 self.pool.rechecked([h for h in due if h not in failed], sorted(failed))
-            hosts = self.pool.discover()
+            try:
+                hosts = self.pool.discover()
+            except (RuntimeError, ValueError) as err:
+                if first:
+                    raise ValueError(str(err)) from None
+                if not said:
+                    _log(f"{err}: waiting for it to work")
+                hosts = []
             if sum(h.slots for h in hosts) >= self.config.min_np:
                 return self._assign(hosts)
             if not said:
@@ -317,7 +333,7 @@ class _HostWatch:
         self._take_recheck()
         try:
             available = {h.name: h.slots for h in self._pool.discover()}
-        except RuntimeError as err:
+        except (RuntimeError, ValueError) as err:  # fails, hangs, or prints garbage: nothing changed
             _log(f"{err} (the hosts stay as they are)")
             return HostUpdate.no_update
         update = HostUpdate.no_update
