@@ -80,3 +80,26 @@ def test_a_rank_killed_before_hvd_elastic_run_is_started_again(tmp_path):
     result = run_command([*HPCDDP, "run", "-np", "2", "--min-np", "1", str(script)], TIME_LIMIT_S, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:]
     assert "start 1: 2 ranks on localhost:2" in result.stdout, result.stdout[-3000:]
+
+
+def test_a_job_that_gives_up_leaves_no_commit_behind_on_this_host(tmp_path):
+    commits = tmp_path / "shm"
+    script = tmp_path / "dies.py"
+    script.write_text(
+        "import os, signal\n"
+        "import hpcddp.horovod as hvd\n"
+        "hvd.init()\n"
+        "state = hvd.elastic.ObjectState(step=0)\n\n"
+        "@hvd.elastic.run\n"
+        "def train(state):\n"
+        "    while state.step < 3:\n"
+        "        state.step += 1\n"
+        "        state.commit()\n"
+        "        if state.step == 2 and hvd.rank() == 1:\n"
+        "            os.kill(os.getpid(), signal.SIGKILL)\n\n"
+        "train(state)\n"
+    )
+    command = [*HPCDDP, "run", "-np", "2", "--min-np", "1", "--reset-limit", "0", str(script)]
+    result = run_command(command, TIME_LIMIT_S, cwd=ROOT, env={"HPCDDP_ELASTIC_COMMIT_DIR": str(commits)})
+    assert result.returncode != 0 and "--reset-limit 0 reached" in result.stdout, result.stdout[-3000:]
+    assert list((commits / "hpcddp-elastic").iterdir()) == []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,8 +23,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ...elastic.commits import CommitStore
 from ...elastic.protocol import HostUpdate
-from ...env.elastic import DRIVER_VARIABLE, LAUNCH_VARIABLE, RUN_VARIABLE, TOKEN_VARIABLE
+from ...env.elastic import COMMIT_DIR_VARIABLE, DRIVER_VARIABLE, LAUNCH_VARIABLE, RUN_VARIABLE, TOKEN_VARIABLE
 from .hosts import Host, HostPool
 from .launchers import JobLauncher
 from .monitor import DriverServer, RankRecord
@@ -109,6 +111,14 @@ class ElasticDriver:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
             server.close()
+            self._remove_commits()
+
+    def _remove_commits(self) -> None:
+        """Drop this host's commits of the run: no start will read them (a job that gave up, was
+        stopped or failed left them in /dev/shm, which is memory, until the next reboot)."""
+        root = self.launcher.environ.get(COMMIT_DIR_VARIABLE, "").strip() or None
+        store = CommitStore(self.run_id, root, "_")
+        shutil.rmtree(store.run_dir, ignore_errors=True)
 
     def _supervise(self, server: DriverServer) -> int:
         launch, failures, last_commit = 0, 0, -1

@@ -45,6 +45,11 @@ class JobLauncher:
         self._environ = dict(environ)
         self.single_host = single_host and launcher == "mpirun"
 
+    @property
+    def environ(self) -> dict[str, str]:
+        """The environment the job starts from."""
+        return self._environ
+
     def command(
         self, hosts: Sequence[Host], program: Sequence[str], variables: Mapping[str, str]
     ) -> tuple[list[str], dict[str, str]]:
