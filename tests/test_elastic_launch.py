@@ -1,6 +1,10 @@
 """``hpcddp run --min-np`` on this host: a lost rank is started again from the last commit; a failing script is not."""
 
+import os
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -103,3 +107,28 @@ def test_a_job_that_gives_up_leaves_no_commit_behind_on_this_host(tmp_path):
     result = run_command(command, TIME_LIMIT_S, cwd=ROOT, env={"HPCDDP_ELASTIC_COMMIT_DIR": str(commits)})
     assert result.returncode != 0 and "--reset-limit 0 reached" in result.stdout, result.stdout[-3000:]
     assert list((commits / "hpcddp-elastic").iterdir()) == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_hpcddp_run_stops_the_elastic_job_with_the_shells_code(tmp_path, signum):
+    marker = tmp_path / "started"
+    program = [sys.executable, "-c", f"import time; open({str(marker)!r}, 'w').close(); time.sleep(120)"]
+    proc = subprocess.Popen(
+        [*HPCDDP, "run", "-np", "2", "--min-np", "1", *program],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        proc.send_signal(signum)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signum, out[-3000:]
+    assert "start 1:" not in out and f"stopped by {signal.Signals(signum).name}" in out, out[-3000:]

@@ -106,7 +106,13 @@ class ElasticDriver:
         server = DriverServer(self._token)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         try:
-            return self._supervise(server)
+            code = self._supervise(server)
+            if self._stop_signal is not None:
+                # The shell's code for a job ended by a signal, whatever mpirun made of it (1).
+                name = signal.Signals(self._stop_signal).name
+                _log(f"stopped by {name}: the job is not started again (exit {128 + self._stop_signal})")
+                return 128 + self._stop_signal
+            return code
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
