@@ -414,3 +414,17 @@ def test_a_discovery_script_unusable_from_the_start_ends_the_job_in_one_line(tmp
     )
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr and "is not host:slots with slots >= 1" in result.stderr, result.stderr
+
+
+def test_a_restarted_process_resumes_from_the_nodes_commit_once_not_at_each_elastic_function(tmp_path):
+    from hpcddp.elastic.session import WorkerSession
+
+    store = CommitStore("run", str(tmp_path), "h")
+    store.write(3, {"objects": {"step": 7}})
+    session = object.__new__(WorkerSession)  # its link to a driver plays no part here
+    session.launch, session.rank, session.local_rank, session.store, session._resumed = 1, 0, 0, store, False
+    gather, bcast = (lambda obj: [obj]), (lambda obj, root: obj)
+    assert session.newest_commit(gather, bcast) == (3, {"objects": {"step": 7}})
+    # train(state) returned at step 9 (2 steps after the last commit); a second elastic function
+    # must not take the state back to the commit.
+    assert session.newest_commit(gather, bcast) is None
