@@ -111,7 +111,9 @@ def test_a_node_keeps_only_its_newest_whole_commit(tmp_path):
     assert store.latest_serial() == -1
     store.write(0, {"w": torch.arange(3.0)})
     store.write(1, {"w": torch.arange(3.0) + 1})
-    (tmp_path / "hpcddp-elastic" / "run_1" / "vnode1" / ".commit-half").write_bytes(b"torn")  # a write cut short
+    (tmp_path / f"hpcddp-elastic-{os.getuid()}" / "run_1" / "vnode1" / ".commit-half").write_bytes(
+        b"torn"
+    )  # a write cut short
     serial, snapshot = store.read()
     assert serial == 1 and torch.equal(snapshot["w"], torch.tensor([1.0, 2.0, 3.0]))
     assert sorted(os.listdir(store.directory)) == [".commit-half", "commit-000000000001.pt"]
@@ -428,3 +430,12 @@ def test_a_restarted_process_resumes_from_the_nodes_commit_once_not_at_each_elas
     # train(state) returned at step 9 (2 steps after the last commit); a second elastic function
     # must not take the state back to the commit.
     assert session.newest_commit(gather, bcast) is None
+
+
+def test_commits_live_in_a_directory_of_this_user_alone(tmp_path):
+    store = CommitStore("run", root=str(tmp_path), host="h")
+    store.write(0, {"w": 1})
+    assert os.stat(store.user_dir).st_mode & 0o777 == 0o700
+    os.chmod(store.user_dir, 0o777)  # as another user's directory could be: others may plant a pickle
+    with pytest.raises(PermissionError, match="belongs to another user or others may write in it"):
+        store.read()

@@ -106,7 +106,7 @@ def test_a_job_that_gives_up_leaves_no_commit_behind_on_this_host(tmp_path):
     command = [*HPCDDP, "run", "-np", "2", "--min-np", "1", "--reset-limit", "0", str(script)]
     result = run_command(command, TIME_LIMIT_S, cwd=ROOT, env={"HPCDDP_ELASTIC_COMMIT_DIR": str(commits)})
     assert result.returncode != 0 and "--reset-limit 0 reached" in result.stdout, result.stdout[-3000:]
-    assert list((commits / "hpcddp-elastic").iterdir()) == []
+    assert list((commits / f"hpcddp-elastic-{os.getuid()}").iterdir()) == []
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
