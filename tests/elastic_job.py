@@ -47,7 +47,9 @@ hvd.init()
 launch = int(os.environ.get("HPCDDP_ELASTIC_LAUNCH", "0"))
 dataset = make_data()
 model = make_model()
-optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), named_parameters=model.named_parameters())
+optimizer = hvd.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=LR), named_parameters=model.named_parameters()
+)
 sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=3)
 state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0)
 resets = []

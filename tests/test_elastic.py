@@ -111,13 +111,30 @@ def test_a_node_keeps_only_its_newest_whole_commit(tmp_path):
     assert store.latest_serial() == -1
     store.write(0, {"w": torch.arange(3.0)})
     store.write(1, {"w": torch.arange(3.0) + 1})
-    (tmp_path / "hpcddp-elastic" / "run_1" / "vnode1" / ".commit-half").write_bytes(b"torn")  # a write cut short
+    (tmp_path / f"hpcddp-elastic-{os.getuid()}" / "run_1" / "vnode1" / ".commit-half").write_bytes(
+        b"torn"
+    )  # a write cut short
     serial, snapshot = store.read()
     assert serial == 1 and torch.equal(snapshot["w"], torch.tensor([1.0, 2.0, 3.0]))
     assert sorted(os.listdir(store.directory)) == [".commit-half", "commit-000000000001.pt"]
     assert other.latest_serial() == -1  # another node's memory, even on a shared file system
     store.remove()
     assert store.latest_serial() == -1
+
+
+def test_an_elastic_job_on_this_host_alone_is_started_as_a_plain_run_oversubscribed_past_the_cores():
+    from hpcddp.cli.elastic.launchers import JobLauncher
+
+    many = len(os.sched_getaffinity(0)) + 1
+    command, _ = JobLauncher("mpirun", [], dict(os.environ), single_host=True).command(
+        [Host("localhost", many)], ["python", "train.py"], {"HPCDDP_ELASTIC_LAUNCH": "0"}
+    )
+    assert "--oversubscribe" in command and "-H" not in command
+    assert command[command.index("-np") + 1] == str(many)
+    command, _ = JobLauncher("mpirun", [], dict(os.environ)).command(
+        [Host("node1", 2), Host("node2", 2)], ["python", "train.py"], {}
+    )
+    assert command[command.index("-H") + 1] == "node1:2,node2:2"
 
 
 # ---- ElasticSampler ----------------------------------------------------------------------------
@@ -162,6 +179,21 @@ def test_the_sampler_counts_batches_over_every_rank_and_set_epoch_starts_over(mo
     sampler.set_epoch(1)
     assert sampler.state_dict() == {"epoch": 1, "processed_num": 0}
     assert list(sampler) == [1, 3, 5, 7, 9]
+
+
+def test_every_rank_gets_a_full_shard_when_fewer_samples_than_ranks_are_left(monkeypatch):
+    # 10 samples, 3 ranks, batches of 3: 9 processed before a commit; the start that resumes
+    # from it has 1 sample for 3 ranks. A rank with an empty shard would skip the step the
+    # others make (a collective mismatch on every start: the job could never finish).
+    monkeypatch.setattr(sampler_module, "size", sampler_module.size)
+    monkeypatch.setattr(sampler_module, "rank", sampler_module.rank)
+    dataset = list(range(10))
+    order = list(range(10))
+    random.Random(5).shuffle(order)
+    shards = _shards(dataset, 3, state={"epoch": 0, "processed_num": 9})
+    assert shards == [[order[9]]] * 3
+    shards = _shards(dataset, 5, state={"epoch": 0, "processed_num": 8})
+    assert [len(s) for s in shards] == [1] * 5 and set(sum(shards, [])) == set(order[8:])
 
 
 # ---- states ------------------------------------------------------------------------------------
@@ -244,3 +276,166 @@ def test_run_restores_the_commit_and_runs_the_reset_callbacks_after_an_internal_
 
     assert train(state, 5) == 5
     assert calls == [0, 2] and resets == [1]
+
+
+def test_a_host_update_sent_while_a_start_began_reaches_its_ranks(hvd_world, monkeypatch):
+    import importlib
+    import socket
+
+    from hpcddp.cli.elastic.monitor import DriverServer
+    from hpcddp.horovod.elastic import state as state_module
+
+    run_module = importlib.import_module("hpcddp.horovod.elastic.run")  # the package's `run` is the function
+
+    # The driver's side: the change came before the rank connected (it was importing torch).
+    server = DriverServer("secret", loopback_only=True)
+    try:
+        server.begin_launch(1)
+        server.notify(123.0, HostUpdate.added)
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as rank:
+            rank.sendall(b'{"hello":"secret","rank":0,"size":1,"host":"h","launch":1}\n')
+            assert LineReader().feed(rank.recv(1000)) == [{"hosts_updated": 123.0, "update": 2}]
+    finally:
+        server.close()
+
+    # The rank's side: the link replays it to the state after the reset of a start that resumes a commit.
+    class Link:
+        def add_listener(self, listener):
+            listener(123.0, HostUpdate.added)
+
+        def remove_listener(self, listener):
+            pass
+
+    class Session:
+        link = Link()
+        left = []
+
+        def newest_commit(self, allgather, broadcast):
+            return 4, {"objects": {"step": 7}}
+
+        def keep(self, serial, snapshot):
+            pass
+
+        def leave_for_restart(self, reason):
+            self.left.append(reason)
+            raise SystemExit("leaves")
+
+    session = Session()
+    monkeypatch.setattr(run_module, "worker_session", lambda: session)
+    monkeypatch.setattr(state_module, "worker_session", lambda: session)
+    state = hvd.elastic.ObjectState(step=0)
+
+    @hvd.elastic.run
+    def train(state):
+        state.step += 1
+        state.commit()
+        return state.step
+
+    with pytest.raises(SystemExit):
+        train(state)
+    assert session.left == ["the hosts changed"] and state.step == 8
+
+
+def test_a_rank_lost_after_another_finished_ends_the_job_without_a_start_from_scratch():
+    from hpcddp.cli.elastic.driver import ElasticConfig, ElasticDriver
+    from hpcddp.cli.elastic.launchers import JobLauncher
+    from hpcddp.cli.elastic.monitor import RankRecord
+
+    class Server:
+        def records(self):
+            return {0: RankRecord(0, "h", 0.0, ended="done", commit=6), 1: RankRecord(1, "h", 0.0, ended="lost")}
+
+    driver = ElasticDriver(
+        ElasticConfig(min_np=1), HostPool(hosts=[Host("localhost", 2)]), JobLauncher("mpirun", [], {}), ["x"]
+    )
+    outcome = driver._after_exit(Server(), 137, {"localhost"})
+    assert (outcome.kind, outcome.code) == ("finished", 137)
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"[" * 3000 + b"\n", b"x" * 200_000, b'{"hello":"secret","launch":0}\n', b"\xff\xfe\n"],
+    ids=["deeply nested json", "an endless line", "a hello without a rank", "not utf-8"],
+)
+def test_a_stranger_on_the_driver_port_leaves_the_driver_watching_its_ranks(garbage):
+    import socket
+    import time
+
+    from hpcddp.cli.elastic.monitor import DriverServer
+
+    server = DriverServer("secret", loopback_only=True)
+    try:
+        server.begin_launch(0)
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as stranger:
+            stranger.sendall(garbage)
+            time.sleep(0.5)
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as rank:
+                rank.sendall(b'{"hello":"secret","rank":0,"size":1,"host":"h","launch":0}\n')
+                deadline = time.monotonic() + 10
+                while not server.records() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert list(server.records()) == [0]
+    finally:
+        server.close()
+
+
+def test_a_discovery_script_that_fails_or_prints_garbage_leaves_a_running_job_as_it_is(tmp_path):
+    from hpcddp.cli.elastic.driver import ElasticConfig, _HostWatch
+    from hpcddp.cli.elastic.launchers import JobLauncher
+
+    listing = tmp_path / "hosts.txt"
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {listing}\n")
+    script.chmod(0o755)
+    pool = HostPool(discovery_script=str(script))
+    config = ElasticConfig(min_np=1)
+    watch = _HostWatch(pool, {"localhost"}, config, JobLauncher("mpirun", [], {}))
+    for text in ("this is not host:slots\n", "localhost:x\n"):
+        listing.write_text(text)
+        watch._next = 0.0
+        assert watch.poll() == HostUpdate.no_update
+    listing.write_text("localhost:1\nnode2:1\n")
+    watch._next = 0.0
+    assert watch.poll() == HostUpdate.added
+
+
+def test_a_discovery_script_unusable_from_the_start_ends_the_job_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho this is not host:slots\n")
+    script.chmod(0o755)
+    result = subprocess.run(
+        [sys.executable, "-m", "hpcddp.cli", "run", "-np", "1", "--min-np", "1"]
+        + ["--host-discovery-script", str(script), "true"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and "is not host:slots with slots >= 1" in result.stderr, result.stderr
+
+
+def test_a_restarted_process_resumes_from_the_nodes_commit_once_not_at_each_elastic_function(tmp_path):
+    from hpcddp.elastic.session import WorkerSession
+
+    store = CommitStore("run", str(tmp_path), "h")
+    store.write(3, {"objects": {"step": 7}})
+    session = object.__new__(WorkerSession)  # its link to a driver plays no part here
+    session.launch, session.rank, session.local_rank, session.store, session._resumed = 1, 0, 0, store, False
+    gather, bcast = (lambda obj: [obj]), (lambda obj, root: obj)
+    assert session.newest_commit(gather, bcast) == (3, {"objects": {"step": 7}})
+    # train(state) returned at step 9 (2 steps after the last commit); a second elastic function
+    # must not take the state back to the commit.
+    assert session.newest_commit(gather, bcast) is None
+
+
+def test_commits_live_in_a_directory_of_this_user_alone(tmp_path):
+    store = CommitStore("run", root=str(tmp_path), host="h")
+    store.write(0, {"w": 1})
+    assert os.stat(store.user_dir).st_mode & 0o777 == 0o700
+    os.chmod(store.user_dir, 0o777)  # as another user's directory could be: others may plant a pickle
+    with pytest.raises(PermissionError, match="belongs to another user or others may write in it"):
+        store.read()

@@ -1,6 +1,10 @@
 """``hpcddp run --min-np`` on this host: a lost rank is started again from the last commit; a failing script is not."""
 
+import os
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -58,3 +62,73 @@ def test_a_failing_script_ends_the_elastic_job_without_starting_it_again(tmp_pat
 def test_elastic_options_are_checked_in_one_line(options, message):
     result = run_command([*HPCDDP, "run", "-np", "2", *options, "tests/elastic_job.py"], 120, cwd=ROOT)
     assert result.returncode == 2 and message in result.stdout, result.stdout
+
+
+def test_a_rank_killed_before_hvd_elastic_run_is_started_again(tmp_path):
+    # A signal (the OOM killer, a user's kill -9) before the ranks reach hvd.elastic.run is
+    # no bug in the script: the job starts again (it ended at start 0, exit 137).
+    script = tmp_path / "killed.py"
+    script.write_text(
+        "import os, signal\n"
+        "import hpcddp.horovod as hvd\n"
+        "hvd.init()\n"
+        "if os.environ['HPCDDP_ELASTIC_LAUNCH'] == '0' and hvd.rank() == 1:\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "state = hvd.elastic.ObjectState(step=0)\n\n"
+        "@hvd.elastic.run\n"
+        "def train(state):\n"
+        "    state.step += 1\n"
+        "    state.commit()\n\n"
+        "train(state)\n"
+    )
+    result = run_command([*HPCDDP, "run", "-np", "2", "--min-np", "1", str(script)], TIME_LIMIT_S, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "start 1: 2 ranks on localhost:2" in result.stdout, result.stdout[-3000:]
+
+
+def test_a_job_that_gives_up_leaves_no_commit_behind_on_this_host(tmp_path):
+    commits = tmp_path / "shm"
+    script = tmp_path / "dies.py"
+    script.write_text(
+        "import os, signal\n"
+        "import hpcddp.horovod as hvd\n"
+        "hvd.init()\n"
+        "state = hvd.elastic.ObjectState(step=0)\n\n"
+        "@hvd.elastic.run\n"
+        "def train(state):\n"
+        "    while state.step < 3:\n"
+        "        state.step += 1\n"
+        "        state.commit()\n"
+        "        if state.step == 2 and hvd.rank() == 1:\n"
+        "            os.kill(os.getpid(), signal.SIGKILL)\n\n"
+        "train(state)\n"
+    )
+    command = [*HPCDDP, "run", "-np", "2", "--min-np", "1", "--reset-limit", "0", str(script)]
+    result = run_command(command, TIME_LIMIT_S, cwd=ROOT, env={"HPCDDP_ELASTIC_COMMIT_DIR": str(commits)})
+    assert result.returncode != 0 and "--reset-limit 0 reached" in result.stdout, result.stdout[-3000:]
+    assert list((commits / f"hpcddp-elastic-{os.getuid()}").iterdir()) == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_hpcddp_run_stops_the_elastic_job_with_the_shells_code(tmp_path, signum):
+    marker = tmp_path / "started"
+    program = [sys.executable, "-c", f"import time; open({str(marker)!r}, 'w').close(); time.sleep(120)"]
+    proc = subprocess.Popen(
+        [*HPCDDP, "run", "-np", "2", "--min-np", "1", *program],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        proc.send_signal(signum)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signum, out[-3000:]
+    assert "start 1:" not in out and f"stopped by {signal.Signals(signum).name}" in out, out[-3000:]

@@ -2,7 +2,7 @@
 
 Under MPI a lost process ends its job, so an elastic job is started again and its new
 ranks must find the state the old ones committed. One rank per node (its local rank 0)
-writes every commit to ``/dev/shm/hpcddp-elastic/<run>/<host>/`` (memory, not a disk:
+writes every commit to ``/dev/shm/hpcddp-elastic-<uid>/<run>/<host>/`` (memory, not a disk:
 about as fast as the copy Horovod keeps in memory); a new rank reads the newest commit
 on its node, and the ranks agree on the newest one that any node holds. A commit is
 written to a temporary name and renamed, so a process killed while writing leaves the
@@ -45,8 +45,19 @@ class CommitStore:
     """
 
     def __init__(self, run: str, root: str | None = None, host: str | None = None) -> None:
-        self.run_dir = os.path.join(root or default_commit_root(), "hpcddp-elastic", _safe(run))
+        # One directory per user, only theirs: /dev/shm is shared by every user of a node, and a
+        # commit is loaded with pickle (a file planted by another user would run as this one).
+        self.user_dir = os.path.join(root or default_commit_root(), f"hpcddp-elastic-{os.getuid()}")
+        self.run_dir = os.path.join(self.user_dir, _safe(run))
         self.directory = os.path.join(self.run_dir, _safe(host or socket.gethostname()))
+
+    def _check_owner(self) -> None:
+        info = os.stat(self.user_dir)
+        if info.st_uid != os.getuid() or info.st_mode & 0o022:
+            raise PermissionError(
+                f"{self.user_dir} belongs to another user or others may write in it: "
+                "remove it, or set HPCDDP_ELASTIC_COMMIT_DIR to a directory of your own"
+            )
 
     def latest_serial(self) -> int:
         """Return the number of the newest whole commit on this node, or -1 when there is none."""
@@ -59,6 +70,8 @@ class CommitStore:
 
     def write(self, serial: int, snapshot: dict[str, Any]) -> None:
         """Keep ``snapshot`` as commit number ``serial`` and drop the older ones."""
+        os.makedirs(self.user_dir, mode=0o700, exist_ok=True)
+        self._check_owner()
         os.makedirs(self.directory, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".commit-", dir=self.directory)
         try:
@@ -79,6 +92,7 @@ class CommitStore:
         serial = self.latest_serial()
         if serial < 0:
             raise FileNotFoundError(f"no commit in {self.directory}")
+        self._check_owner()
         path = os.path.join(self.directory, f"commit-{serial:012d}.pt")
         payload = torch.load(path, map_location="cpu", weights_only=False)
         return payload["serial"], payload["snapshot"]

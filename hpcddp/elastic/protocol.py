@@ -41,6 +41,11 @@ class LineReader:
     def __init__(self) -> None:
         self._buffer = b""
 
+    @property
+    def pending(self) -> bytes:
+        """The bytes received after the last complete line."""
+        return self._buffer
+
     def feed(self, data: bytes) -> list[dict[str, Any]]:
         """Add received bytes and return the complete messages among them (malformed lines are dropped)."""
         self._buffer += data
@@ -49,7 +54,7 @@ class LineReader:
         for line in lines:
             try:
                 message = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: "[[[[..." from a stranger
                 continue
             if isinstance(message, dict):
                 messages.append(message)

@@ -41,6 +41,7 @@ class WorkerSession:
         self.store = CommitStore(env.run, env.commit_dir, host)
         self.link = DriverLink(env, self.rank, self.size, host)
         self._finished = False
+        self._resumed = False
         previous_hook = sys.excepthook
 
         def excepthook(exc_type, exc, tb):
@@ -62,7 +63,7 @@ class WorkerSession:
     def newest_commit(
         self, allgather: Callable[[Any], list[Any]], broadcast: Callable[[Any, int], Any]
     ) -> tuple[int, dict[str, Any]] | None:
-        """Return the newest commit any node holds, on every rank (collective), or None.
+        """Return the newest commit any node holds, on every rank (collective), or None; once per process.
 
         Args:
             allgather: gathers one object from every rank (``hvd.allgather_object``).
@@ -70,6 +71,11 @@ class WorkerSession:
         """
         if self.launch == 0:
             return None  # a first start: no commit of this run exists yet
+        if self._resumed:
+            # A second hvd.elastic.run function (or a second call) in this process goes on from the
+            # state as the first left it: the node's commit may be older (steps after the last commit).
+            return None
+        self._resumed = True
         serials = allgather(self.store.latest_serial() if self.local_rank == 0 else -1)
         newest = max(serials)
         if newest < 0:

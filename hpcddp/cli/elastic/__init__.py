@@ -48,7 +48,8 @@ def run_elastic(
             hosts=None if host_discovery_script else _fixed_hosts(hosts, hostfile, in_slurm, num_proc, environ),
             discovery_script=host_discovery_script,
         )
-        job_launcher = JobLauncher(launcher, env, environ)
+        single_host = not (host_discovery_script or hosts or hostfile or in_slurm)
+        job_launcher = JobLauncher(launcher, env, environ, single_host=single_host)
     except ValueError as err:
         raise click.UsageError(str(err)) from None
     return ElasticDriver(config, pool, job_launcher, program).run()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,8 +23,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ...elastic.commits import CommitStore
 from ...elastic.protocol import HostUpdate
-from ...env.elastic import DRIVER_VARIABLE, LAUNCH_VARIABLE, RUN_VARIABLE, TOKEN_VARIABLE
+from ...env.elastic import COMMIT_DIR_VARIABLE, DRIVER_VARIABLE, LAUNCH_VARIABLE, RUN_VARIABLE, TOKEN_VARIABLE
 from .hosts import Host, HostPool
 from .launchers import JobLauncher
 from .monitor import DriverServer, RankRecord
@@ -104,16 +106,34 @@ class ElasticDriver:
         server = DriverServer(self._token)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         try:
-            return self._supervise(server)
+            code = self._supervise(server)
+            if self._stop_signal is not None:
+                # The shell's code for a job ended by a signal, whatever mpirun made of it (1).
+                name = signal.Signals(self._stop_signal).name
+                _log(f"stopped by {name}: the job is not started again (exit {128 + self._stop_signal})")
+                return 128 + self._stop_signal
+            return code
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
             server.close()
+            self._remove_commits()
+
+    def _remove_commits(self) -> None:
+        """Drop this host's commits of the run: no start will read them (a job that gave up, was
+        stopped or failed left them in /dev/shm, which is memory, until the next reboot)."""
+        root = self.launcher.environ.get(COMMIT_DIR_VARIABLE, "").strip() or None
+        store = CommitStore(self.run_id, root, "_")
+        shutil.rmtree(store.run_dir, ignore_errors=True)
 
     def _supervise(self, server: DriverServer) -> int:
         launch, failures, last_commit = 0, 0, -1
         while True:
-            hosts = self._wait_for_slots()
+            try:
+                hosts = self._wait_for_slots(first=launch == 0)
+            except ValueError as err:  # the discovery script cannot be used at all
+                _log(str(err))
+                return 2
             if hosts is None:
                 return 1
             outcome = self._run_launch(server, launch, hosts)
@@ -133,8 +153,13 @@ class ElasticDriver:
                 _log(f"--reset-limit {self.config.reset_limit} reached: giving up")
                 return outcome.code or 1
 
-    def _wait_for_slots(self) -> list[Host] | None:
-        """Return the hosts of the next start (slots trimmed to max_np), or None after elastic_timeout."""
+    def _wait_for_slots(self, first: bool = False) -> list[Host] | None:
+        """Return the hosts of the next start (slots trimmed to max_np), or None after elastic_timeout.
+
+        A discovery script that fails or prints what is not ``host:slots`` before the first start
+        raises ValueError; later it counts as no hosts until it works again (a node's outage
+        may take the script's source down with it).
+        """
         deadline = time.monotonic() + self.config.elastic_timeout
         said = False
         while self._stop_signal is None:
@@ -142,7 +167,14 @@ class ElasticDriver:
             if due:
                 failed = self.launcher.failed_hosts(due)
                 self.pool.rechecked([h for h in due if h not in failed], sorted(failed))
-            hosts = self.pool.discover()
+            try:
+                hosts = self.pool.discover()
+            except (RuntimeError, ValueError) as err:
+                if first:
+                    raise ValueError(str(err)) from None
+                if not said:
+                    _log(f"{err}: waiting for it to work")
+                hosts = []
             if sum(h.slots for h in hosts) >= self.config.min_np:
                 return self._assign(hosts)
             if not said:
@@ -217,12 +249,12 @@ class ElasticDriver:
                 update = watch.poll()
                 if update:
                     server.notify(time.time(), update)
-            return self._after_exit(server, proc.returncode, names)
+            return self._after_exit(server, proc.returncode, names, launch)
         finally:
             _kill_group(proc)
             self._proc = None
 
-    def _after_exit(self, server: DriverServer, code: int, names: set[str]) -> _Outcome:
+    def _after_exit(self, server: DriverServer, code: int, names: set[str], launch: int = 0) -> _Outcome:
         deadline = time.monotonic() + 2.0
         records = server.records()
         while time.monotonic() < deadline and any(r.ended is None for r in records.values()):
@@ -241,10 +273,22 @@ class ElasticDriver:
             return _Outcome("restart", code, commit=commit)
         if not records and code == 0:
             return _Outcome("finished", 0)  # a script that never used hvd.elastic.run, and ended well
+        if "done" in ended:
+            # The training function returned on a rank, so every collective of it completed: the job
+            # is over (as in Horovod, where one worker's success ends the job). A start again would
+            # find no commit (the finished rank removed them) and train from the beginning.
+            _log(
+                f"rank(s) {_describe(records, None, 'lost')} ended without finishing after rank(s) "
+                f"{_describe(records, 'done')} finished: the job is over, exit {code or 1}"
+            )
+            return _Outcome("finished", code or 1, commit=commit)
         if records:
             _log(f"the job exited {code} with rank(s) {_describe(records, None, 'lost')} unfinished")
         failed = self._check_hosts(names)
-        if not records and not failed:
+        # A rank killed by a signal (the OOM killer, a user's kill) did not fail by itself, and a
+        # script that reached hvd.elastic.run in an earlier start does again: start it again
+        # (three failures in a row without a commit end the job).
+        if not records and not failed and code <= 128 and launch == 0:
             # Every host works, so the script itself failed before it reached hvd.elastic.run.
             _log(f"the job exited {code} before any rank reached hvd.elastic.run: not starting it again")
             return _Outcome("error", code or 1)
@@ -307,7 +351,7 @@ class _HostWatch:
         self._take_recheck()
         try:
             available = {h.name: h.slots for h in self._pool.discover()}
-        except RuntimeError as err:
+        except (RuntimeError, ValueError) as err:  # fails, hangs, or prints garbage: nothing changed
             _log(f"{err} (the hosts stay as they are)")
             return HostUpdate.no_update
         update = HostUpdate.no_update

@@ -30,14 +30,25 @@ class JobLauncher:
         launcher: "mpirun" or "srun".
         env: ``NAME`` / ``NAME=VALUE`` items for every rank (``hpcddp run -x``).
         environ: the environment to start from.
+        single_host: the job runs on this host alone (no -H, --hostfile or allocation): mpirun
+            starts it as ``hpcddp run -np N`` does, oversubscribed when the ranks outnumber the
+            cores and bound to cores otherwise.
     """
 
-    def __init__(self, launcher: str, env: Sequence[str], environ: Mapping[str, str]) -> None:
+    def __init__(
+        self, launcher: str, env: Sequence[str], environ: Mapping[str, str], single_host: bool = False
+    ) -> None:
         if launcher not in ("mpirun", "srun"):
             raise ValueError(f"launcher must be 'mpirun' or 'srun' for an elastic job, got {launcher!r}")
         self.launcher = launcher
         self._env = tuple(env)
         self._environ = dict(environ)
+        self.single_host = single_host and launcher == "mpirun"
+
+    @property
+    def environ(self) -> dict[str, str]:
+        """The environment the job starts from."""
+        return self._environ
 
     def command(
         self, hosts: Sequence[Host], program: Sequence[str], variables: Mapping[str, str]
@@ -46,7 +57,9 @@ class JobLauncher:
         num_proc = sum(host.slots for host in hosts)
         env = (*self._env, *(f"{name}={value}" for name, value in variables.items()))
         if self.launcher == "mpirun":
-            spec = ",".join(str(host) for host in hosts)
+            # On this host alone, no -H: mpirun_command then oversubscribes or binds as for a plain run
+            # (-H localhost:3 on 2 cores fails to bind).
+            spec = None if self.single_host else ",".join(str(host) for host in hosts)
             config = LaunchConfig(num_proc=num_proc, hosts=spec, launcher="mpirun", env=env)
             return build_launch_command(config, program, self._environ)
         config = LaunchConfig(num_proc=num_proc, launcher="srun", env=env)

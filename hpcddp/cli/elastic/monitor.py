@@ -18,6 +18,8 @@ from ...env.network import list_interfaces
 
 __all__ = ["DriverServer", "RankRecord"]
 
+_MAX_HELLO_BYTES = 4096
+
 
 @dataclass
 class RankRecord:
@@ -61,6 +63,7 @@ class DriverServer:
         self._lock = threading.Lock()
         self._launch = 0
         self._records: dict[int, RankRecord] = {}
+        self._update: dict | None = None  # the last host update of this start, for ranks that connect later
         self._connections: dict[socket.socket, _Connection] = {}
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
@@ -73,6 +76,7 @@ class DriverServer:
         with self._lock:
             self._launch = launch
             self._records = {}
+            self._update = None
 
     def records(self) -> dict[int, RankRecord]:
         """Return a copy of the current start's records, by rank."""
@@ -80,12 +84,14 @@ class DriverServer:
             return {rank: RankRecord(**vars(record)) for rank, record in self._records.items()}
 
     def notify(self, timestamp: float, update: HostUpdate) -> None:
-        """Tell every connected rank that the hosts changed."""
+        """Tell every connected rank that the hosts changed, and every rank of this start that connects later."""
+        message = {"hosts_updated": timestamp, "update": int(update)}
         with self._lock:
+            self._update = message
             targets = [sock for sock, conn in self._connections.items() if conn.record and not conn.record.ended]
         for sock in targets:
             try:
-                send_message(sock, {"hosts_updated": timestamp, "update": int(update)})
+                send_message(sock, message)
             except OSError:
                 pass
 
@@ -103,8 +109,11 @@ class DriverServer:
             for key, _ in self._selector.select(timeout=0.2):
                 if key.fileobj is self._listener:
                     self._accept()
-                else:
+                    continue
+                try:
                     self._read(key.fileobj)
+                except Exception:  # noqa: BLE001 - one connection's garbage must not stop the driver's watch
+                    self._drop(key.fileobj)
 
     def _accept(self) -> None:
         try:
@@ -125,21 +134,34 @@ class DriverServer:
             data = b""
         now = time.monotonic()
         messages = conn.reader.feed(data) if data else []
+        greeted = conn.record is None
         with self._lock:
             for message in messages:
                 self._take(conn, message, now)
+            # A rank still starting when the hosts changed (importing torch: seconds) hears it now;
+            # the driver says each change once.
+            update = self._update if greeted and conn.record is not None else None
+        if update is not None:
+            try:
+                send_message(sock, update)
+            except OSError:
+                pass
             if conn.record is not None:
                 conn.record.last_seen = now
                 if not data and conn.record.ended is None:
                     conn.record.ended, conn.record.ended_at = "lost", now
-        if not data or (conn.record is None and messages):
+        # A stranger: its first line was not a rank's hello, or it sends a line longer than any hello.
+        if not data or (conn.record is None and (messages or len(conn.reader.pending) > _MAX_HELLO_BYTES)):
             self._drop(sock)
 
     def _take(self, conn: _Connection, message: dict, now: float) -> None:
         if conn.record is None:
             if message.get("hello") != self._token or message.get("launch") != self._launch:
                 return  # a stranger, or a rank of an earlier start
-            conn.record = RankRecord(rank=int(message["rank"]), host=str(message["host"]), last_seen=now)
+            try:
+                conn.record = RankRecord(rank=int(message["rank"]), host=str(message["host"]), last_seen=now)
+            except (KeyError, TypeError, ValueError):
+                return
             self._records[conn.record.rank] = conn.record
             return
         if "commit" in message:

@@ -37,12 +37,14 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(state: State, *args, **kwargs):
         session = worker_session()
         if session is not None:
-            session.link.add_listener(state.on_hosts_updated)
             commit = session.newest_commit(allgather_object, broadcast_object)
             if commit is not None:
                 state._serial = commit[0]
                 state._load_snapshot(commit[1])
                 state.on_reset()
+            # After on_reset, which forgets host messages: an update that came while this start
+            # began is for this start (the link keeps it and replays it here).
+            session.link.add_listener(state.on_hosts_updated)
         try:
             skip_sync = False
             while True:

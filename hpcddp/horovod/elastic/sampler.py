@@ -75,8 +75,11 @@ class ElasticSampler(torch.utils.data.Sampler):
 
     def __iter__(self) -> Iterator[int]:
         indices = self.remaining_indices[:]
-        # Pad by repeating from the start so that every rank gets num_samples, as DistributedSampler does.
-        indices += indices[: self.total_size - len(indices)]
+        # Pad by repeating from the start so that every rank gets num_samples, as DistributedSampler does:
+        # cyclically, since fewer samples than ranks may be left after a reset (one sample, three ranks).
+        padding = self.total_size - len(indices)
+        if padding > 0:
+            indices += (indices * math.ceil(padding / len(indices)))[:padding]
         self.indices = indices[self.rank : self.total_size : self.num_replicas]
         return iter(self.indices)
 
