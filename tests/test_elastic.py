@@ -380,23 +380,26 @@ def test_a_stranger_on_the_driver_port_leaves_the_driver_watching_its_ranks(garb
 
 
 def test_a_discovery_script_that_fails_or_prints_garbage_leaves_a_running_job_as_it_is(tmp_path):
-    from hpcddp.cli.elastic.driver import ElasticConfig, _HostWatch
     from hpcddp.cli.elastic.launchers import JobLauncher
+    from hpcddp.cli.elastic.watch import HostWatch
 
     listing = tmp_path / "hosts.txt"
     script = tmp_path / "discover.sh"
     script.write_text(f"#!/bin/sh\ncat {listing}\n")
     script.chmod(0o755)
-    pool = HostPool(discovery_script=str(script))
-    config = ElasticConfig(min_np=1)
-    watch = _HostWatch(pool, {"localhost"}, config, JobLauncher("mpirun", [], {}))
+    watch = HostWatch(HostPool(discovery_script=str(script)), {"localhost"}, None, JobLauncher("mpirun", [], {}))
+
+    def look():  # one look in the watch's thread, then its report
+        watch._next = 0.0
+        assert watch.poll() == HostUpdate.no_update  # never blocks: the look runs in its thread
+        watch._look.join(timeout=30)
+        return watch.poll()
+
     for text in ("this is not host:slots\n", "localhost:x\n"):
         listing.write_text(text)
-        watch._next = 0.0
-        assert watch.poll() == HostUpdate.no_update
+        assert look() == HostUpdate.no_update
     listing.write_text("localhost:1\nnode2:1\n")
-    watch._next = 0.0
-    assert watch.poll() == HostUpdate.added
+    assert look() == HostUpdate.added
 
 
 def test_a_discovery_script_unusable_from_the_start_ends_the_job_in_one_line(tmp_path):

@@ -38,6 +38,8 @@ def run_elastic(
     if launcher == "auto":
         launcher = "srun" if in_slurm and not (hosts or hostfile) else "mpirun"
     try:
+        if min_np is not None and num_proc is not None and max_np is None and num_proc < min_np:
+            raise ValueError(f"-np ({num_proc}) must be >= --min-np ({min_np}): -np is where the job starts")
         config = ElasticConfig(
             min_np=min_np if min_np is not None else (num_proc or 1),
             max_np=max_np if max_np is not None else (num_proc if host_discovery_script is None else None),

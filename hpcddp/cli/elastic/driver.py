@@ -17,18 +17,16 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ...elastic.commits import CommitStore
-from ...elastic.protocol import HostUpdate
 from ...env.elastic import COMMIT_DIR_VARIABLE, DRIVER_VARIABLE, LAUNCH_VARIABLE, RUN_VARIABLE, TOKEN_VARIABLE
 from .hosts import Host, HostPool
 from .launchers import JobLauncher
 from .monitor import DriverServer, RankRecord
+from .watch import HostWatch, describe, kill_group, log, silent_hosts
 
 __all__ = ["ElasticConfig", "ElasticDriver"]
 
@@ -36,7 +34,6 @@ __all__ = ["ElasticConfig", "ElasticDriver"]
 MAX_FAILURES_WITHOUT_PROGRESS = 3
 _POLL_S = 0.1
 _DISCOVERY_INTERVAL_S = 1.0
-_KILL_GRACE_S = 3.0
 _RESTART_GRACE_S = 20.0
 
 
@@ -76,11 +73,6 @@ class _Outcome:
     commit: int = -1
 
 
-def _log(message: str) -> None:
-    sys.stderr.write(f"[hpcddp run] elastic {time.strftime('%H:%M:%S')}: {message}\n")
-    sys.stderr.flush()
-
-
 class ElasticDriver:
     """Supervise an elastic job (see the module's docstring).
 
@@ -110,7 +102,7 @@ class ElasticDriver:
             if self._stop_signal is not None:
                 # The shell's code for a job ended by a signal, whatever mpirun made of it (1).
                 name = signal.Signals(self._stop_signal).name
-                _log(f"stopped by {name}: the job is not started again (exit {128 + self._stop_signal})")
+                log(f"stopped by {name}: the job is not started again (exit {128 + self._stop_signal})")
                 return 128 + self._stop_signal
             return code
         finally:
@@ -132,7 +124,7 @@ class ElasticDriver:
             try:
                 hosts = self._wait_for_slots(first=launch == 0)
             except ValueError as err:  # the discovery script cannot be used at all
-                _log(str(err))
+                log(str(err))
                 return 2
             if hosts is None:
                 return 1
@@ -141,16 +133,16 @@ class ElasticDriver:
                 return outcome.code
             if outcome.failed_hosts:
                 self.pool.fail(sorted(outcome.failed_hosts))
-                _log(f"blacklisted {', '.join(sorted(outcome.failed_hosts))}")
+                log(f"blacklisted {', '.join(sorted(outcome.failed_hosts))}")
             if outcome.kind == "failed":
                 failures = 0 if outcome.commit > last_commit else failures + 1
                 if failures >= MAX_FAILURES_WITHOUT_PROGRESS:
-                    _log(f"{failures} failures in a row without a new commit: giving up (exit {outcome.code or 1})")
+                    log(f"{failures} failures in a row without a new commit: giving up (exit {outcome.code or 1})")
                     return outcome.code or 1
             last_commit = max(last_commit, outcome.commit)
             launch += 1
             if self.config.reset_limit is not None and launch > self.config.reset_limit:
-                _log(f"--reset-limit {self.config.reset_limit} reached: giving up")
+                log(f"--reset-limit {self.config.reset_limit} reached: giving up")
                 return outcome.code or 1
 
     def _wait_for_slots(self, first: bool = False) -> list[Host] | None:
@@ -173,15 +165,15 @@ class ElasticDriver:
                 if first:
                     raise ValueError(str(err)) from None
                 if not said:
-                    _log(f"{err}: waiting for it to work")
+                    log(f"{err}: waiting for it to work")
                 hosts = []
             if sum(h.slots for h in hosts) >= self.config.min_np:
                 return self._assign(hosts)
             if not said:
-                _log(f"waiting for {self.config.min_np} slots (have {sum(h.slots for h in hosts)})")
+                log(f"waiting for {self.config.min_np} slots (have {sum(h.slots for h in hosts)})")
                 said = True
             if time.monotonic() > deadline:
-                _log(f"fewer than --min-np {self.config.min_np} slots for {self.config.elastic_timeout:g} s: giving up")
+                log(f"fewer than --min-np {self.config.min_np} slots for {self.config.elastic_timeout:g} s: giving up")
                 return None
             time.sleep(_DISCOVERY_INTERVAL_S)
         return None
@@ -206,10 +198,10 @@ class ElasticDriver:
             LAUNCH_VARIABLE: str(launch),
         }
         command, environ = self.launcher.command(hosts, self.program, variables)
-        _log(f"start {launch}: {num_proc} ranks on {', '.join(map(str, hosts))}")
+        log(f"start {launch}: {num_proc} ranks on {', '.join(map(str, hosts))}")
         self._proc = proc = subprocess.Popen(command, env=environ, start_new_session=True)
         names = {h.name for h in hosts}
-        watch = _HostWatch(self.pool, names, self.config, self.launcher)
+        watch = HostWatch(self.pool, names, self.config.max_np, self.launcher)
         restart_since = None
         checked: dict[str, float] = {}
         try:
@@ -224,21 +216,21 @@ class ElasticDriver:
                     records = server.records()
                     if any(r.ended == "error" for r in records.values()):
                         return self._stop(proc, "error", frozenset(), records)
-                    _log(f"lost rank(s) {_describe(records, 'lost')}: stopping the job")
+                    log(f"lost rank(s) {describe(records, 'lost')}: stopping the job")
                     return self._after_failure(proc, names, records)
                 now = time.monotonic()
                 silent = {
                     h
-                    for h in _silent_hosts(records, self.config.beat_timeout)
+                    for h in silent_hosts(records, self.config.beat_timeout)
                     if now - checked.get(h, -1e9) > self.config.beat_timeout
                 }
                 if silent:
                     checked.update(dict.fromkeys(silent, now))
                     failed = self.launcher.failed_hosts(sorted(silent))
                     if failed:
-                        _log(f"no word from the ranks on {', '.join(sorted(failed))}, which fail a health check")
+                        log(f"no word from the ranks on {', '.join(sorted(failed))}, which fail a health check")
                         return self._stop(proc, "failed", failed, records)
-                    _log(
+                    log(
                         f"no word from the ranks on {', '.join(sorted(silent))} for {self.config.beat_timeout:g} s, "
                         "but the hosts pass a health check: the job goes on"
                     )
@@ -251,7 +243,7 @@ class ElasticDriver:
                     server.notify(time.time(), update)
             return self._after_exit(server, proc.returncode, names, launch)
         finally:
-            _kill_group(proc)
+            kill_group(proc)
             self._proc = None
 
     def _after_exit(self, server: DriverServer, code: int, names: set[str], launch: int = 0) -> _Outcome:
@@ -277,46 +269,46 @@ class ElasticDriver:
             # The training function returned on a rank, so every collective of it completed: the job
             # is over (as in Horovod, where one worker's success ends the job). A start again would
             # find no commit (the finished rank removed them) and train from the beginning.
-            _log(
-                f"rank(s) {_describe(records, None, 'lost')} ended without finishing after rank(s) "
-                f"{_describe(records, 'done')} finished: the job is over, exit {code or 1}"
+            log(
+                f"rank(s) {describe(records, None, 'lost')} ended without finishing after rank(s) "
+                f"{describe(records, 'done')} finished: the job is over, exit {code or 1}"
             )
             return _Outcome("finished", code or 1, commit=commit)
         if records:
-            _log(f"the job exited {code} with rank(s) {_describe(records, None, 'lost')} unfinished")
+            log(f"the job exited {code} with rank(s) {describe(records, None, 'lost')} unfinished")
         failed = self._check_hosts(names)
         # A rank killed by a signal (the OOM killer, a user's kill) did not fail by itself, and a
         # script that reached hvd.elastic.run in an earlier start does again: start it again
         # (three failures in a row without a commit end the job).
         if not records and not failed and code <= 128 and launch == 0:
             # Every host works, so the script itself failed before it reached hvd.elastic.run.
-            _log(f"the job exited {code} before any rank reached hvd.elastic.run: not starting it again")
+            log(f"the job exited {code} before any rank reached hvd.elastic.run: not starting it again")
             return _Outcome("error", code or 1)
         return _Outcome("failed", code or 1, failed, commit)
 
     def _check_hosts(self, names: set[str]) -> frozenset[str]:
         started = time.monotonic()
         failed = frozenset(self.launcher.failed_hosts(sorted(names)))
-        _log(
+        log(
             f"health check of {', '.join(sorted(names))} in {time.monotonic() - started:.1f} s: "
             + (f"{', '.join(sorted(failed))} failed" if failed else "every host works")
         )
         return failed
 
     def _after_failure(self, proc: subprocess.Popen, names: set[str], records: dict[int, RankRecord]) -> _Outcome:
-        _kill_group(proc)
+        kill_group(proc)
         failed = self._check_hosts(names)
         return _Outcome("failed", 1, failed, max((r.commit for r in records.values()), default=-1))
 
     def _stop(self, proc, kind: str, failed, records: dict[int, RankRecord]) -> _Outcome:
-        _kill_group(proc)
+        kill_group(proc)
         return _Outcome(kind, 1, frozenset(failed), max((r.commit for r in records.values()), default=-1))
 
     def _wait_stopped(self, proc: subprocess.Popen) -> int:
         try:
             code = proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            kill_group(proc)
             code = proc.wait()
         return code if code >= 0 else 128 - code
 
@@ -328,92 +320,3 @@ class ElasticDriver:
                 os.killpg(self._proc.pid, signum)
             except ProcessLookupError:
                 pass
-
-
-class _HostWatch:
-    """Compare the hosts available now with those of the current start (at most once a second).
-
-    Blacklisted hosts whose cooldown is over are health-checked in a thread of their own,
-    so that the watch never holds up the driver's loop.
-    """
-
-    def __init__(self, pool: HostPool, used: set[str], config: ElasticConfig, launcher: JobLauncher) -> None:
-        self._pool, self._used, self._config, self._launcher = pool, used, config, launcher
-        self._next = time.monotonic() + _DISCOVERY_INTERVAL_S
-        self._told = HostUpdate.no_update
-        self._recheck: threading.Thread | None = None
-        self._rechecked: tuple[list[str], list[str]] | None = None
-
-    def poll(self) -> HostUpdate:
-        if time.monotonic() < self._next:
-            return HostUpdate.no_update
-        self._next = time.monotonic() + _DISCOVERY_INTERVAL_S
-        self._take_recheck()
-        try:
-            available = {h.name: h.slots for h in self._pool.discover()}
-        except (RuntimeError, ValueError) as err:  # fails, hangs, or prints garbage: nothing changed
-            _log(f"{err} (the hosts stay as they are)")
-            return HostUpdate.no_update
-        update = HostUpdate.no_update
-        if self._used - set(available):
-            update |= HostUpdate.removed
-        used_slots = sum(available.get(name, 0) for name in self._used)
-        room = self._config.max_np is None or used_slots < self._config.max_np
-        if set(available) - self._used and room:
-            update |= HostUpdate.added
-        if update == self._told:
-            return HostUpdate.no_update
-        self._told = update
-        if update:
-            _log(f"hosts changed ({update.name}): the ranks start again at their next commit")
-        return update
-
-    def _take_recheck(self) -> None:
-        if self._recheck is not None and not self._recheck.is_alive():
-            self._recheck = None
-            healthy, failed = self._rechecked or ([], [])
-            self._pool.rechecked(healthy, failed)
-            if healthy:
-                _log(f"{', '.join(healthy)} pass(es) the health check again: taken back")
-        due = self._pool.due_for_recheck() if self._recheck is None else []
-        if due:
-            self._recheck = threading.Thread(
-                target=self._check, args=(due,), name="hpcddp-elastic-recheck", daemon=True
-            )
-            self._recheck.start()
-
-    def _check(self, due: list[str]) -> None:
-        failed = self._launcher.failed_hosts(due)
-        self._rechecked = ([h for h in due if h not in failed], sorted(failed))
-
-
-def _silent_hosts(records: dict[int, RankRecord], timeout: float) -> set[str]:
-    now = time.monotonic()
-    by_host: dict[str, list[RankRecord]] = {}
-    for record in records.values():
-        by_host.setdefault(record.host, []).append(record)
-    return {
-        host for host, ranks in by_host.items() if all(r.ended is None and now - r.last_seen > timeout for r in ranks)
-    }
-
-
-def _describe(records: dict[int, RankRecord], *kinds) -> str:
-    return ", ".join(
-        f"{r.rank} on {r.host}" for r in sorted(records.values(), key=lambda r: r.rank) if r.ended in kinds
-    )
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Stop the launcher and every process it started on this host: TERM, then KILL after a grace."""
-    if proc.poll() is not None:
-        return
-    for signum, wait in ((signal.SIGTERM, _KILL_GRACE_S), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, signum)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue

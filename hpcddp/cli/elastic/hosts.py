@@ -10,6 +10,7 @@ script has stopped listing it and lists it again (the node went away and returne
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -106,41 +107,45 @@ class HostPool:
         self._listed: set[str] | None = None
         self._failures: dict[str, int] = {}
         self._recheck_at: dict[str, float] = {}
+        # The driver's loop and its host watch (a thread) both use the pool.
+        self._lock = threading.Lock()
 
     def discover(self) -> list[Host]:
         """Return the hosts that may be used now, in the order listed, without blacklisted ones."""
-        if self._fixed is not None:
-            listed = self._fixed
-        else:
-            listed = self._run_script()
-            names = {host.name for host in listed}
-            # A blacklisted host that the script dropped and lists again has come back.
-            if self._listed is not None:
-                self.blacklist -= names - self._listed
-            self._listed = names
-        return [host for host in listed if host.name not in self.blacklist]
+        listed = self._fixed if self._fixed is not None else self._run_script()
+        with self._lock:
+            if self._fixed is None:
+                names = {host.name for host in listed}
+                # A blacklisted host that the script dropped and lists again has come back.
+                if self._listed is not None:
+                    self.blacklist -= names - self._listed
+                self._listed = names
+            return [host for host in listed if host.name not in self.blacklist]
 
     def fail(self, names: Sequence[str]) -> None:
         """Blacklist hosts whose ranks failed; each is checked again after its cooldown."""
         now = time.monotonic()
-        for name in names:
-            self.blacklist.add(name)
-            self._failures[name] = self._failures.get(name, 0) + 1
-            wait = min(RECHECK_MAX_S, RECHECK_FIRST_S * 2 ** (self._failures[name] - 1))
-            self._recheck_at[name] = now + wait
+        with self._lock:
+            for name in names:
+                self.blacklist.add(name)
+                self._failures[name] = self._failures.get(name, 0) + 1
+                wait = min(RECHECK_MAX_S, RECHECK_FIRST_S * 2 ** (self._failures[name] - 1))
+                self._recheck_at[name] = now + wait
 
     def due_for_recheck(self) -> list[str]:
         """Return the blacklisted hosts whose cooldown is over (the driver health-checks them)."""
         now = time.monotonic()
-        return sorted(name for name in self.blacklist if self._recheck_at.get(name, 0.0) <= now)
+        with self._lock:
+            return sorted(name for name in self.blacklist if self._recheck_at.get(name, 0.0) <= now)
 
     def rechecked(self, healthy: Sequence[str], failed: Sequence[str]) -> None:
         """Take back hosts that passed the check; wait longer before checking the others again."""
-        self.blacklist.difference_update(healthy)
         now = time.monotonic()
-        for name in failed:
-            wait = min(RECHECK_MAX_S, RECHECK_FIRST_S * 2 ** self._failures.get(name, 1))
-            self._recheck_at[name] = now + wait
+        with self._lock:
+            self.blacklist.difference_update(healthy)
+            for name in failed:
+                wait = min(RECHECK_MAX_S, RECHECK_FIRST_S * 2 ** self._failures.get(name, 1))
+                self._recheck_at[name] = now + wait
 
     def _run_script(self) -> list[Host]:
         try:
