@@ -3,7 +3,8 @@
 Under MPI a lost process ends its job, so an elastic job is started again and its new
 ranks must find the state the old ones committed. One rank per node (its local rank 0)
 writes every commit to ``/dev/shm/hpcddp-elastic-<uid>/<run>/<host>/`` (memory, not a disk:
-about as fast as the copy Horovod keeps in memory); a new rank reads the newest commit
+for 8.4M parameters with Adam, 101 MB, about 130-220 ms here beside the 70 ms of the copy
+Horovod keeps in memory); a new rank reads the newest commit
 on its node, and the ranks agree on the newest one that any node holds. A commit is
 written to a temporary name and renamed, so a process killed while writing leaves the
 previous commit whole. The host name is part of the path because nodes may share a file
