@@ -14,7 +14,7 @@ results=$(mktemp)
 trap 'rm -f "$results"' EXIT
 for ((i = 1; i <= RUNS; i++)); do
     HPCDDP_SLURM_TESTS=1 python -m pytest -q -s -p no:cacheprovider tests/test_elastic_cluster.py -k "$HOW" |
-        grep -E '^\{"sizes"' | tee -a "$results"
+        grep -E '^\{"how"' | tee -a "$results"
 done
 python - "$results" <<'PY'
 import json, statistics, sys
