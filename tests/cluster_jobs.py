@@ -43,6 +43,18 @@ def start(script, *args, timeout=600):
         unavailable(f"{name} failed (exit {result.returncode}):\n{(result.stdout + result.stderr)[-3000:]}")
 
 
+def vcluster_state():
+    """Return the virtual cluster's state directory and the variables its ``env`` file exports."""
+    state = os.environ.get("VCLUSTER_STATE", "/run/hpcddp-vcluster")
+    env = {}
+    with open(os.path.join(state, "env")) as f:
+        for line in f.read().splitlines():
+            if line.startswith("export "):
+                name, _, value = line.removeprefix("export ").partition("=")
+                env[name] = value.strip("'")
+    return state, env
+
+
 def slurm_environment(extra=None):
     """The environment for srun/sbatch: the test's Python on every rank, pip's Open MPI under srun."""
     env = {**os.environ, "PYTHON": sys.executable, "PMIX_MCA_psec": "native", "OPAL_PREFIX": sys.prefix}

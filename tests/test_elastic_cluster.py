@@ -14,11 +14,10 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from .cluster_jobs import require_cluster_tests, start
+from .cluster_jobs import require_cluster_tests, start, vcluster_state
 from .conftest import ROOT
 from .elastic_reference import assert_matches_replay, read_steps
 
@@ -32,13 +31,7 @@ def vcluster_env():
     require_cluster_tests()
     start(VCLUSTER, "up", "--nodes", "2", "--slurm")
     try:
-        state = os.environ.get("VCLUSTER_STATE", "/run/hpcddp-vcluster")
-        env = {}
-        for line in Path(state, "env").read_text().splitlines():
-            if line.startswith("export "):
-                name, _, value = line.removeprefix("export ").partition("=")
-                env[name] = value.strip("'")
-        yield env
+        yield vcluster_state()[1]
     finally:
         subprocess.run(["bash", VCLUSTER, "link", "vnode2", "up"], capture_output=True, timeout=60)
         subprocess.run(["bash", VCLUSTER, "down"], capture_output=True, timeout=120)

@@ -27,6 +27,7 @@ from .cluster_jobs import (
     slurm_environment,
     start,
     submit,
+    vcluster_state,
 )
 from .conftest import ROOT
 
@@ -58,12 +59,7 @@ def cluster():
     require_cluster_tests()
     start(VCLUSTER, "up", "--nodes", "2", "--slurm")
     try:
-        state = os.environ.get("VCLUSTER_STATE", "/run/hpcddp-vcluster")
-        env = {}
-        for line in Path(state, "env").read_text().splitlines():
-            if line.startswith("export "):
-                name, _, value = line.removeprefix("export ").partition("=")
-                env[name] = value.strip("'")
+        state, env = vcluster_state()
         addresses = dict(line.split()[:2] for line in Path(state, "nodes").read_text().splitlines())
         yield Cluster(env, addresses, env["VCLUSTER_HOSTFILE"])
     finally:

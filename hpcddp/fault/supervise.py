@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from ..env.settings import RUN_STATUS_VARIABLE
 from .run_status import unfinished_ranks
 
-__all__ = ["INTERRUPTED_EXIT_CODE", "supervise"]
+__all__ = ["INTERRUPTED_EXIT_CODE", "shell_exit_code", "supervise"]
 
 #: the shell's code for a job ended by Ctrl-C (128 + SIGINT)
 INTERRUPTED_EXIT_CODE = 130
@@ -90,6 +90,11 @@ def supervise(command: Sequence[str], environ: Mapping[str, str]) -> int:
             f"on {', '.join(hosts)} never finished: they were killed (a node lost or cut off?); exiting 1\n"
         )
         return 1
+    return shell_exit_code(code)
+
+
+def shell_exit_code(code: int) -> int:
+    """Return a process's exit status as a shell reports it: 128 + N for a death by signal N (Popen's -N)."""
     return code if code >= 0 else 128 - code
 
 

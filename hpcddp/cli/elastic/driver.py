@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from ...elastic.commits import CommitStore
 from ...env.elastic import COMMIT_DIR_VARIABLE, DRIVER_VARIABLE, LAUNCH_VARIABLE, RUN_VARIABLE, TOKEN_VARIABLE
+from ...fault.supervise import shell_exit_code
 from .hosts import Host, HostPool
 from .launchers import JobLauncher
 from .monitor import DriverServer, RankRecord
@@ -115,8 +116,7 @@ class ElasticDriver:
         """Drop this host's commits of the run: no start will read them (a job that gave up, was
         stopped or failed left them in /dev/shm, which is memory, until the next reboot)."""
         root = self.launcher.environ.get(COMMIT_DIR_VARIABLE, "").strip() or None
-        store = CommitStore(self.run_id, root, "_")
-        shutil.rmtree(store.run_dir, ignore_errors=True)
+        shutil.rmtree(CommitStore(self.run_id, root).run_dir, ignore_errors=True)
 
     def _supervise(self, server: DriverServer) -> int:
         launch, failures, last_commit = 0, 0, -1
@@ -155,10 +155,7 @@ class ElasticDriver:
         deadline = time.monotonic() + self.config.elastic_timeout
         said = False
         while self._stop_signal is None:
-            due = self.pool.due_for_recheck()
-            if due:
-                failed = self.launcher.failed_hosts(due)
-                self.pool.rechecked([h for h in due if h not in failed], sorted(failed))
+            self.pool.recheck(self.launcher.failed_hosts)
             try:
                 hosts = self.pool.discover()
             except (RuntimeError, ValueError) as err:
@@ -252,9 +249,9 @@ class ElasticDriver:
         while time.monotonic() < deadline and any(r.ended is None for r in records.values()):
             time.sleep(_POLL_S)
             records = server.records()
-        commit = max((r.commit for r in records.values()), default=-1)
+        commit = _newest_commit(records)
         ended = [r.ended for r in records.values()]
-        code = code if code >= 0 else 128 - code
+        code = shell_exit_code(code)
         if self._stop_signal is not None:
             return _Outcome("stopped", code)
         if ended and all(e == "done" for e in ended):
@@ -296,13 +293,12 @@ class ElasticDriver:
         return failed
 
     def _after_failure(self, proc: subprocess.Popen, names: set[str], records: dict[int, RankRecord]) -> _Outcome:
-        kill_group(proc)
-        failed = self._check_hosts(names)
-        return _Outcome("failed", 1, failed, max((r.commit for r in records.values()), default=-1))
+        kill_group(proc)  # before the health check: the hosts' ranks are gone when it runs
+        return self._stop(proc, "failed", self._check_hosts(names), records)
 
     def _stop(self, proc, kind: str, failed, records: dict[int, RankRecord]) -> _Outcome:
         kill_group(proc)
-        return _Outcome(kind, 1, frozenset(failed), max((r.commit for r in records.values()), default=-1))
+        return _Outcome(kind, 1, frozenset(failed), _newest_commit(records))
 
     def _wait_stopped(self, proc: subprocess.Popen) -> int:
         try:
@@ -310,7 +306,7 @@ class ElasticDriver:
         except subprocess.TimeoutExpired:
             kill_group(proc)
             code = proc.wait()
-        return code if code >= 0 else 128 - code
+        return shell_exit_code(code)
 
     def _on_signal(self, signum, _frame) -> None:
         # A scheduler's or a user's stop ends the elastic job: pass it on, start nothing again.
@@ -320,3 +316,7 @@ class ElasticDriver:
                 os.killpg(self._proc.pid, signum)
             except ProcessLookupError:
                 pass
+
+
+def _newest_commit(records: dict[int, RankRecord]) -> int:
+    return max((r.commit for r in records.values()), default=-1)

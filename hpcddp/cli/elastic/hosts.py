@@ -12,7 +12,7 @@ from __future__ import annotations
 import subprocess
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ...env.slurm import expand_nodelist, expand_tasks_per_node
@@ -72,7 +72,7 @@ def read_hostfile(path: str) -> list[Host]:
             slots = 1
             for word in words[1:]:
                 key, _, value = word.partition("=")
-                if key in ("slots", "max_slots", "max-slots") and value.isdigit() and key == "slots":
+                if key == "slots" and value.isdigit():
                     slots = int(value)
             hosts.append(Host(words[0], slots))
     return hosts
@@ -137,6 +137,16 @@ class HostPool:
         now = time.monotonic()
         with self._lock:
             return sorted(name for name in self.blacklist if self._recheck_at.get(name, 0.0) <= now)
+
+    def recheck(self, failed_hosts: Callable[[list[str]], set[str]]) -> list[str]:
+        """Health-check the hosts due (``failed_hosts(names)`` names those that fail); return those taken back."""
+        due = self.due_for_recheck()
+        if not due:
+            return []
+        failed = failed_hosts(due)
+        healthy = [name for name in due if name not in failed]
+        self.rechecked(healthy, sorted(failed))
+        return healthy
 
     def rechecked(self, healthy: Sequence[str], failed: Sequence[str]) -> None:
         """Take back hosts that passed the check; wait longer before checking the others again."""

@@ -64,13 +64,9 @@ class HostWatch:
         return update
 
     def _run(self) -> None:
-        due = self._pool.due_for_recheck()
-        if due:
-            failed = self._launcher.failed_hosts(due)
-            healthy = [h for h in due if h not in failed]
-            self._pool.rechecked(healthy, sorted(failed))
-            if healthy:
-                log(f"{', '.join(healthy)} pass(es) the health check again: taken back")
+        healthy = self._pool.recheck(self._launcher.failed_hosts)
+        if healthy:
+            log(f"{', '.join(healthy)} pass(es) the health check again: taken back")
         try:
             self._seen, self._error = {h.name: h.slots for h in self._pool.discover()}, None
         except (RuntimeError, ValueError) as err:  # fails, hangs, or prints garbage: nothing changed
