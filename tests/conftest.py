@@ -1,6 +1,9 @@
 """Shared fixtures. Multi-rank suites in tests/mpi run only under mpirun (see test_multirank.py)."""
 
+import glob
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -9,6 +12,32 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The tests/mpi modules assume they run on every rank of an mpirun job; the
 # single-process session launches them through test_multirank.py instead.
 collect_ignore = [] if os.environ.get("HPCDDP_MPI_TESTS") else ["mpi", "mpi_torch"]
+
+
+def pytest_configure(config):
+    """Give the session's launchers a TMPDIR of their own (the ranks of tests/mpi inherit it).
+
+    mpirun keeps its session directory at $TMPDIR/ompi.<pid>; one left on this machine by a
+    killed mpirun makes a later mpirun with the same pid fail at start-up (see
+    hpcddp.fault.launcher_process), so what others left must not decide a test.
+    """
+    if os.environ.get("HPCDDP_MPI_TESTS") or hasattr(config, "workerinput"):
+        return
+    config._hpcddp_tmpdir = tempfile.mkdtemp(prefix="hpcddp-tests-")
+    os.environ["TMPDIR"] = config._hpcddp_tmpdir
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    directory = getattr(config, "_hpcddp_tmpdir", None)
+    left = glob.glob(os.path.join(directory, "ompi.[0-9]*")) if directory else []
+    if left:
+        terminalreporter.write_line(f"{len(left)} mpirun session directories left by killed launchers: {left}")
+
+
+def pytest_unconfigure(config):
+    directory = getattr(config, "_hpcddp_tmpdir", None)
+    if directory:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,7 @@ import atexit
 import socket
 from pathlib import Path
 
-__all__ = ["mark_started", "unfinished_ranks"]
+__all__ = ["mark_started", "started_ranks", "unfinished_ranks"]
 
 
 def mark_started(directory: str, rank: int) -> None:
@@ -52,3 +52,12 @@ def unfinished_ranks(directory: str) -> dict[int, str]:
         if rank.isdigit() and not (path / f"{rank}.finished").exists():
             missing[int(rank)] = started.read_text().strip() or "?"
     return dict(sorted(missing.items()))
+
+
+def started_ranks(directory: str) -> int:
+    """Return how many ranks recorded that they started.
+
+    Args:
+        directory: the job's status directory.
+    """
+    return sum(1 for _ in Path(directory).glob("*.started"))

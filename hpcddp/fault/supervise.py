@@ -18,7 +18,8 @@ import tempfile
 from collections.abc import Mapping, Sequence
 
 from ..env.settings import RUN_STATUS_VARIABLE
-from .run_status import unfinished_ranks
+from .launcher_process import LAUNCH_FAILED_EXIT_CODE, remove_session_directory, session_directory
+from .run_status import started_ranks, unfinished_ranks
 
 __all__ = ["INTERRUPTED_EXIT_CODE", "shell_exit_code", "supervise"]
 
@@ -79,7 +80,9 @@ def supervise(command: Sequence[str], environ: Mapping[str, str]) -> int:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         missing = unfinished_ranks(status) if status else {}
+        started = started_ranks(status) if status else 0
         _remove(status)
+        remove_session_directory(proc, environ)
     if interrupted:
         sys.stderr.write("[hpcddp run] interrupted (Ctrl-C): the job was stopped\n")
         return INTERRUPTED_EXIT_CODE
@@ -90,6 +93,12 @@ def supervise(command: Sequence[str], environ: Mapping[str, str]) -> int:
             f"on {', '.join(hosts)} never finished: they were killed (a node lost or cut off?); exiting 1\n"
         )
         return 1
+    if code == LAUNCH_FAILED_EXIT_CODE and not started:
+        sys.stderr.write(
+            f"[hpcddp run] {command[0].rsplit('/', 1)[-1]} exited {code} and no rank reported a start; if it said "
+            '"The PMIx server\'s listener thread failed to start", an mpirun killed earlier had left '
+            f"{session_directory(proc.pid, environ)} (same process id), which is gone now: run the command again\n"
+        )
     return shell_exit_code(code)
 
 

@@ -16,6 +16,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from ..cli.launch import mpirun_command
+from ..fault.launcher_process import remove_session_directory
 
 __all__ = ["MPIRunResult", "assert_pytest_passed", "run_command", "run_mpi", "run_pytest_on_ranks", "run_script"]
 
@@ -56,9 +57,11 @@ def run_mpi(
     return result
 
 
-# Open MPI 5's launcher sometimes fails before any rank starts (PRRTE cannot start its
-# PMIx listener on a busy host: open-mpi/ompi#1986, lfortran#8610). No rank ran, so a
-# second launch is the same test, not a retry of a flaky one.
+# Open MPI 5's launcher fails before any rank starts when an mpirun killed earlier left its
+# session directory for the same process id (see hpcddp.fault.launcher_process; this
+# harness removes what its own launches leave, not what others did). The failed mpirun
+# removes that directory, no rank ran, so a second launch is the same test, not a retry
+# of a flaky one.
 _LAUNCHER_RETRIES = 2
 _LAUNCHER_START_FAILURES = ("The PMIx server's listener thread failed to start",)
 
@@ -84,6 +87,7 @@ def _run_once(command: list[str], timeout: float, full_env: Mapping[str, str], c
         timed_out = True
         out = _stop(proc)
         out += f"\n[hpcddp.testing] killed after {timeout} s: {' '.join(command)}\n"
+    remove_session_directory(proc, full_env)
     result = MPIRunResult(command, 124 if timed_out else proc.returncode, out, None)
     result.timed_out = timed_out
     return result

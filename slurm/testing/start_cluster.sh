@@ -19,6 +19,8 @@
 #     the shell, nor ranks that mpirun started inside it); scancel --batch --signal=USR1 <id>
 #     reaches only the batch shell; sbatch --signal=USR1@N arrives N s (+0..30 s) before the limit
 set -euo pipefail
+# The daemons outlive the caller: they must not keep its temporary directory (a test session's).
+unset TMPDIR
 
 # Declared CPUs of the node; more than the real cores is fine (SlurmdParameters=config_overrides).
 SLURM_TEST_CPUS=${SLURM_TEST_CPUS:-8}

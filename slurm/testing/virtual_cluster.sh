@@ -26,6 +26,8 @@
 # Verified on Debian 12 (2 cores), Open MPI 5.0.11 (pip), Slurm 22.05: up from nothing ~2 s
 # (+ ~3 s with --slurm), down ~1 s.
 set -euo pipefail
+# The daemons outlive the caller: they must not keep its temporary directory (a test session's).
+unset TMPDIR
 
 # Nodes to create (vnode1 .. vnodeN).
 VCLUSTER_NODES=${VCLUSTER_NODES:-2}

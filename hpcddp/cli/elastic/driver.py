@@ -23,11 +23,12 @@ from dataclasses import dataclass
 
 from ...elastic.commits import CommitStore
 from ...env.elastic import COMMIT_DIR_VARIABLE, DRIVER_VARIABLE, LAUNCH_VARIABLE, RUN_VARIABLE, TOKEN_VARIABLE
+from ...fault.launcher_process import stop_launcher
 from ...fault.supervise import shell_exit_code
 from .hosts import Host, HostPool
 from .launchers import JobLauncher
 from .monitor import DriverServer, RankRecord
-from .watch import HostWatch, describe, kill_group, log, silent_hosts
+from .watch import HostWatch, describe, log, silent_hosts
 
 __all__ = ["ElasticConfig", "ElasticDriver"]
 
@@ -240,7 +241,7 @@ class ElasticDriver:
                     server.notify(time.time(), update)
             return self._after_exit(server, proc.returncode, names, launch)
         finally:
-            kill_group(proc)
+            stop_launcher(proc)
             self._proc = None
 
     def _after_exit(self, server: DriverServer, code: int, names: set[str], launch: int = 0) -> _Outcome:
@@ -293,18 +294,18 @@ class ElasticDriver:
         return failed
 
     def _after_failure(self, proc: subprocess.Popen, names: set[str], records: dict[int, RankRecord]) -> _Outcome:
-        kill_group(proc)  # before the health check: the hosts' ranks are gone when it runs
+        stop_launcher(proc)  # before the health check: the hosts' ranks are gone when it runs
         return self._stop(proc, "failed", self._check_hosts(names), records)
 
     def _stop(self, proc, kind: str, failed, records: dict[int, RankRecord]) -> _Outcome:
-        kill_group(proc)
+        stop_launcher(proc)
         return _Outcome(kind, 1, frozenset(failed), _newest_commit(records))
 
     def _wait_stopped(self, proc: subprocess.Popen) -> int:
         try:
             code = proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            kill_group(proc)
+            stop_launcher(proc)
             code = proc.wait()
         return shell_exit_code(code)
 

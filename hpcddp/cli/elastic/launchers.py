@@ -14,6 +14,7 @@ import subprocess
 import time
 from collections.abc import Mapping, Sequence
 
+from ...fault.launcher_process import stop_launcher
 from ..launch import LaunchConfig, build_launch_command, mpirun_command
 from .hosts import Host
 
@@ -83,8 +84,7 @@ class JobLauncher:
             try:
                 code = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                stop_launcher(proc, self._environ, grace_s=1.0)
                 code = -1
             if code != 0:
                 failed.add(host)

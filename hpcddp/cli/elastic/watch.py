@@ -7,9 +7,6 @@ loop never waits for it.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -19,10 +16,9 @@ from .hosts import HostPool
 from .launchers import JobLauncher
 from .monitor import RankRecord
 
-__all__ = ["HostWatch", "describe", "kill_group", "log", "silent_hosts"]
+__all__ = ["HostWatch", "describe", "log", "silent_hosts"]
 
 _INTERVAL_S = 1.0
-_KILL_GRACE_S = 3.0
 
 
 def log(message: str) -> None:
@@ -108,19 +104,3 @@ def describe(records: dict[int, RankRecord], *kinds) -> str:
     return ", ".join(
         f"{r.rank} on {r.host}" for r in sorted(records.values(), key=lambda r: r.rank) if r.ended in kinds
     )
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    """Stop the launcher and every process it started on this host: TERM, then KILL after a grace."""
-    if proc.poll() is not None:
-        return
-    for signum, wait in ((signal.SIGTERM, _KILL_GRACE_S), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, signum)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
