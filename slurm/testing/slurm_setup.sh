@@ -86,7 +86,7 @@ start_munged() {
     install -d -o munge -g munge -m 0755 /run/munge
     install -d -o munge -g munge -m 0700 /var/log/munge /var/lib/munge
     # munged refuses a key owned by another user, so it runs as munge, like the Debian service.
-    setsid runuser -u munge -- /usr/sbin/munged --pid-file="$MUNGED_PIDFILE" </dev/null >/dev/null 2>&1 9>&-
+    env -u TMPDIR setsid runuser -u munge -- /usr/sbin/munged --pid-file="$MUNGED_PIDFILE" </dev/null >/dev/null 2>&1 9>&-
     local i
     for ((i = 0; i < 50; i++)); do
         munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1 && return 0

@@ -19,8 +19,6 @@
 #     the shell, nor ranks that mpirun started inside it); scancel --batch --signal=USR1 <id>
 #     reaches only the batch shell; sbatch --signal=USR1@N arrives N s (+0..30 s) before the limit
 set -euo pipefail
-# The daemons outlive the caller: they must not keep its temporary directory (a test session's).
-unset TMPDIR
 
 # Declared CPUs of the node; more than the real cores is fine (SlurmdParameters=config_overrides).
 SLURM_TEST_CPUS=${SLURM_TEST_CPUS:-8}
@@ -96,8 +94,9 @@ start_slurm_daemon() {
     daemon_pid "$pidfile" >/dev/null && return 0
     log "starting $name"
     # setsid: the daemon must not belong to the caller's session (CI kills that when a step ends).
-    # 9>&-: the daemon must not inherit (and so hold forever) the lock from lock_cluster.
-    setsid "/usr/sbin/$name" -f "$SLURM_CONF" </dev/null >>"$SLURM_TEST_LOG_DIR/$name.stdout" 2>&1 9>&- \
+    # 9>&-: the daemon must not inherit (and so hold forever) the lock from lock_cluster; nor
+    # the caller's TMPDIR (a test session's, removed when it ends).
+    env -u TMPDIR setsid "/usr/sbin/$name" -f "$SLURM_CONF" </dev/null >>"$SLURM_TEST_LOG_DIR/$name.stdout" 2>&1 9>&- \
         || die "$name failed to start"
 }
 

@@ -26,8 +26,6 @@
 # Verified on Debian 12 (2 cores), Open MPI 5.0.11 (pip), Slurm 22.05: up from nothing ~2 s
 # (+ ~3 s with --slurm), down ~1 s.
 set -euo pipefail
-# The daemons outlive the caller: they must not keep its temporary directory (a test session's).
-unset TMPDIR
 
 # Nodes to create (vnode1 .. vnodeN).
 VCLUSTER_NODES=${VCLUSTER_NODES:-2}
@@ -268,7 +266,7 @@ start_slurm() {
     render_vc_conf /tmp >"$VC_SLURM_CONF"
     if ! daemon_pid "$CTLD_PIDFILE" >/dev/null; then
         log "starting slurmctld on $VCLUSTER_SUBNET.1:$VCLUSTER_CTLD_PORT"
-        SLURM_CONF=$VC_SLURM_CONF setsid /usr/sbin/slurmctld -f "$VC_SLURM_CONF" </dev/null \
+        SLURM_CONF=$VC_SLURM_CONF env -u TMPDIR setsid /usr/sbin/slurmctld -f "$VC_SLURM_CONF" </dev/null \
             >>"$SLURM_TEST_LOG_DIR/vc-slurmctld.stdout" 2>&1 9>&- || die "slurmctld failed to start"
     fi
     for node in $(node_names); do
@@ -277,7 +275,7 @@ start_slurm() {
         render_vc_conf "/tmp/hpcddp-vcluster/$node" >"$conf"
         daemon_pid "$SLURM_DIR/slurmd-$node.pid" >/dev/null && continue
         log "starting slurmd on $node"
-        SLURM_CONF=$conf in_node "$node" setsid /usr/sbin/slurmd -f "$conf" -N "$node" </dev/null \
+        SLURM_CONF=$conf in_node "$node" env -u TMPDIR setsid /usr/sbin/slurmd -f "$conf" -N "$node" </dev/null \
             >>"$SLURM_TEST_LOG_DIR/vc-slurmd-$node.stdout" 2>&1 9>&- || die "slurmd on $node failed to start"
     done
     wait_for_slurm_nodes
