@@ -23,35 +23,41 @@ __all__ = ["LAUNCH_FAILED_EXIT_CODE", "remove_session_directory", "session_direc
 LAUNCH_FAILED_EXIT_CODE = 213
 
 
-def session_directory(pid: int, environ: Mapping[str, str] | None = None) -> str:
+def session_directory(pid: int, environ: Mapping[str, str] | None = None, cwd: str | None = None) -> str:
     """Return where Open MPI 5's mpirun with process id ``pid`` keeps its session directory.
 
     PRRTE's base directory: ``PRTE_MCA_prte_tmpdir_base``, else the first of TMPDIR,
-    TEMP, TMP that is set, else /tmp.
+    TEMP, TMP that is set (even to ""), else /tmp; a relative one is taken from ``cwd``.
+    (A base given with ``--prtemca`` or in an MCA file is not seen: its directory stays.)
 
     Args:
         pid: the mpirun process's id.
         environ: the environment mpirun ran with; os.environ by default.
+        cwd: the directory mpirun ran in; this process's by default.
     """
     environ = os.environ if environ is None else environ
     names = ("PRTE_MCA_prte_tmpdir_base", "TMPDIR", "TEMP", "TMP")
-    base = next((environ[name] for name in names if environ.get(name)), "/tmp")
-    return os.path.join(base, f"ompi.{pid}")
+    base = next((environ[name] for name in names if name in environ), "/tmp")
+    return os.path.join(cwd or os.getcwd(), base or "/", f"ompi.{pid}")
 
 
-def remove_session_directory(proc: subprocess.Popen, environ: Mapping[str, str] | None = None) -> bool:
+def remove_session_directory(
+    proc: subprocess.Popen, environ: Mapping[str, str] | None = None, cwd: str | None = None
+) -> bool:
     """Remove what a launcher that has exited left at its session directory; True if something was there.
 
-    Does nothing while ``proc`` has not been reaped: until then the directory is in use
-    (and its pid is not free for another mpirun). Harmless for srun and other launchers.
+    Does nothing while ``proc`` has not been reaped (the directory is in use), nor once its
+    pid belongs to a live process again (then the directory may be that one's). Harmless
+    for srun and other launchers.
 
     Args:
         proc: the launcher's process (mpirun, or a wrapper that exec'd it).
         environ: the environment it ran with; os.environ by default.
+        cwd: the directory it ran in; this process's by default.
     """
-    if proc.returncode is None:
+    if proc.returncode is None or _alive(proc.pid):
         return False
-    path = session_directory(proc.pid, environ)
+    path = session_directory(proc.pid, environ, cwd)
     try:
         if os.stat(path).st_uid != os.getuid():
             return False
@@ -61,26 +67,43 @@ def remove_session_directory(proc: subprocess.Popen, environ: Mapping[str, str] 
     return True
 
 
-def stop_launcher(proc: subprocess.Popen, environ: Mapping[str, str] | None = None, grace_s: float = 3.0) -> None:
-    """End a launcher started with ``start_new_session=True`` and every process of its group, then its leftovers.
+def stop_launcher(
+    proc: subprocess.Popen, environ: Mapping[str, str] | None = None, grace_s: float = 3.0, cwd: str | None = None
+) -> None:
+    """End a launcher and every process of its group (``start_new_session=True``), then its leftovers.
 
     TERM first (mpirun then ends its ranks, which run in process groups of their own),
     KILL after ``grace_s``; returns once the launcher is reaped (or 10 s after the KILL).
+    A launcher that leads no group of its own gets the signals alone.
 
     Args:
-        proc: the launcher's process, leader of its own process group.
+        proc: the launcher's process.
         environ: the environment it ran with; os.environ by default.
         grace_s: seconds between TERM and KILL.
+        cwd: the directory it ran in; this process's by default.
     """
     for signum, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         if proc.poll() is not None:
             break
         try:
-            os.killpg(proc.pid, signum)
+            if os.getpgid(proc.pid) == proc.pid:
+                os.killpg(proc.pid, signum)
+            else:
+                proc.send_signal(signum)
         except ProcessLookupError:
             pass
         try:
             proc.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             continue
-    remove_session_directory(proc, environ)
+    remove_session_directory(proc, environ, cwd)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -83,20 +83,21 @@ def supervise(command: Sequence[str], environ: Mapping[str, str]) -> int:
         started = started_ranks(status) if status else 0
         _remove(status)
         remove_session_directory(proc, environ)
+    launcher = os.path.basename(command[0])
     if interrupted:
         sys.stderr.write("[hpcddp run] interrupted (Ctrl-C): the job was stopped\n")
         return INTERRUPTED_EXIT_CODE
     if code == 0 and missing:
         hosts = sorted(set(missing.values()))
         sys.stderr.write(
-            f"[hpcddp run] {command[0].rsplit('/', 1)[-1]} exited 0, but rank(s) {', '.join(map(str, missing))} "
+            f"[hpcddp run] {launcher} exited 0, but rank(s) {', '.join(map(str, missing))} "
             f"on {', '.join(hosts)} never finished: they were killed (a node lost or cut off?); exiting 1\n"
         )
         return 1
-    if code == LAUNCH_FAILED_EXIT_CODE and not started:
+    if code == LAUNCH_FAILED_EXIT_CODE and not started and launcher in ("mpirun", "mpiexec", "prterun"):
         sys.stderr.write(
-            f"[hpcddp run] {command[0].rsplit('/', 1)[-1]} exited {code} and no rank reported a start; if it said "
-            '"The PMIx server\'s listener thread failed to start", an mpirun killed earlier had left '
+            f'[hpcddp run] {launcher} exited {code} and no rank reported a start; if it said "The PMIx '
+            "server's listener thread failed to start\", an mpirun killed earlier may have left "
             f"{session_directory(proc.pid, environ)} (same process id), which is gone now: run the command again\n"
         )
     return shell_exit_code(code)

@@ -87,7 +87,11 @@ def _run_once(command: list[str], timeout: float, full_env: Mapping[str, str], c
         timed_out = True
         out = _stop(proc)
         out += f"\n[hpcddp.testing] killed after {timeout} s: {' '.join(command)}\n"
-    remove_session_directory(proc, full_env)
+    except BaseException:  # Ctrl-C: the job runs in a session of its own, so it must be ended here
+        _stop(proc)
+        raise
+    finally:
+        remove_session_directory(proc, full_env, cwd)
     result = MPIRunResult(command, 124 if timed_out else proc.returncode, out, None)
     result.timed_out = timed_out
     return result

@@ -94,6 +94,7 @@ class ElasticDriver:
         self._token = secrets.token_hex(16)
         self._stop_signal: int | None = None
         self._proc: subprocess.Popen | None = None
+        self._launch_environ: dict[str, str] | None = None
 
     def run(self) -> int:
         """Run the job to its end and return its exit code."""
@@ -197,6 +198,7 @@ class ElasticDriver:
         }
         command, environ = self.launcher.command(hosts, self.program, variables)
         log(f"start {launch}: {num_proc} ranks on {', '.join(map(str, hosts))}")
+        self._launch_environ = environ
         self._proc = proc = subprocess.Popen(command, env=environ, start_new_session=True)
         names = {h.name for h in hosts}
         watch = HostWatch(self.pool, names, self.config.max_np, self.launcher)
@@ -241,7 +243,7 @@ class ElasticDriver:
                     server.notify(time.time(), update)
             return self._after_exit(server, proc.returncode, names, launch)
         finally:
-            stop_launcher(proc)
+            self._end(proc)
             self._proc = None
 
     def _after_exit(self, server: DriverServer, code: int, names: set[str], launch: int = 0) -> _Outcome:
@@ -294,18 +296,21 @@ class ElasticDriver:
         return failed
 
     def _after_failure(self, proc: subprocess.Popen, names: set[str], records: dict[int, RankRecord]) -> _Outcome:
-        stop_launcher(proc)  # before the health check: the hosts' ranks are gone when it runs
+        self._end(proc)  # before the health check: the hosts' ranks are gone when it runs
         return self._stop(proc, "failed", self._check_hosts(names), records)
 
     def _stop(self, proc, kind: str, failed, records: dict[int, RankRecord]) -> _Outcome:
-        stop_launcher(proc)
+        self._end(proc)
         return _Outcome(kind, 1, frozenset(failed), _newest_commit(records))
+
+    def _end(self, proc: subprocess.Popen) -> None:
+        stop_launcher(proc, self._launch_environ)
 
     def _wait_stopped(self, proc: subprocess.Popen) -> int:
         try:
             code = proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            stop_launcher(proc)
+            self._end(proc)
             code = proc.wait()
         return shell_exit_code(code)
 

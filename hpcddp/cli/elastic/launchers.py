@@ -84,7 +84,8 @@ class JobLauncher:
             try:
                 code = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                stop_launcher(proc, self._environ, grace_s=1.0)
+                # Only `true` runs: no grace, or each host still hanging adds one.
+                stop_launcher(proc, self._environ, grace_s=0.0)
                 code = -1
             if code != 0:
                 failed.add(host)
