@@ -241,13 +241,15 @@ def test_lost_node_ends_every_rank_and_keeps_the_last_checkpoint(cluster, tmp_pa
             time.sleep(0.25)
         ranks_ended = time.monotonic() - cut
         try:
-            out, _ = proc.communicate(timeout=90)
+            # mpirun gives up on the cut-off daemon late (over 40 s after the ranks, despite the
+            # keepalive above); nothing below needs it to end by itself.
+            out, _ = proc.communicate(timeout=20)
         except subprocess.TimeoutExpired:
             # Daemons in their own process groups (the cut-off node's prted) may hold
             # the output pipe open: end the whole session.
             subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)])
             out, _ = proc.communicate(timeout=30)
-            out += "\n[test] mpirun did not end within 90 s of the ranks"
+            out += "\n[test] mpirun did not end within 20 s of the ranks"
         launcher_ended = time.monotonic() - cut
     finally:
         subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)])
