@@ -103,8 +103,20 @@ def abort_job(message: str, *, use_mpi: bool, code: int = 1) -> None:
             # from the launcher that request can block forever: SIGALRM's default action
             # ends this process anyway (it fires in C, while Abort holds the GIL).
             signal.alarm(ABORT_GRACE_S)
+            _tell_hpcddp_run(code)
             import_mpi().COMM_WORLD.Abort(code)
         os._exit(code)
+
+
+def _tell_hpcddp_run(code: int) -> None:
+    """Leave word for ``hpcddp run`` that this rank ends the job (it stops an mpirun that hangs after)."""
+    from ..env.settings import run_status_dir
+
+    status, rank = run_status_dir(os.environ), launcher_rank()
+    if status is not None and rank is not None:
+        from .run_status import mark_aborted
+
+        mark_aborted(status, rank, code)
 
 
 _exit_code: int | None = None

@@ -6,6 +6,9 @@ off), after killing the ranks it still reaches: the job would look like a succes
 directory, which clusters share between nodes); every rank that ``hpcddp.init()``
 starts writes ``<rank>.started`` there and ``<rank>.finished`` when its interpreter
 exits normally. A rank that started and never finished did not end by itself.
+A rank that ends the whole job (``hpcddp.fault.abort``) writes ``<rank>.aborted``
+first, so that ``hpcddp run`` can stop an mpirun that never exits after the abort
+(it waits on the daemon of a node it cannot reach).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import atexit
 import socket
 from pathlib import Path
 
-__all__ = ["mark_started", "started_ranks", "unfinished_ranks"]
+__all__ = ["aborted_ranks", "mark_aborted", "mark_started", "started_ranks", "unfinished_ranks"]
 
 
 def mark_started(directory: str, rank: int) -> None:
@@ -61,3 +64,31 @@ def started_ranks(directory: str) -> int:
         directory: the job's status directory.
     """
     return sum(1 for _ in Path(directory).glob("*.started"))
+
+
+def mark_aborted(directory: str, rank: int, code: int) -> None:
+    """Record that ``rank`` is ending the whole job with exit code ``code``.
+
+    Args:
+        directory: the job's status directory (HPCDDP_RUN_STATUS).
+        rank: this process's rank.
+        code: the job's exit code.
+    """
+    try:
+        (Path(directory) / f"{rank}.aborted").write_text(str(code))
+    except OSError:
+        pass
+
+
+def aborted_ranks(directory: str) -> dict[int, int]:
+    """Return {rank: exit code} of the ranks that ended the whole job.
+
+    Args:
+        directory: the job's status directory.
+    """
+    aborted = {}
+    for path in Path(directory).glob("*.aborted"):
+        rank, code = path.name.removesuffix(".aborted"), path.read_text().strip()
+        if rank.isdigit():
+            aborted[int(rank)] = int(code) if code.isdigit() else 1
+    return dict(sorted(aborted.items()))

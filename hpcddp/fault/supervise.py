@@ -15,17 +15,20 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 
 from ..env.settings import RUN_STATUS_VARIABLE
-from .launcher_process import LAUNCH_FAILED_EXIT_CODE, remove_session_directory, session_directory
-from .run_status import started_ranks, unfinished_ranks
+from .launcher_process import LAUNCH_FAILED_EXIT_CODE, remove_session_directory, session_directory, stop_launcher
+from .run_status import aborted_ranks, started_ranks, unfinished_ranks
 
 __all__ = ["INTERRUPTED_EXIT_CODE", "shell_exit_code", "supervise"]
 
 #: the shell's code for a job ended by Ctrl-C (128 + SIGINT)
 INTERRUPTED_EXIT_CODE = 130
 _FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+#: how long mpirun may take to end the job after a rank aborted it (a rank gives MPI_Abort 10 s)
+LAUNCHER_ABORT_GRACE_S = 30.0
 
 
 def _terminal_delivers_sigint() -> bool:
@@ -75,7 +78,7 @@ def supervise(command: Sequence[str], environ: Mapping[str, str]) -> int:
     previous = {signum: signal.signal(signum, forward) for signum in _FORWARDED}
     previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
     try:
-        code = proc.wait()
+        code = _wait(proc, status, environ)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -101,6 +104,35 @@ def supervise(command: Sequence[str], environ: Mapping[str, str]) -> int:
             f"{session_directory(proc.pid, environ)} (same process id), which is gone now: run the command again\n"
         )
     return shell_exit_code(code)
+
+
+def _wait(proc: subprocess.Popen, status: str | None, environ: Mapping[str, str]) -> int:
+    """Wait for the launcher; stop it when it outlives a rank's abort of the job by LAUNCHER_ABORT_GRACE_S.
+
+    After MPI_Abort, mpirun ends every rank it reaches, then waits on the daemon of a
+    node cut off from it, in TCP retransmissions (many minutes): the ranks are gone,
+    the job would hang until its time limit and a requeue would come too late.
+    """
+    aborted_at = None
+    while True:
+        try:
+            return proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        if status is None:
+            continue
+        if aborted_at is None:
+            aborted = aborted_ranks(status)
+            if aborted:
+                aborted_at, (rank, code) = time.monotonic(), next(iter(aborted.items()))
+        elif time.monotonic() - aborted_at > LAUNCHER_ABORT_GRACE_S:
+            sys.stderr.write(
+                f"[hpcddp run] rank {rank} ended the job (exit {code}) {LAUNCHER_ABORT_GRACE_S:g} s ago, but "
+                f"{os.path.basename(proc.args[0])} has not exited (it waits on a node it cannot reach): "
+                "stopping it\n"
+            )
+            stop_launcher(proc, environ)
+            return code
 
 
 def shell_exit_code(code: int) -> int:
