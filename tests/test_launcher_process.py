@@ -132,19 +132,22 @@ def test_hpcddp_run_explains_a_start_failed_on_a_stale_session_directory(tmp_pat
     assert "an mpirun killed earlier may have left" in run.stderr and "run the command again" in run.stderr
 
 
-def test_hpcddp_run_stops_a_launcher_that_outlives_a_ranks_abort(monkeypatch, tmp_path, capsys):
+def test_hpcddp_run_stops_an_mpirun_that_outlives_a_ranks_abort(monkeypatch, tmp_path, capsys):
     # As mpirun after MPI_Abort when a node is cut off: the rank left word, the launcher hangs on.
     from hpcddp.fault import supervise as supervise_module
 
     monkeypatch.setattr(supervise_module, "LAUNCHER_ABORT_GRACE_S", 1.0)
     monkeypatch.chdir(tmp_path)
-    hanging = (
+    mpirun = tmp_path / "mpirun"
+    mpirun.write_text(
+        f"#!{sys.executable}\n"
         "import os, pathlib, time\n"
         "pathlib.Path(os.environ['HPCDDP_RUN_STATUS'], '3.aborted').write_text('7')\n"
         "time.sleep(60)\n"
     )
+    mpirun.chmod(0o755)
     started = time.monotonic()
-    code = supervise_module.supervise([sys.executable, "-c", hanging], dict(os.environ))
+    code = supervise_module.supervise([str(mpirun)], dict(os.environ))
     assert code == 7
     assert time.monotonic() - started < 15
-    assert "rank 3 ended the job (exit 7) 1 s ago" in capsys.readouterr().err
+    assert "rank 3 ended the job (exit 7) over 1 s ago, but mpirun has not exited" in capsys.readouterr().err

@@ -74,8 +74,11 @@ def mark_aborted(directory: str, rank: int, code: int) -> None:
         rank: this process's rank.
         code: the job's exit code.
     """
+    path = Path(directory) / f"{rank}.aborted"
+    partial = path.with_suffix(".aborted-partial")
     try:
-        (Path(directory) / f"{rank}.aborted").write_text(str(code))
+        partial.write_text(str(code))
+        partial.replace(path)  # whole or absent: a reader never sees an empty code
     except OSError:
         pass
 

@@ -9,7 +9,9 @@ are passed on to the launcher, which passes them to the ranks.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -29,6 +31,7 @@ INTERRUPTED_EXIT_CODE = 130
 _FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 #: how long mpirun may take to end the job after a rank aborted it (a rank gives MPI_Abort 10 s)
 LAUNCHER_ABORT_GRACE_S = 30.0
+_MPIRUN_NAMES = ("mpirun", "mpiexec", "prterun")
 
 
 def _terminal_delivers_sigint() -> bool:
@@ -97,7 +100,7 @@ def supervise(command: Sequence[str], environ: Mapping[str, str]) -> int:
             f"on {', '.join(hosts)} never finished: they were killed (a node lost or cut off?); exiting 1\n"
         )
         return 1
-    if code == LAUNCH_FAILED_EXIT_CODE and not started and launcher in ("mpirun", "mpiexec", "prterun"):
+    if code == LAUNCH_FAILED_EXIT_CODE and not started and launcher in _MPIRUN_NAMES:
         sys.stderr.write(
             f'[hpcddp run] {launcher} exited {code} and no rank reported a start; if it said "The PMIx '
             "server's listener thread failed to start\", an mpirun killed earlier may have left "
@@ -107,32 +110,54 @@ def supervise(command: Sequence[str], environ: Mapping[str, str]) -> int:
 
 
 def _wait(proc: subprocess.Popen, status: str | None, environ: Mapping[str, str]) -> int:
-    """Wait for the launcher; stop it when it outlives a rank's abort of the job by LAUNCHER_ABORT_GRACE_S.
+    """Wait for the launcher; stop an mpirun that outlives a rank's abort of the job by LAUNCHER_ABORT_GRACE_S.
 
     After MPI_Abort, mpirun ends every rank it reaches, then waits on the daemon of a
     node cut off from it, in TCP retransmissions (many minutes): the ranks are gone,
-    the job would hang until its time limit and a requeue would come too late.
+    the job would hang until its time limit and a requeue would come too late. (srun
+    leaves unreachable nodes to Slurm, which ends the step on its own schedule.)
     """
+    launcher = os.path.basename(proc.args[0])
+    if status is None or launcher not in _MPIRUN_NAMES:
+        return proc.wait()
     aborted_at = None
-    while True:
-        try:
-            return proc.wait(timeout=1.0)
-        except subprocess.TimeoutExpired:
-            pass
-        if status is None:
-            continue
-        if aborted_at is None:
-            aborted = aborted_ranks(status)
-            if aborted:
-                aborted_at, (rank, code) = time.monotonic(), next(iter(aborted.items()))
-        elif time.monotonic() - aborted_at > LAUNCHER_ABORT_GRACE_S:
-            sys.stderr.write(
-                f"[hpcddp run] rank {rank} ended the job (exit {code}) {LAUNCHER_ABORT_GRACE_S:g} s ago, but "
-                f"{os.path.basename(proc.args[0])} has not exited (it waits on a node it cannot reach): "
-                "stopping it\n"
-            )
-            stop_launcher(proc, environ)
-            return code
+    with _exit_watch(proc) as exited:
+        while not exited(1.0):
+            if aborted_at is None:
+                aborted_at = time.monotonic() if aborted_ranks(status) else None
+            elif time.monotonic() - aborted_at > LAUNCHER_ABORT_GRACE_S:
+                rank, code = next(iter(aborted_ranks(status).items()))
+                sys.stderr.write(
+                    f"[hpcddp run] rank {rank} ended the job (exit {code}) over {LAUNCHER_ABORT_GRACE_S:g} s ago, "
+                    f"but {launcher} has not exited (it waits on a node it cannot reach): stopping it\n"
+                )
+                stop_launcher(proc, environ)
+                return code
+    return proc.wait()
+
+
+@contextlib.contextmanager
+def _exit_watch(proc: subprocess.Popen):
+    """Yield ``exited(timeout_s) -> bool``, which returns as soon as ``proc`` exits (a pidfd where Linux has one)."""
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        pidfd = None
+    if pidfd is None:
+
+        def exited(timeout_s: float) -> bool:
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                return False
+            return True
+
+        yield exited
+        return
+    try:
+        yield lambda timeout_s: bool(select.select([pidfd], [], [], timeout_s)[0])
+    finally:
+        os.close(pidfd)
 
 
 def shell_exit_code(code: int) -> int:
