@@ -59,6 +59,7 @@ def supervise(command: Sequence[str], environ: Mapping[str, str]) -> int:
         command: the launcher command line.
         environ: its environment.
     """
+    launcher = os.path.basename(command[0])
     status = _status_directory()
     environ = {**environ, **({RUN_STATUS_VARIABLE: status} if status else {})}
     interrupted = False
@@ -81,7 +82,7 @@ def supervise(command: Sequence[str], environ: Mapping[str, str]) -> int:
     previous = {signum: signal.signal(signum, forward) for signum in _FORWARDED}
     previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
     try:
-        code = _wait(proc, status, environ)
+        code = _wait(proc, launcher, status, environ)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -89,7 +90,6 @@ def supervise(command: Sequence[str], environ: Mapping[str, str]) -> int:
         started = started_ranks(status) if status else 0
         _remove(status)
         remove_session_directory(proc, environ)
-    launcher = os.path.basename(command[0])
     if interrupted:
         sys.stderr.write("[hpcddp run] interrupted (Ctrl-C): the job was stopped\n")
         return INTERRUPTED_EXIT_CODE
@@ -109,7 +109,7 @@ def supervise(command: Sequence[str], environ: Mapping[str, str]) -> int:
     return shell_exit_code(code)
 
 
-def _wait(proc: subprocess.Popen, status: str | None, environ: Mapping[str, str]) -> int:
+def _wait(proc: subprocess.Popen, launcher: str, status: str | None, environ: Mapping[str, str]) -> int:
     """Wait for the launcher; stop an mpirun that outlives a rank's abort of the job by LAUNCHER_ABORT_GRACE_S.
 
     After MPI_Abort, mpirun ends every rank it reaches, then waits on the daemon of a
@@ -117,7 +117,6 @@ def _wait(proc: subprocess.Popen, status: str | None, environ: Mapping[str, str]
     the job would hang until its time limit and a requeue would come too late. (srun
     leaves unreachable nodes to Slurm, which ends the step on its own schedule.)
     """
-    launcher = os.path.basename(proc.args[0])
     if status is None or launcher not in _MPIRUN_NAMES:
         return proc.wait()
     aborted_at = None
