@@ -2,6 +2,7 @@
 
 import os
 import random
+import sys
 
 import pytest
 import torch
@@ -442,3 +443,39 @@ def test_commits_live_in_a_directory_of_this_user_alone(tmp_path):
     os.chmod(store.user_dir, 0o777)  # as another user's directory could be: others may plant a pickle
     with pytest.raises(PermissionError, match="belongs to another user or others may write in it"):
         store.read()
+
+
+@pytest.mark.parametrize("code, reported", [(3, ["error: the training function called sys.exit(3)"]), (0, [])])
+def test_sys_exit_with_a_failure_code_in_the_training_function_is_reported_as_an_error(
+    hvd_world, monkeypatch, code, reported
+):
+    import importlib
+
+    from hpcddp.horovod.elastic import state as state_module
+
+    run_module = importlib.import_module("hpcddp.horovod.elastic.run")
+
+    class Session:
+        finished = []
+
+        class link:  # noqa: N801 - the session's attribute
+            add_listener = remove_listener = staticmethod(lambda listener: None)
+
+        def newest_commit(self, allgather, broadcast):
+            return None
+
+        def finish(self, kind, text=""):
+            self.finished.append(f"{kind}: {text}")
+
+    session = Session()
+    monkeypatch.setattr(run_module, "worker_session", lambda: session)
+    monkeypatch.setattr(state_module, "worker_session", lambda: session)
+
+    @hvd.elastic.run
+    def train(state):
+        sys.exit(code)
+
+    with pytest.raises(SystemExit):
+        train(hvd.elastic.ObjectState(step=0))
+    # Not "done" (what the exit handler says at a normal end): the driver ends the job as failed.
+    assert session.finished == reported

@@ -215,6 +215,7 @@ class ElasticDriver:
                     time.sleep(0.5)  # a rank that failed says so before its abort takes the others
                     records = server.records()
                     if any(r.ended == "error" for r in records.values()):
+                        _log_script_error(records)
                         return self._stop(proc, "error", frozenset(), records)
                     log(f"lost rank(s) {describe(records, 'lost')}: stopping the job")
                     return self._after_failure(proc, names, records)
@@ -260,6 +261,7 @@ class ElasticDriver:
         if ended and all(e == "done" for e in ended):
             return _Outcome("finished", code, commit=commit)
         if "error" in ended:
+            _log_script_error(records)
             return _Outcome("error", code or 1, commit=commit)
         if "restart" in ended:
             return _Outcome("restart", code, commit=commit)
@@ -322,6 +324,12 @@ class ElasticDriver:
                 os.killpg(self._proc.pid, signum)
             except ProcessLookupError:
                 pass
+
+
+def _log_script_error(records: dict[int, RankRecord]) -> None:
+    failed = [r for r in sorted(records.values(), key=lambda r: r.rank) if r.ended == "error"]
+    why = "; ".join(dict.fromkeys(r.text for r in failed if r.text)) or "an error in the script"
+    log(f"rank(s) {describe(records, 'error')} failed ({why}): the job ends without a restart (it would fail again)")
 
 
 def _newest_commit(records: dict[int, RankRecord]) -> int:

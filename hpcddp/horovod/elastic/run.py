@@ -52,6 +52,11 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
                     if not skip_sync:
                         state.sync()
                     return func(state, *args, **kwargs)
+                except SystemExit as exit_request:
+                    if session is not None and exit_request.code not in (None, 0):
+                        # A failure the script chose: the driver must not take it for the end of training.
+                        session.finish("error", f"the training function called sys.exit({exit_request.code!r})")
+                    raise
                 except HorovodInternalError:
                     state.restore()
                     if session is not None:
