@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -139,6 +140,51 @@ def preempt_and_wait(env, tmp_path, job, output, first_checkpoint="checkpoint-00
     finally:
         subprocess.run(["scancel", job], timeout=30, env=env)
     return last, states, output.read_text()
+
+
+def preempt_together(env, jobs, timeout=480):
+    """``preempt_and_wait`` for several submitted jobs at once, one thread each.
+
+    A preempted job spends most of its time waiting for Slurm (the requeue waits out the
+    credential expiry, then a scheduler pass) and for its ranks to start, so jobs that fit
+    the cluster together are followed together. ``jobs`` maps a name to preempt_and_wait's
+    (tmp_path, job, output, first_checkpoint). Returns, by name, preempt_and_wait's result or
+    what it raised (for ``outcome`` to raise in the test the job belongs to). Every job is
+    cancelled before this returns, and no thread outlives it.
+    """
+    outcomes = {}
+
+    def follow(name, tmp_path, job, output, first_checkpoint):
+        try:
+            outcomes[name] = preempt_and_wait(env, tmp_path, job, output, first_checkpoint)
+        except BaseException as err:  # pytest.fail's Failed too: re-raised by outcome()
+            outcomes[name] = err
+
+    threads = [
+        threading.Thread(target=follow, args=(name, *args), name=f"preempt {name}", daemon=True)
+        for name, args in jobs.items()
+    ]
+    try:
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        for _, job, _, _ in jobs.values():
+            subprocess.run(["scancel", job], timeout=30, env=env)
+        for thread in threads:  # a cancelled job ends its thread's wait at the next poll
+            thread.join(90)
+    stuck = [thread.name for thread in threads if thread.is_alive()]
+    assert not stuck, f"{stuck} still waiting {timeout} s after their jobs started, and after scancel"
+    return outcomes
+
+
+def outcome(value):
+    """A job's result from ``preempt_together``, or raise what following it raised."""
+    if isinstance(value, BaseException):
+        raise value
+    return value
 
 
 def assert_resumed_to_the_same_parameters(last, states, log, expected, final_path, num_steps, world_size):

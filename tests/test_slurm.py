@@ -17,7 +17,8 @@ import torch
 from . import framework_jobs
 from .cluster_jobs import (
     assert_resumed_to_the_same_parameters,
-    preempt_and_wait,
+    outcome,
+    preempt_together,
     require_cluster_tests,
     slurm_environment,
     start,
@@ -123,15 +124,38 @@ def test_sbatch_trains_to_95_percent_on_distinct_ranks(slurm_env, tmp_path, laun
     uninterrupted[launcher] = torch.load(tmp_path / "final.pt")
 
 
+@pytest.fixture(scope="module")
+def usr1_jobs(slurm_cluster, tmp_path_factory):
+    """Each launcher's job of the test below, all at once: (its final.pt, preempt_and_wait's result or error).
+
+    A job's checkpoint, USR1, requeue and resumed run take about 55 s, mostly spent waiting for
+    Slurm; two 2-task jobs fit the cluster's 8 CPUs together. Each test asserts on its own job only.
+    """
+    env = slurm_environment()
+    env.pop("SLURM_CONF", None)  # as slurm_env
+    jobs = {}
+    try:
+        for launcher in LAUNCHERS:
+            tmp_path = tmp_path_factory.mktemp(f"usr1_{launcher}")
+            args = ["--slow", "0.05", "--checkpoint-every", "4", "--save-final", str(tmp_path / "final.pt")]
+            job, _, output = submit(env, tmp_path, launcher, *args, wait=False, timeout=60)
+            jobs[launcher] = (tmp_path, job, output, "checkpoint-000004.pt")
+        outcomes = preempt_together(env, jobs)
+    finally:
+        for _, job, _, _ in jobs.values():
+            subprocess.run(["scancel", job], timeout=30, env=env)
+    return {launcher: (tmp_path / "final.pt", outcomes[launcher]) for launcher, (tmp_path, *_) in jobs.items()}
+
+
 @pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_usr1_checkpoints_requeues_and_resumes_to_the_same_parameters(slurm_env, tmp_path, launcher, uninterrupted):
+def test_usr1_checkpoints_requeues_and_resumes_to_the_same_parameters(
+    slurm_env, tmp_path, launcher, uninterrupted, usr1_jobs
+):
     if launcher not in uninterrupted:  # run alone: make the uninterrupted run first
         (tmp_path / "plain").mkdir()
         test_sbatch_trains_to_95_percent_on_distinct_ranks(slurm_env, tmp_path / "plain", launcher, uninterrupted)
-    final = tmp_path / "final.pt"
-    args = ["--slow", "0.05", "--checkpoint-every", "4", "--save-final", str(final)]
-    job, _, output = submit(slurm_env, tmp_path, launcher, *args, wait=False, timeout=60)
-    last, states, log = preempt_and_wait(slurm_env, tmp_path, job, output)
+    final, result = usr1_jobs[launcher]  # this launcher's job, run beside the other launcher's
+    last, states, log = outcome(result)
     assert_resumed_to_the_same_parameters(last, states, log, uninterrupted[launcher], final, NUM_STEPS, 2)
 
 

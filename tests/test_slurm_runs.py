@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from . import test_slurm
-from .cluster_jobs import TRAIN_SH, preempt_and_wait, slurm_environment, submit
+from .cluster_jobs import TRAIN_SH, outcome, preempt_together, slurm_environment, submit
 
 # test_slurm.py's fixtures: the one-node cluster (started once), and the environment for sbatch.
 slurm_cluster = test_slurm.slurm_cluster
@@ -63,12 +63,10 @@ def old_run(slurm_cluster, tmp_path_factory):
     return run, tmp_path / "checkpoints" / run
 
 
-def test_a_job_whose_number_an_old_job_had_trains_from_scratch_and_resumes_its_own_run_after_a_requeue(
-    slurm_env, tmp_path, old_run
-):
-    env, checkpoints = clean(slurm_env), tmp_path / "checkpoints"
+def submit_new_job_under_an_old_jobs_files(env, tmp_path, old_run):
+    """Submit the job of the first test below, held, give it the old job's files, release it."""
+    checkpoints = tmp_path / "checkpoints"
     old_run, old_dir = old_run
-
     # Slurm 22.05's sbatch cannot choose a job number (no --jobid), so the new job is held
     # while the old job's files are given its number, as a rebuilt controller would leave
     # them: train.sh's pointer naming the old run, and the per-job-number directory that
@@ -83,28 +81,12 @@ def test_a_job_whose_number_an_old_job_had_trains_from_scratch_and_resumes_its_o
         shutil.copytree(old_dir, checkpoints / job)
     finally:
         subprocess.run(["scontrol", "release", job], check=True, timeout=30, env=env)
-    last, states, log = preempt_and_wait(env, tmp_path, job, output, first_checkpoint=f"{job}-*/checkpoint-000004.pt")
-
-    assert last.get("JobState") == "COMPLETED" and int(last.get("Restarts", 0)) >= 1, f"{last} {states}\n{log[-5000:]}"
-    (run, restarts), *requeued = runs_in(log, job)
-    assert run.startswith(f"{job}-") and run != old_run and restarts == "0", log[-5000:]
-    assert requeued and all(start == (run, str(i + 1)) for i, start in enumerate(requeued)), log[-5000:]
-    # From scratch first (no resume before the stop), then from its own step after the requeue.
-    stopped = re.search(r"^stopped at step (\d+)$", log, flags=re.M)
-    assert stopped and "resumed from" not in log[: stopped.start()], log[-5000:]
-    resumed = re.findall(r"^resumed from step (\d+) ", log, flags=re.M)
-    assert resumed == [stopped.group(1)] and 4 <= int(stopped.group(1)) < 2 * STEPS_PER_EPOCH, log[-5000:]
-    assert json.loads((tmp_path / "new.json").read_text())["step"] == 2 * STEPS_PER_EPOCH
-    assert step_and_run(checkpoints / run / "checkpoint-000044.pt") == (2 * STEPS_PER_EPOCH, run)
-    assert (checkpoints / f".hpcddp-job-{job}").read_text() == f"{run}\n"
-    # scontrol_job splits `scontrol show job -o` at spaces: Slurm's record of the job names the run.
-    assert last.get("Comment") == f"hpcddp-run={run}", last
+    return job, output
 
 
-def test_a_reused_job_number_requeued_before_train_sh_ran_starts_a_new_run_that_its_own_requeue_resumes(
-    slurm_env, tmp_path, old_run
-):
-    env, checkpoints = clean(slurm_env), tmp_path / "checkpoints"
+def submit_job_requeued_before_train_sh_under_an_old_jobs_files(env, tmp_path, old_run):
+    """Submit the job of the second test below, held, give it the old job's files, release it."""
+    checkpoints = tmp_path / "checkpoints"
     old_run, old_dir = old_run
     # A node lost in the prolog: Slurm requeues the job before its batch script ran, so
     # train.sh's first start already counts restart 1. The wrapper has train.sh's #SBATCH
@@ -135,7 +117,68 @@ def test_a_reused_job_number_requeued_before_train_sh_ran_starts_a_new_run_that_
         (checkpoints / f".hpcddp-job-{job}").write_text(f"{old_run}\n")
     finally:
         subprocess.run(["scontrol", "release", job], check=True, timeout=30, env=env)
-    last, states, log = preempt_and_wait(env, tmp_path, job, output, first_checkpoint=f"{job}-*/checkpoint-000004.pt")
+    return job, output
+
+
+@pytest.fixture(scope="module")
+def reused_number_jobs(old_run, tmp_path_factory):
+    """The jobs of the two tests below, run at the same time: (its directory, job, preempt_and_wait's result or error).
+
+    Each is preempted once and requeued, about 50 s mostly spent waiting for Slurm; two 2-task
+    jobs fit the cluster's 8 CPUs together. Each test asserts on its own job only.
+    """
+    env = clean(slurm_environment())
+    env.pop("SLURM_CONF", None)  # the one-node cluster's slurm.conf, as slurm_env does
+    scenarios = {
+        "reused_number": submit_new_job_under_an_old_jobs_files,
+        "requeued_before_train_sh": submit_job_requeued_before_train_sh_under_an_old_jobs_files,
+    }
+    jobs = {}
+    try:
+        for name, submit_held in scenarios.items():
+            tmp_path = tmp_path_factory.mktemp(name)
+            job, output = submit_held(env, tmp_path, old_run)
+            jobs[name] = (tmp_path, job, output, f"{job}-*/checkpoint-000004.pt")
+        outcomes = preempt_together(env, jobs)
+    finally:
+        for _, job, _, _ in jobs.values():
+            subprocess.run(["scancel", job], timeout=30, env=env)
+    return {name: (tmp_path, job, outcomes[name]) for name, (tmp_path, job, _, _) in jobs.items()}
+
+
+def test_a_job_whose_number_an_old_job_had_trains_from_scratch_and_resumes_its_own_run_after_a_requeue(
+    reused_number_jobs, old_run
+):
+    # The job: submit_new_job_under_an_old_jobs_files, run beside the next test's.
+    tmp_path, job, result = reused_number_jobs["reused_number"]
+    last, states, log = outcome(result)
+    checkpoints = tmp_path / "checkpoints"
+    old_run, old_dir = old_run
+
+    assert last.get("JobState") == "COMPLETED" and int(last.get("Restarts", 0)) >= 1, f"{last} {states}\n{log[-5000:]}"
+    (run, restarts), *requeued = runs_in(log, job)
+    assert run.startswith(f"{job}-") and run != old_run and restarts == "0", log[-5000:]
+    assert requeued and all(start == (run, str(i + 1)) for i, start in enumerate(requeued)), log[-5000:]
+    # From scratch first (no resume before the stop), then from its own step after the requeue.
+    stopped = re.search(r"^stopped at step (\d+)$", log, flags=re.M)
+    assert stopped and "resumed from" not in log[: stopped.start()], log[-5000:]
+    resumed = re.findall(r"^resumed from step (\d+) ", log, flags=re.M)
+    assert resumed == [stopped.group(1)] and 4 <= int(stopped.group(1)) < 2 * STEPS_PER_EPOCH, log[-5000:]
+    assert json.loads((tmp_path / "new.json").read_text())["step"] == 2 * STEPS_PER_EPOCH
+    assert step_and_run(checkpoints / run / "checkpoint-000044.pt") == (2 * STEPS_PER_EPOCH, run)
+    assert (checkpoints / f".hpcddp-job-{job}").read_text() == f"{run}\n"
+    # scontrol_job splits `scontrol show job -o` at spaces: Slurm's record of the job names the run.
+    assert last.get("Comment") == f"hpcddp-run={run}", last
+
+
+def test_a_reused_job_number_requeued_before_train_sh_ran_starts_a_new_run_that_its_own_requeue_resumes(
+    reused_number_jobs, old_run
+):
+    # The job: submit_job_requeued_before_train_sh_under_an_old_jobs_files, run beside the previous test's.
+    tmp_path, job, result = reused_number_jobs["requeued_before_train_sh"]
+    last, states, log = outcome(result)
+    checkpoints = tmp_path / "checkpoints"
+    old_run, old_dir = old_run
 
     assert last.get("JobState") == "COMPLETED" and int(last.get("Restarts", 0)) >= 2, f"{last} {states}\n{log[-5000:]}"
     (run, restarts), *requeued = runs_in(log, job)
