@@ -319,7 +319,7 @@ def test_a_host_update_sent_while_a_start_began_reaches_its_ranks(hvd_world, mon
 
         def leave_for_restart(self, reason):
             self.left.append(reason)
-            raise SystemExit("leaves")
+            raise SystemExit(0)  # as the real one: a clean end, the driver told "restart" first
 
     session = Session()
     monkeypatch.setattr(run_module, "worker_session", lambda: session)
@@ -445,9 +445,19 @@ def test_commits_live_in_a_directory_of_this_user_alone(tmp_path):
         store.read()
 
 
-@pytest.mark.parametrize("code, reported", [(3, ["error: the training function called sys.exit(3)"]), (0, [])])
-def test_sys_exit_with_a_failure_code_in_the_training_function_is_reported_as_an_error(
-    hvd_world, monkeypatch, code, reported
+@pytest.mark.parametrize(
+    "where, code, reported",
+    [
+        ("train", 3, ["error: sys.exit(3) in hvd.elastic.run"]),
+        ("train", "bad config", ["error: sys.exit('bad config') in hvd.elastic.run"]),
+        ("reset callback", 3, ["error: sys.exit(3) in hvd.elastic.run"]),
+        ("train", 0, []),
+        ("train", None, []),
+        ("train", False, []),
+    ],
+)
+def test_sys_exit_with_a_failure_code_in_an_elastic_run_is_reported_as_an_error(
+    hvd_world, monkeypatch, where, code, reported
 ):
     import importlib
 
@@ -462,7 +472,8 @@ def test_sys_exit_with_a_failure_code_in_the_training_function_is_reported_as_an
             add_listener = remove_listener = staticmethod(lambda listener: None)
 
         def newest_commit(self, allgather, broadcast):
-            return None
+            # A new start resumes a commit, and runs the reset callbacks before the training function.
+            return (4, {"objects": {"step": 7}}) if where == "reset callback" else None
 
         def finish(self, kind, text=""):
             self.finished.append(f"{kind}: {text}")
@@ -470,12 +481,41 @@ def test_sys_exit_with_a_failure_code_in_the_training_function_is_reported_as_an
     session = Session()
     monkeypatch.setattr(run_module, "worker_session", lambda: session)
     monkeypatch.setattr(state_module, "worker_session", lambda: session)
+    state = hvd.elastic.ObjectState(step=0)
+    if where == "reset callback":
+        state.register_reset_callbacks([lambda: sys.exit(code)])
 
     @hvd.elastic.run
     def train(state):
         sys.exit(code)
 
     with pytest.raises(SystemExit):
-        train(hvd.elastic.ObjectState(step=0))
+        train(state)
     # Not "done" (what the exit handler says at a normal end): the driver ends the job as failed.
     assert session.finished == reported
+
+
+def test_the_driver_quotes_a_failed_ranks_error_on_one_line_of_bounded_length(capsys):
+    from hpcddp.cli.elastic.driver import ElasticConfig, ElasticDriver
+    from hpcddp.cli.elastic.launchers import JobLauncher
+    from hpcddp.cli.elastic.monitor import RankRecord
+
+    # Rank 1's message spans lines; rank 2's is the same on one line.
+    texts = {
+        0: "E" * 5000,
+        1: "ValueError: line one\nline two\n\tline three",
+        2: "ValueError: line one line two line three",
+    }
+
+    class Server:
+        def records(self):
+            return {r: RankRecord(r, "h", 0.0, ended="error", text=t) for r, t in texts.items()}
+
+    driver = ElasticDriver(
+        ElasticConfig(min_np=1), HostPool(hosts=[Host("localhost", 3)]), JobLauncher("mpirun", [], {}), ["x"]
+    )
+    outcome = driver._after_exit(Server(), 3, {"localhost"})
+    assert (outcome.kind, outcome.code) == ("error", 3)
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "failed" in line]
+    assert f"rank(s) 0 on h, 1 on h, 2 on h failed ({'E' * 300}...; and 1 other message(s)): the job ends" in line
+    assert len(line) < 500

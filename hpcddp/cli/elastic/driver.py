@@ -37,6 +37,8 @@ MAX_FAILURES_WITHOUT_PROGRESS = 3
 _POLL_S = 0.1
 _DISCOVERY_INTERVAL_S = 1.0
 _RESTART_GRACE_S = 20.0
+#: longest error text of a rank that the driver quotes in its line
+_ERROR_TEXT_CHARS = 300
 
 
 @dataclass(kw_only=True)
@@ -328,7 +330,13 @@ class ElasticDriver:
 
 def _log_script_error(records: dict[int, RankRecord]) -> None:
     failed = [r for r in sorted(records.values(), key=lambda r: r.rank) if r.ended == "error"]
-    why = "; ".join(dict.fromkeys(r.text for r in failed if r.text)) or "an error in the script"
+    # One line of bounded length: an exception's message may span lines or be huge.
+    texts = list(dict.fromkeys(" ".join(r.text.split()) for r in failed if r.text))
+    why = texts[0] if texts else "an error in the script"
+    if len(why) > _ERROR_TEXT_CHARS:
+        why = why[:_ERROR_TEXT_CHARS] + "..."
+    if len(texts) > 1:
+        why += f"; and {len(texts) - 1} other message(s)"
     log(f"rank(s) {describe(records, 'error')} failed ({why}): the job ends without a restart (it would fail again)")
 
 

@@ -36,44 +36,56 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(func)
     def wrapper(state: State, *args, **kwargs):
         session = worker_session()
-        if session is not None:
-            commit = session.newest_commit(allgather_object, broadcast_object)
-            if commit is not None:
-                state._serial = commit[0]
-                state._load_snapshot(commit[1])
-                state.on_reset()
-            # After on_reset, which forgets host messages: an update that came while this start
-            # began is for this start (the link keeps it and replays it here).
-            session.link.add_listener(state.on_hosts_updated)
         try:
-            skip_sync = False
-            while True:
-                try:
-                    if not skip_sync:
-                        state.sync()
-                    return func(state, *args, **kwargs)
-                except SystemExit as exit_request:
-                    if session is not None and exit_request.code not in (None, 0):
-                        # A failure the script chose: the driver must not take it for the end of training.
-                        session.finish("error", f"the training function called sys.exit({exit_request.code!r})")
-                    raise
-                except HorovodInternalError:
-                    state.restore()
-                    if session is not None:
-                        session.leave_for_restart("a collective failed")
-                    skip_sync = False
-                except HostsUpdatedInterrupt as interrupt:
-                    if session is not None:
-                        # Keep this point (not only the last commit): Horovod's ranks go on from here.
-                        state.save()
-                        state._keep()
-                        session.leave_for_restart("the hosts changed")
-                    skip_sync = interrupt.skip_sync
-                shutdown()
-                init()
-                state.on_reset()
-        finally:
-            if session is not None:
-                session.link.remove_listener(state.on_hosts_updated)
+            return _resume_and_run(func, session, state, args, kwargs)
+        except SystemExit as exit_request:
+            # A failure the script chose, in func or a reset callback: the exit handler would
+            # report "done", and the driver take the failing rank for one that finished.
+            # leave_for_restart's SystemExit(0) passes (its "restart" went first; finish sends once).
+            if session is not None and not _is_success(exit_request.code):
+                session.finish("error", f"sys.exit({exit_request.code!r}) in hvd.elastic.run")
+            raise
 
     return wrapper
+
+
+def _is_success(code: Any) -> bool:
+    """Whether ``SystemExit(code)`` ends the process with status 0, as Python decides it."""
+    return code is None or (isinstance(code, int) and code == 0)
+
+
+def _resume_and_run(func: Callable[..., Any], session, state: State, args: tuple, kwargs: dict) -> Any:
+    if session is not None:
+        commit = session.newest_commit(allgather_object, broadcast_object)
+        if commit is not None:
+            state._serial = commit[0]
+            state._load_snapshot(commit[1])
+            state.on_reset()
+        # After on_reset, which forgets host messages: an update that came while this start
+        # began is for this start (the link keeps it and replays it here).
+        session.link.add_listener(state.on_hosts_updated)
+    try:
+        skip_sync = False
+        while True:
+            try:
+                if not skip_sync:
+                    state.sync()
+                return func(state, *args, **kwargs)
+            except HorovodInternalError:
+                state.restore()
+                if session is not None:
+                    session.leave_for_restart("a collective failed")
+                skip_sync = False
+            except HostsUpdatedInterrupt as interrupt:
+                if session is not None:
+                    # Keep this point (not only the last commit): Horovod's ranks go on from here.
+                    state.save()
+                    state._keep()
+                    session.leave_for_restart("the hosts changed")
+                skip_sync = interrupt.skip_sync
+            shutdown()
+            init()
+            state.on_reset()
+    finally:
+        if session is not None:
+            session.link.remove_listener(state.on_hosts_updated)
