@@ -139,15 +139,22 @@ def adopt_grad(param: torch.nn.Parameter, view: torch.Tensor) -> None:
     param.grad = view
 
 
-def drop_unused_grads(bucket: Bucket) -> None:
-    """Set ``grad`` to None for the bucket's parameters whose reduced used-counter is 0."""
-    # As DDP: a parameter no rank used keeps grad None (after zero_grad's
-    # default set_to_none=True), so optimizers skip it instead of applying
-    # momentum or weight decay to a zero gradient.
+def drop_unused_grads(bucket: Bucket, had_grad: Sequence[bool]) -> None:
+    """Set ``grad`` back to None for the bucket's parameters no rank used that had none before.
+
+    Args:
+        bucket: the reduced bucket.
+        had_grad: per parameter of the bucket, whether it had a gradient when the reduction's
+            first backward pass began.
+    """
+    # As DDP, which leaves a parameter no rank used as it was: None stays None (so optimizers
+    # skip it instead of applying momentum or weight decay to a zero gradient), and a gradient
+    # that was there (zeros from zero_grad(set_to_none=False), the average of an earlier backward
+    # pass) stays: the reduction averaged it with the other ranks' values, equal to it there.
     if bool((bucket.used != 0).all()):
         return
-    for param, used in zip(bucket.params, bucket.used.tolist()):
-        if used == 0:
+    for param, used, had in zip(bucket.params, bucket.used.tolist(), had_grad):
+        if used == 0 and not had:
             param.grad = None
 
 

@@ -133,6 +133,8 @@ class Reducer:
         self._passes_since_reduce = 0
         self._learning = True
         self._saw_new_trainable = False
+        #: the parameters' gradients before this reduction's first pass are noted (slot.had_grad)
+        self._window_open = False
         self._handles: list[Handle] = []
         self._hooks: list[Any] = []
         self._buckets: list[Bucket] = []
@@ -188,6 +190,7 @@ class Reducer:
             self._end_pass()
         started = time.perf_counter()
         if not self._handles and (force or self._passes_since_reduce > 0):
+            self._open_window()  # a rank that joined reduces without a pass of its own
             self._pass_reduces = True
             self._launch_all()
         if self._handles:
@@ -213,6 +216,7 @@ class Reducer:
         for bucket in self._buckets:
             reset_bucket_grads(bucket, set_to_none)
         self._passes_since_reduce = 0
+        self._window_open = False
 
     def close(self) -> None:
         """Remove the hooks: the parameters' gradients stay local from now on."""
@@ -292,6 +296,7 @@ class Reducer:
         # A pass after a reduction and no zero_grad (GradScaler skipped the step, a second
         # loss): the gradients accumulate onto the averaged ones and the next reduction
         # averages the sum, avg(old) + avg(new), as DDP does.
+        self._open_window()
         self._pass_open = True
         self._pass_id += 1
         self._pass_reduces = self._sync and self._passes_since_reduce + 1 >= self.backward_passes_per_step
@@ -308,6 +313,19 @@ class Reducer:
             if self._pass_reduces:
                 self._launch_all()
                 self._finish(self.times.backward_end)
+
+    def _open_window(self) -> None:
+        """Note which parameters have a gradient before the reduction's first pass writes any.
+
+        Called at the first hook of that pass, after autograd wrote one gradient: that
+        parameter is used here, so what it had does not matter.
+        """
+        if self._window_open:
+            return
+        self._window_open = True
+        for bucket, slots in zip(self._buckets, self._bucket_slots):
+            for param, slot in zip(bucket.params, slots):
+                slot.had_grad = param.grad is not None
 
     # -- launching -----------------------------------------------------------------------------
     def _launch_ready(self) -> None:
@@ -353,9 +371,9 @@ class Reducer:
         if self.nonfinite_ranks:
             self._sender.reset()
         self._postscale()
-        if self.set_to_none and not self.zero_unused:
-            for bucket in self._buckets:
-                drop_unused_grads(bucket)
+        if not self.zero_unused:
+            for bucket, slots in zip(self._buckets, self._bucket_slots):
+                drop_unused_grads(bucket, [slot.had_grad for slot in slots])
         self.num_reductions += 1
         self._reset_reduction()
         if changed:
@@ -385,6 +403,7 @@ class Reducer:
         self._next_launch = 0
         self._local_sums = [torch.zeros(())] * len(self._buckets)
         self._saw_new_trainable = False
+        self._window_open = False
 
     def _adopt_new_trainable(self) -> None:
         """Average the gradients of parameters that became trainable, then rebuild the buckets.

@@ -30,6 +30,9 @@ class GradSlot:
     #: accumulations per backward pass, learned (a weight used outside and inside a
     #: reentrant torch.utils.checkpoint accumulates twice)
     expected: int = 1
+    #: the parameter had a gradient when this reduction's first backward pass began: if no
+    #: rank uses it, it keeps that gradient (zeros, or an earlier average), as in DDP
+    had_grad: bool = False
 
     def land(
         self,

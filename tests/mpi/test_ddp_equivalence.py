@@ -151,6 +151,46 @@ def test_parameter_unused_everywhere_keeps_grad_none_as_ddp(gloo):
     optimizer.close()
 
 
+def sgd_with_decay(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.1)
+
+
+def train_keeping_grads(model, step_on, zero_grad, data, scenario):
+    """Steps in which no rank uses ``rare`` in the last backward pass, though it had a gradient before.
+
+    "second backward": a first pass uses ``rare``, a second (another loss) does not, then one
+    step: its gradient stays the first pass's average. "zeroed, not None": gradients zeroed
+    in place (``model.zero_grad(set_to_none=False)``) and ``rare`` unused in every other step:
+    it keeps a zero gradient, so weight decay and momentum still move it.
+    """
+    for step, (x, y) in enumerate(data):
+        if scenario == "second backward":
+            zero_grad(True)
+            F.cross_entropy(model(x[:4], True), y[:4]).backward()
+            F.cross_entropy(model(x[4:], False), y[4:]).backward()
+        else:
+            zero_grad(False)
+            F.cross_entropy(model(x, step % 2 == 0), y).backward()
+        step_on()
+    return model
+
+
+@pytest.mark.parametrize("scenario", ["second backward", "zeroed, not None"])
+def test_a_parameter_no_rank_uses_keeps_the_gradient_it_had_as_ddp(gloo, scenario):
+    data = batches(6)
+    ddp = DDP(make_model(), find_unused_parameters=True)
+    reference_optimizer = sgd_with_decay(ddp.parameters())
+    train_keeping_grads(ddp, reference_optimizer.step, lambda none: ddp.zero_grad(none), data, scenario)
+
+    model = make_model()
+    optimizer = hpcddp.DistributedOptimizer(sgd_with_decay(model.parameters()), model.named_parameters())
+    # The model's own zero_grad, as a script written for DDP calls it: the optimizer is not told.
+    train_keeping_grads(model, optimizer.step, lambda none: model.zero_grad(none), data, scenario)
+    optimizer.close()
+    assert not torch.equal(model.rare.weight, make_model().rare.weight)  # it was trained
+    assert_same(ddp.module, model)
+
+
 def compress_hook(dtype):
     """A DDP comm hook that sends in ``dtype``, as torch's fp16/bf16_compress_hook (which want NCCL)."""
 
