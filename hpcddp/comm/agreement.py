@@ -71,11 +71,15 @@ class CollectiveCall(NamedTuple):
     step: int | None = None
     #: a problem this rank found with its own arguments (compared as "some rank has one")
     error: str | None = None
-    #: the user's name for the tensor (or the bucket's tag), reported but not compared
+    #: the user's name for the tensor, reported but not compared; a gradient bucket's tag
+    #: (which bucket of which DistributedOptimizer), compared
     name: str = ""
 
     def compared(self) -> tuple:
-        return (self.op, self.shape, self.dtype, self.root, self.reduce_op, self.splits, self.step)
+        # Two optimizers' buckets of the same shapes, reached in another order on another rank,
+        # would otherwise be summed together: the tag tells them apart.
+        bucket = self.name if self.step is not None else None
+        return (self.op, self.shape, self.dtype, self.root, self.reduce_op, self.splits, self.step, bucket)
 
 
 def describe_call(
@@ -198,7 +202,7 @@ def mismatch_message(all_calls: Sequence[CollectiveCall]) -> str:
             "backward pass or called step() without one, or ran out of data; every rank must run the same number "
             "of backward passes (wrap uneven data in hpcddp.join(optimizer))"
         )
-    fields = ("op", "shape", "dtype", "root", "reduce_op", "splits", "step")
+    fields = ("op", "shape", "dtype", "root", "reduce_op", "splits", "step", "bucket")
     differences = []
     for index, field in enumerate(fields):
         groups: dict[Any, list[int]] = {}
@@ -208,7 +212,10 @@ def mismatch_message(all_calls: Sequence[CollectiveCall]) -> str:
             label = {
                 "shape": "shape" if first.op not in ROWS_MAY_DIFFER else "shape after the first dimension",
                 "step": "optimizer step",
+                "bucket": "gradient bucket",
             }.get(field, field.replace("_", " "))
+            if field == "bucket" and differences:
+                break  # tags also differ whenever a step or a shape does: that is said already
             parts = ", ".join(f"{ranks_text(ranks)} {_show(value)}" for value, ranks in groups.items())
             differences.append(f"{label} differs ({parts})")
     return f"{what}: the ranks disagree: {'; '.join(differences)}; {_cause(ranked)}"
@@ -230,6 +237,12 @@ def _cause(ranked: list[tuple[int, CollectiveCall]]) -> str:
         return (
             f"{ahead} took a step without reducing gradients: it skipped a backward pass or called step() without "
             "one; every rank must run the same number of backward passes (wrap uneven data in hpcddp.join(optimizer))"
+        )
+    if len({s.name for _, s in ranked if _is_bucket(s)}) > 1:
+        return (
+            "the ranks reached their optimizers' buckets in another order (several DistributedOptimizers whose "
+            "parts of the model run in a different order on different ranks); every rank must reduce the same "
+            "buckets in the same order"
         )
     return "every rank must call the same collectives in the same order with matching arguments"
 

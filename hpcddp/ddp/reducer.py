@@ -42,6 +42,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -63,6 +64,8 @@ from .trainable import average_loose_grads, require_trainable, watch_frozen
 __all__ = ["ReductionTimes", "Reducer"]
 
 log = logging.getLogger("hpcddp")
+#: DistributedOptimizers made so far on each communicator
+_REDUCERS_MADE: weakref.WeakKeyDictionary[Communicator, int] = weakref.WeakKeyDictionary()
 
 
 class Reducer:
@@ -122,6 +125,12 @@ class Reducer:
         self.set_to_none = True
         self._op = op
         self._predivide = predivide
+        # Which optimizer on this communicator: its ranks make them in the same order (the
+        # constructor is collective), and the agreement compares a bucket's tag. The first
+        # one's tag stays short.
+        number = _REDUCERS_MADE.get(comm, 0) + 1
+        _REDUCERS_MADE[comm] = number
+        self._owner = "" if number == 1 else f" of DistributedOptimizer #{number}"
         self._lock = threading.RLock()
         self._bucket_args = (bucket_cap_bytes, first_bucket_bytes, wire_dtype)
         self._sender = BucketSender(comm, compressor)
@@ -349,7 +358,7 @@ class Reducer:
         self._local_sums[index] = probe_nonfinite(bucket.grads)
         if bucket.control is not None:
             self._control.write(bucket.control, self.has_data, self._saw_new_trainable, self._local_sums)
-        with collective_tag(f"bucket {index} of step {self.steps_taken}", self.steps_taken):
+        with collective_tag(f"bucket {index} of step {self.steps_taken}{self._owner}", self.steps_taken):
             self.times.bucket_submit[index] = time.perf_counter()
             self._handles.append(self._sender.start(bucket, self.num_reductions))
 

@@ -68,3 +68,34 @@ def test_different_dtype_is_caught():
         net.out.double()
     message = raises_same_everywhere(lambda: wrap(net))
     assert "'out.weight' [2, 16] float64" in message and "'out.weight' [2, 16] float32" in message, message
+
+
+@pytest.mark.parametrize("order", ["the same", "another"])
+def test_two_optimizers_buckets_reached_in_another_order_on_a_rank_raise_instead_of_being_summed(order):
+    # Two halves of the same shapes, an optimizer each: rank 0 runs them in the other order when
+    # told, so its backward readies the other optimizer's bucket first. Before, the ranks summed
+    # one optimizer's gradients with the other's, silently.
+    if hpcddp.size() == 1:
+        pytest.skip("needs two ranks")
+    torch.manual_seed(0)
+    halves = [torch.nn.Linear(5, 5, dtype=torch.float64) for _ in range(2)]
+    optimizers = [
+        hpcddp.DistributedOptimizer(torch.optim.SGD(h.parameters(), lr=0.1), h.named_parameters()) for h in halves
+    ]
+    x = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(hpcddp.rank()))
+    try:
+        first, second = halves[::-1] if order == "another" and hpcddp.rank() == 0 else halves
+        outputs = {id(first): first(x)}
+        outputs[id(second)] = second(x)
+        loss = outputs[id(halves[0])].pow(2).sum() + outputs[id(halves[1])].pow(3).sum()
+        local = torch.autograd.grad(loss, halves[0].weight, retain_graph=True)[0]
+        if order == "another":
+            with pytest.raises(hpcddp.CollectiveMismatchError, match="gradient bucket differs .* another order"):
+                loss.backward()
+        else:
+            loss.backward()
+            expected = hpcddp.allreduce(local, op="sum") / hpcddp.size()
+            torch.testing.assert_close(halves[0].weight.grad, expected, rtol=1e-12, atol=1e-12)
+    finally:
+        for optimizer in optimizers:
+            optimizer.close()
