@@ -63,8 +63,9 @@ class Bucket:
     #: the gradient part of the buffer
     grads: torch.Tensor | None = None
     #: one number per parameter after the gradients: 1 where this rank produced a
-    #: gradient since the last reduction. Summed with the gradients, it tells every
-    #: rank which parameters no rank used, without another collective.
+    #: gradient since the last reduction, or had one before it. Summed with the gradients,
+    #: it tells every rank alike which parameters no rank used or had a gradient for (they
+    #: go back to None), without another collective.
     used: torch.Tensor | None = None
     #: numbers after the used-counters that travel with the last bucket (see Reducer)
     control: torch.Tensor | None = None
@@ -139,22 +140,20 @@ def adopt_grad(param: torch.nn.Parameter, view: torch.Tensor) -> None:
     param.grad = view
 
 
-def drop_unused_grads(bucket: Bucket, had_grad: Sequence[bool]) -> None:
-    """Set ``grad`` back to None for the bucket's parameters no rank used that had none before.
+def drop_unused_grads(bucket: Bucket) -> None:
+    """Set ``grad`` back to None for the bucket's parameters whose reduced counter is 0.
 
-    Args:
-        bucket: the reduced bucket.
-        had_grad: per parameter of the bucket, whether it had a gradient when the reduction's
-            first backward pass began.
+    The counter (``Bucket.used``) is 0 only when no rank used the parameter and no rank had
+    a gradient for it before the reduction's first pass: every rank decides alike.
     """
     # As DDP, which leaves a parameter no rank used as it was: None stays None (so optimizers
     # skip it instead of applying momentum or weight decay to a zero gradient), and a gradient
     # that was there (zeros from zero_grad(set_to_none=False), the average of an earlier backward
-    # pass) stays: the reduction averaged it with the other ranks' values, equal to it there.
+    # pass) stays, averaged with the other ranks' (equal) values like any gradient.
     if bool((bucket.used != 0).all()):
         return
-    for param, used, had in zip(bucket.params, bucket.used.tolist(), had_grad):
-        if used == 0 and not had:
+    for param, used in zip(bucket.params, bucket.used.tolist()):
+        if used == 0:
             param.grad = None
 
 

@@ -381,8 +381,8 @@ class Reducer:
             self._sender.reset()
         self._postscale()
         if not self.zero_unused:
-            for bucket, slots in zip(self._buckets, self._bucket_slots):
-                drop_unused_grads(bucket, [slot.had_grad for slot in slots])
+            for bucket in self._buckets:
+                drop_unused_grads(bucket)
         self.num_reductions += 1
         self._reset_reduction()
         if changed:

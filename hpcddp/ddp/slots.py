@@ -31,7 +31,8 @@ class GradSlot:
     #: reentrant torch.utils.checkpoint accumulates twice)
     expected: int = 1
     #: the parameter had a gradient when this reduction's first backward pass began: if no
-    #: rank uses it, it keeps that gradient (zeros, or an earlier average), as in DDP
+    #: rank uses it but one had a gradient, it keeps it (zeros, an earlier average), as in
+    #: DDP; sent in the used-counter, so that every rank decides alike (a joined rank too)
     had_grad: bool = False
 
     def land(
@@ -103,7 +104,7 @@ def fill_bucket(bucket: Bucket, slots: Sequence[GradSlot], divide_by: float | No
         if not slot.scaled:
             adopt_grad(param, slot.view)
             unscaled.append(slot.view)
-        used.append(slot.used)
+        used.append(slot.used or slot.had_grad)
     if divide_by is not None and divide_by != 1.0 and unscaled:
         # Divide before summing, as DDP does: it keeps fp16 sums in range.
         if len(unscaled) == len(bucket.views):

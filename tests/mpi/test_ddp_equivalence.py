@@ -272,3 +272,22 @@ def test_gradients_are_identical_on_every_rank_after_step(gloo):
         for other in gathered:
             assert torch.equal(other, gathered[0])
     optimizer.close()
+
+
+def test_ranks_that_joined_keep_the_same_unused_gradients_and_optimizer_state_as_the_others(gloo):
+    # Gradients zeroed in place by the model, `rare` used in the first step only, and rank 0 with
+    # more batches: the ranks that ran out shadow its steps with no gradient of their own. Every
+    # rank must decide alike whether `rare` keeps its zero gradient (momentum and weight decay
+    # move it) or goes back to None, or their optimizer states drift apart.
+    model = make_model()
+    optimizer = hpcddp.DistributedOptimizer(sgd_with_decay(model.parameters()), model.named_parameters())
+    with hpcddp.join(optimizer):
+        for step, (x, y) in enumerate(batches(5 if hpcddp.rank() == 0 else 2)):
+            model.zero_grad(set_to_none=False)
+            F.cross_entropy(model(x, step == 0), y).backward()
+            optimizer.step()
+    optimizer.close()
+    mine = [optimizer.state[p]["momentum_buffer"] for p in model.rare.parameters()] + list(model.parameters())
+    for other in hpcddp.allgather_object(mine):
+        for a, b in zip(mine, other):
+            assert torch.equal(a, b)
