@@ -8,6 +8,7 @@ turns that into an error naming the first differing parameter.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from ..comm.base import Communicator, ranks_text
 from ..comm.dtypes import dtype_name
 
-__all__ = ["check_same_parameters", "describe_difference"]
+__all__ = ["check_same_parameters", "describe_difference", "next_optimizer_label"]
 
 #: every parameter's (name, shape, dtype), in the order they are reduced: what the ranks compare
 ParameterList = list[tuple[str, tuple[int, ...], str]]
@@ -83,3 +84,19 @@ def check_same_parameters(comm: Communicator, named: Sequence[tuple[str, torch.T
     message = describe_difference(comm.allgather_object(parameters), what)
     if message is not None:
         raise ValueError(message)
+
+
+#: DistributedOptimizers made so far on each communicator
+_MADE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def next_optimizer_label(comm) -> str:
+    """Return what the buckets' tags of the next DistributedOptimizer on ``comm`` add ("" for the first).
+
+    The ranks of ``comm`` make their optimizers in the same order (the constructor is
+    collective), and the agreement compares a bucket's tag: two optimizers' buckets of the
+    same shapes reached in another order on one rank raise instead of being summed together.
+    """
+    number = _MADE.get(comm, 0) + 1
+    _MADE[comm] = number
+    return "" if number == 1 else f" of DistributedOptimizer #{number}"

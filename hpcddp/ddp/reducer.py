@@ -14,23 +14,8 @@ One ``Reducer`` owns the reduction of a set of parameters, as DDP's C++ Reducer 
 - the last bucket carries a few control numbers along with the gradients (join,
   unfrozen parameters, non-finite gradients: ``control``), no extra collective per step.
 
-States of one reduction (changed only under ``_lock``: autograd may run the hooks of
-parameters on different devices on its device threads at once):
-
-- IDLE: no pass open, nothing launched. A gradient hook (or a frozen parameter's
-  first gradient) opens a pass -> PASS. ``_pass_reduces`` is fixed then: not inside
-  ``no_sync()``, and this pass completes ``backward_passes_per_step`` passes.
-- PASS: each gradient lands in its bucket view. In a reducing pass after the first
-  (``_learning`` off), a parameter's last expected accumulation lowers its bucket's
-  pending count, and buckets whose count reaches zero are launched strictly in index
-  order (``_next_launch``); the last bucket waits for the end of the pass. Autograd's
-  end-of-pass callback (the outer backward's, for reentrant checkpoints) launches the
-  rest -> LAUNCHED, or -> IDLE for a pass that only accumulates.
-- LAUNCHED: ``_finish`` waits for every bucket, reads the control numbers, scales
-  -> IDLE with ``num_reductions`` + 1 (and rebuilt buckets when a parameter became
-  trainable on some rank). ``synchronize()`` and ``zero_grad()`` finish a launched
-  reduction from wherever they are called, so a bucket is never written while its
-  reduction runs.
+The states of one reduction (IDLE, PASS, LAUNCHED) are described in docs/architecture.md
+("The reducer's states"); they change only under ``_lock``.
 
 Every rank therefore launches the same buckets in the same order, each tagged with the
 optimizer's step, which the ranks compare before reducing it (``hpcddp.comm.engine``).
@@ -42,7 +27,6 @@ import contextlib
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -54,18 +38,16 @@ from ..observe import timeline
 from .autograd_hooks import at_end_of_backward
 from .buckets import Bucket, adopt_grad, build_buckets, drop_unused_grads, probe_nonfinite
 from .compression import Compressor
-from .consistency import check_same_parameters
+from .consistency import check_same_parameters, next_optimizer_label
 from .control import ControlNumbers
 from .sending import BucketSender
-from .slots import GradSlot, fill_bucket, reset_bucket_grads
+from .slots import GradSlot, fill_bucket, note_grads_present, reset_bucket_grads
 from .timing import ReductionTimes
 from .trainable import average_loose_grads, require_trainable, watch_frozen
 
 __all__ = ["ReductionTimes", "Reducer"]
 
 log = logging.getLogger("hpcddp")
-#: DistributedOptimizers made so far on each communicator
-_REDUCERS_MADE: weakref.WeakKeyDictionary[Communicator, int] = weakref.WeakKeyDictionary()
 
 
 class Reducer:
@@ -125,12 +107,7 @@ class Reducer:
         self.set_to_none = True
         self._op = op
         self._predivide = predivide
-        # Which optimizer on this communicator: its ranks make them in the same order (the
-        # constructor is collective), and the agreement compares a bucket's tag. The first
-        # one's tag stays short.
-        number = _REDUCERS_MADE.get(comm, 0) + 1
-        _REDUCERS_MADE[comm] = number
-        self._owner = "" if number == 1 else f" of DistributedOptimizer #{number}"
+        self._owner = next_optimizer_label(comm)
         self._lock = threading.RLock()
         self._bucket_args = (bucket_cap_bytes, first_bucket_bytes, wire_dtype)
         self._sender = BucketSender(comm, compressor)
@@ -324,17 +301,10 @@ class Reducer:
                 self._finish(self.times.backward_end)
 
     def _open_window(self) -> None:
-        """Note which parameters have a gradient before the reduction's first pass writes any.
-
-        Called at the first hook of that pass, after autograd wrote one gradient: that
-        parameter is used here, so what it had does not matter.
-        """
-        if self._window_open:
-            return
-        self._window_open = True
-        for bucket, slots in zip(self._buckets, self._bucket_slots):
-            for param, slot in zip(bucket.params, slots):
-                slot.had_grad = param.grad is not None
+        """Note which parameters have a gradient before the reduction's first pass writes any."""
+        if not self._window_open:
+            self._window_open = True
+            note_grads_present(self._buckets, self._bucket_slots)
 
     # -- launching -----------------------------------------------------------------------------
     def _launch_ready(self) -> None:

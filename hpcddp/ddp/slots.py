@@ -10,7 +10,7 @@ import torch
 
 from .buckets import Bucket, adopt_grad
 
-__all__ = ["GradSlot", "fill_bucket", "reset_bucket_grads"]
+__all__ = ["GradSlot", "fill_bucket", "note_grads_present", "reset_bucket_grads"]
 
 
 @dataclass
@@ -89,6 +89,17 @@ class GradSlot:
             torch.div(grad, divide_by, out=self.view)
             param.grad = self.view
             self.scaled = True
+
+
+def note_grads_present(buckets: Sequence[Bucket], bucket_slots: Sequence[Sequence[GradSlot]]) -> None:
+    """Set each slot's ``had_grad`` from its parameter, as a reduction's first backward pass begins.
+
+    Called at that pass's first hook, after autograd wrote one gradient: that parameter is
+    used on this rank, so what it had does not matter.
+    """
+    for bucket, slots in zip(buckets, bucket_slots):
+        for param, slot in zip(bucket.params, slots):
+            slot.had_grad = param.grad is not None
 
 
 def fill_bucket(bucket: Bucket, slots: Sequence[GradSlot], divide_by: float | None) -> None:
