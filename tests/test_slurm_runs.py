@@ -50,6 +50,17 @@ def slurm_comment(job, env):
     return comment.group(1) if comment else None
 
 
+def assert_trained_from_scratch_then_resumed_its_own_run(log, tmp_path, run):
+    """No resume before the USR1 stop, then one resume from the step it stopped at, to the end of ``run``."""
+    stopped = re.search(r"^stopped at step (\d+)$", log, flags=re.M)
+    assert stopped and "resumed from" not in log[: stopped.start()], log[-5000:]
+    resumed = re.findall(r"^resumed from step (\d+) ", log, flags=re.M)
+    assert resumed == [stopped.group(1)] and 4 <= int(stopped.group(1)) < 2 * STEPS_PER_EPOCH, log[-5000:]
+    assert json.loads((tmp_path / "new.json").read_text())["step"] == 2 * STEPS_PER_EPOCH
+    checkpoint = tmp_path / "checkpoints" / run / "checkpoint-000044.pt"
+    assert step_and_run(checkpoint) == (2 * STEPS_PER_EPOCH, run)
+
+
 @pytest.fixture(scope="module")
 def old_run(slurm_cluster, tmp_path_factory):
     """A finished run of 2 epochs (its id and directory), as an old job leaves it behind."""
@@ -159,13 +170,7 @@ def test_a_job_whose_number_an_old_job_had_trains_from_scratch_and_resumes_its_o
     (run, restarts), *requeued = runs_in(log, job)
     assert run.startswith(f"{job}-") and run != old_run and restarts == "0", log[-5000:]
     assert requeued and all(start == (run, str(i + 1)) for i, start in enumerate(requeued)), log[-5000:]
-    # From scratch first (no resume before the stop), then from its own step after the requeue.
-    stopped = re.search(r"^stopped at step (\d+)$", log, flags=re.M)
-    assert stopped and "resumed from" not in log[: stopped.start()], log[-5000:]
-    resumed = re.findall(r"^resumed from step (\d+) ", log, flags=re.M)
-    assert resumed == [stopped.group(1)] and 4 <= int(stopped.group(1)) < 2 * STEPS_PER_EPOCH, log[-5000:]
-    assert json.loads((tmp_path / "new.json").read_text())["step"] == 2 * STEPS_PER_EPOCH
-    assert step_and_run(checkpoints / run / "checkpoint-000044.pt") == (2 * STEPS_PER_EPOCH, run)
+    assert_trained_from_scratch_then_resumed_its_own_run(log, tmp_path, run)
     assert (checkpoints / f".hpcddp-job-{job}").read_text() == f"{run}\n"
     # scontrol_job splits `scontrol show job -o` at spaces: Slurm's record of the job names the run.
     assert last.get("Comment") == f"hpcddp-run={run}", last
@@ -188,12 +193,7 @@ def test_a_reused_job_number_requeued_before_train_sh_ran_starts_a_new_run_that_
     assert why in log, log[-5000:]
     # hpcddp's own `scontrol requeue` (after USR1): the same record, so the same run, resumed.
     assert requeued and all(start == (run, str(i + 2)) for i, start in enumerate(requeued)), log[-5000:]
-    stopped = re.search(r"^stopped at step (\d+)$", log, flags=re.M)
-    assert stopped and "resumed from" not in log[: stopped.start()], log[-5000:]
-    resumed = re.findall(r"^resumed from step (\d+) ", log, flags=re.M)
-    assert resumed == [stopped.group(1)] and 4 <= int(stopped.group(1)) < 2 * STEPS_PER_EPOCH, log[-5000:]
-    assert json.loads((tmp_path / "new.json").read_text())["step"] == 2 * STEPS_PER_EPOCH
-    assert step_and_run(checkpoints / run / "checkpoint-000044.pt") == (2 * STEPS_PER_EPOCH, run)
+    assert_trained_from_scratch_then_resumed_its_own_run(log, tmp_path, run)
     assert sorted(p.name for p in (checkpoints / old_run).iterdir()) == sorted(p.name for p in old_dir.iterdir())
     # The user's comment is kept; scontrol_job splits `scontrol show job -o` at spaces.
     assert last.get("Comment") == "user-note" and last.get("hpcddp-run") == run, last
