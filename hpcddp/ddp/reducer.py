@@ -119,8 +119,6 @@ class Reducer:
         self._passes_since_reduce = 0
         self._learning = True
         self._saw_new_trainable = False
-        #: the parameters' gradients before this reduction's first pass are noted (slot.had_grad)
-        self._window_open = False
         self._handles: list[Handle] = []
         self._hooks: list[Any] = []
         self._buckets: list[Bucket] = []
@@ -202,7 +200,6 @@ class Reducer:
         for bucket in self._buckets:
             reset_bucket_grads(bucket, set_to_none)
         self._passes_since_reduce = 0
-        self._window_open = False
 
     def close(self) -> None:
         """Remove the hooks: the parameters' gradients stay local from now on."""
@@ -302,8 +299,7 @@ class Reducer:
 
     def _open_window(self) -> None:
         """Note which parameters have a gradient before the reduction's first pass writes any."""
-        if not self._window_open:
-            self._window_open = True
+        if self._passes_since_reduce == 0:  # no pass since the last reduction or zero_grad
             note_grads_present(self._buckets, self._bucket_slots)
 
     # -- launching -----------------------------------------------------------------------------
@@ -382,7 +378,6 @@ class Reducer:
         self._next_launch = 0
         self._local_sums = [torch.zeros(())] * len(self._buckets)
         self._saw_new_trainable = False
-        self._window_open = False
 
     def _adopt_new_trainable(self) -> None:
         """Average the gradients of parameters that became trainable, then rebuild the buckets.
