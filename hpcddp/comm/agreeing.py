@@ -11,12 +11,11 @@ error (``failure``) instead of pairing it with another rank's wrong one.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import numpy as np
 
 from .agreement import CollectiveCall, agreement_vector, continues_while_joined, mismatch_error, some_joined
-from .waits import abandon, describe_members, timed_out, wait_for_request
+from .waits import Receives, abandon, describe_members, timed_out, wait_for_request
 
 __all__ = ["Agreement"]
 
@@ -28,11 +27,11 @@ class Agreement:
         comm: the mpi4py communicator.
         MPI: the mpi4py ``MPI`` module.
         members: the communicator's ranks as ranks of the whole job (for messages).
-        progress: called while waiting (point-to-point receives in flight, engine rule 6).
+        messages: the point-to-point layer, whose receives in flight a wait moves on (engine rule 6).
     """
 
-    def __init__(self, comm, MPI, members, progress: Callable[[], None] | None = None) -> None:
-        self.comm, self._MPI, self._progress = comm, MPI, progress
+    def __init__(self, comm, MPI, members, messages: Receives | None = None) -> None:
+        self.comm, self._MPI, self._messages = comm, MPI, messages
         self.size = comm.Get_size()
         #: run the agreement before each collective (rule 4)
         self.check_collectives = True
@@ -73,7 +72,7 @@ class Agreement:
         """MIN-reduce ``vector`` into ``reduced``; on timeout fail the communicator for good (rule 9) and raise."""
         request = self.comm.Iallreduce(vector, reduced, op=self._MPI.MIN)
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        if not wait_for_request(request, self._progress, deadline):
+        if not wait_for_request(request, self._messages, deadline):
             self.failure = timed_out(op, self.label, self.timeout)
             abandon(request, vector, reduced)
             self._reduced = np.empty(5, dtype=np.int64)  # the abandoned request may still write the old one

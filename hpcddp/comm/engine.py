@@ -48,9 +48,12 @@ These rules hold for every collective on the road:
    when the first communicator is made. Every wait on the communicator (the agreement,
    the idle communication thread) moves receives in flight on, so that a rank blocked
    in a collective still takes a message its peer must finish sending first.
-7. **Waiting sleeps.** A rank waiting for late ranks (in the agreement) tests its
-   request in a tight loop for 50 us, then sleeps between tests (10 us, doubling to
-   250 us): MPI's own polling would take the core a training thread shares with it.
+7. **Waiting is MPI's own.** A rank waiting for late ranks (in the agreement) blocks in
+   ``MPI_Wait``, which moves every hop of the collective on as it arrives (a sleep
+   between tests delays each hop by the sleep: 2·log2(p) hops for a small allreduce).
+   Only when something else needs the waiting thread, a timeout to measure or
+   point-to-point receives in flight (rule 6), does it poll: ``MPI_Test`` with a yield of
+   the core for 5 ms, then sleeps of 10 us doubling to 200 us (``waits``).
 8. **Everything is visible.** The runner records every operation in the
    communicator's ``OperationLog``, the point-to-point layer every message, and every
    blocking wait says what it waits for (``hpcddp.comm.oplog.waiting``): the stall
@@ -143,12 +146,11 @@ class Engine:
         self.comm = comm
         self.log = log
         self._messages = messages
-        self._progress = None if messages is None else messages.progress
         if messages is not None:
             messages.on_pending = self._notice_messages
         self.size = comm.Get_size()
         #: rule 4's agreement and rule 9's timeout: its ``check_collectives``, ``timeout``, ``label``
-        self.agreement = Agreement(comm, MPI, log.members, self._progress)
+        self.agreement = Agreement(comm, MPI, log.members, messages)
         self._cond = threading.Condition()
         self._items: collections.deque[_Operation] = collections.deque()
         self._runner: int | None = None

@@ -7,40 +7,56 @@ the process; MPI_Finalize tolerates it.
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable
+from typing import Protocol
 
 __all__ = ["abandon", "describe_members", "timed_out", "wait_for_request"]
 
-_SPIN_S = 50e-6
-_LONGEST_SLEEP_S = 250e-6
+# Past this a wait polls more gently: a rank this late is a straggler, whose wait is long anyway.
+_SPIN_S = 5e-3
+_LONGEST_SLEEP_S = 200e-6
 _ABANDONED: list = []
 
 
-def wait_for_request(request, progress: Callable[[], None] | None = None, deadline: float | None = None) -> bool:
-    """Complete an MPI request as rule 7 says: spin 50 us, then sleep between tests.
+class Receives(Protocol):
+    """The point-to-point layer as a wait sees it (``hpcddp.comm.p2p.PointToPoint``)."""
+
+    def progress(self) -> None: ...
+
+    def next_progress_in(self) -> float | None: ...
+
+
+def wait_for_request(request, messages: Receives | None = None, deadline: float | None = None) -> bool:
+    """Complete an MPI request as rule 7 says: block in MPI when nothing else needs this thread, else poll.
 
     Returns False, the request still pending, when ``deadline`` passed first.
 
     Args:
         request: the mpi4py request.
-        progress: called between sleeps (point-to-point receives in flight, rule 6).
+        messages: point-to-point receives in flight (rule 6), moved on while polling.
         deadline: a ``time.monotonic()`` to give up at; None waits as long as it takes.
     """
     if request.Test():
         return True
+    if deadline is None and (messages is None or messages.next_progress_in() is None):
+        # MPI's own wait progresses every hop of a collective as it arrives; a sleep between
+        # tests would delay each hop of a latency-bound collective by the sleep (mpi4py
+        # releases the GIL in Wait, so the process's other threads go on).
+        request.Wait()
+        return True
     spin_until = time.perf_counter() + _SPIN_S
-    while time.perf_counter() < spin_until:
-        if request.Test():
-            return True
     pause = 10e-6
     while not request.Test():
         if deadline is not None and time.monotonic() >= deadline:
             return False
-        if progress is not None:
-            progress()
-        time.sleep(pause)
-        pause = min(pause * 2, _LONGEST_SLEEP_S)
+        if messages is not None:
+            messages.progress()
+        if time.perf_counter() < spin_until:
+            os.sched_yield()  # oversubscribed ranks share cores: let the peer run
+        else:
+            time.sleep(pause)
+            pause = min(pause * 2, _LONGEST_SLEEP_S)
     return True
 
 
