@@ -1,5 +1,6 @@
 """hpcddp.checkpoint.store in one process: atomic writes, keep_last, newest-complete selection, exact RNG round trip."""
 
+import errno
 import json
 import os
 import random
@@ -213,3 +214,42 @@ def test_a_directory_another_running_job_saves_into_is_refused_until_that_job_en
     hpcddp.save_checkpoint(tmp_path, {"step": 2})  # that job ended: this one takes the directory over
     assert hpcddp.load_checkpoint(tmp_path)["step"] == 2
     assert json.loads((tmp_path / ".hpcddp-owner").read_text())["pid"] == os.getpid()
+
+
+# ---- a full disk while claiming a directory ----------
+
+
+class FullDisk:
+    """A file whose writes fail as on a full disk."""
+
+    def __init__(self, fh):
+        self.fh = fh
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.fh.close()
+
+    def __getattr__(self, name):
+        return getattr(self.fh, name)
+
+
+def test_a_full_disk_while_claiming_a_directory_names_it_and_leaves_no_owner_file(tmp_path, monkeypatch):
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    fdopen = os.fdopen
+    monkeypatch.setattr(os, "fdopen", lambda fd, *args, **kwargs: FullDisk(fdopen(fd, *args, **kwargs)))
+    full = rf"^\[Errno 28\] No space left on device while claiming checkpoint directory '{directory}' .*: free space"
+    with pytest.raises(OSError, match=full):
+        hpcddp.save_checkpoint(directory, {"step": 1})
+    assert os.listdir(directory) == []  # no empty owner file, no temporary file
+    with pytest.raises(ValueError, match=full.replace(r"^\[Errno 28\] ", "")):
+        check_checkpoint_dir(directory)
+    assert os.listdir(directory) == []
+    monkeypatch.undo()
+    hpcddp.save_checkpoint(directory, {"step": 1})
+    assert json.loads((directory / ".hpcddp-owner").read_text())["pid"] == os.getpid()

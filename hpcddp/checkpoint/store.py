@@ -140,8 +140,9 @@ def check_checkpoint_dir(directory: str | os.PathLike) -> Path:
         directory: the checkpoint directory.
 
     Raises:
-        ValueError: on every rank, naming the directory and the reason (unwritable, or
-            owned by another job that still runs: ``hpcddp.checkpoint.owner``).
+        ValueError: on every rank, naming the directory and the reason (unwritable, a
+            full disk, a symbolic link at its owner file, or owned by another job that
+            still runs: ``hpcddp.checkpoint.owner``).
     """
     directory = Path(directory)
     rank, size = rank_and_size()
@@ -156,7 +157,7 @@ def check_checkpoint_dir(directory: str | os.PathLike) -> Path:
         else:
             try:
                 claim(directory)
-            except RuntimeError as err:
+            except (RuntimeError, OSError) as err:  # another job's, a full disk, a planted link
                 problem = str(err)
     if size > 1:
         from ..collectives.tensors import broadcast_object
@@ -214,9 +215,15 @@ def load_checkpoint(
         return state
     found = find_checkpoints(path)
     rank, size = rank_and_size()
-    if rank == 0 and (owned := check_not_owned_by_another_job(path)) is not None:
-        # Reading disturbs nobody (an evaluation beside training); saving here would be refused.
-        log.warning("hpcddp: loading from %s, which another job still writes: %s", path, owned)
+    if rank == 0:
+        try:
+            owned = check_not_owned_by_another_job(path)
+        except OSError as err:  # a link planted at the owner file: saving here would be refused
+            log.warning("hpcddp: loading from %s without checking its owner: %s", path, err)
+            owned = None
+        if owned is not None:
+            # Reading disturbs nobody (an evaluation beside training); saving here would be refused.
+            log.warning("hpcddp: loading from %s, which another job still writes: %s", path, owned)
     skipped = []
     newest, state = None, None
     for candidate in reversed(found):
