@@ -39,7 +39,8 @@ def test_save_names_the_file_by_step_and_loads_it_back(tmp_path):
 def test_an_exception_while_writing_leaves_no_file_behind(tmp_path):
     hpcddp.save_checkpoint(tmp_path, {"step": 1})
     with pytest.raises(RuntimeError, match="disk full"):
-        hpcddp.save_checkpoint(tmp_path, {"step": 2, "bad": Unpicklable()})
+        # weights_only=False: by default the value would be refused before the write this test breaks
+        hpcddp.save_checkpoint(tmp_path, {"step": 2, "bad": Unpicklable()}, weights_only=False)
     assert sorted(os.listdir(tmp_path)) == [".hpcddp-owner", "checkpoint-000001.pt"]  # the owner: this job
     assert hpcddp.load_checkpoint(tmp_path)["step"] == 1
 
@@ -216,7 +217,31 @@ def test_a_directory_another_running_job_saves_into_is_refused_until_that_job_en
     assert json.loads((tmp_path / ".hpcddp-owner").read_text())["pid"] == os.getpid()
 
 
-# ---- a full disk while claiming a directory ----------
+# ---- what the default load cannot read, a full disk while claiming ----------
+
+
+def test_a_value_the_default_load_cannot_read_is_refused_before_anything_is_written(tmp_path):
+    model, optimizer = small_model_and_optimizer()
+    extra = {"best": np.float64(0.25), "history": {"loss": [1.0, np.float32(2.0)]}}
+    state = hpcddp.training_state(model, optimizer, epoch=0, batch_in_epoch=0, step=4, extra=extra)
+    with pytest.raises(TypeError, match=r"^extra\.best is a numpy\.float64, which load_checkpoint"):
+        hpcddp.save_checkpoint(tmp_path / "ckpt", state)
+    assert not (tmp_path / "ckpt").exists()  # not even the directory or its owner file
+    state["extra"]["best"] = float(state["extra"]["best"])
+    with pytest.raises(TypeError, match=r"^extra\.history\.loss\[1\] is a numpy\.float32.*\.item\(\)"):
+        hpcddp.save_checkpoint(tmp_path / "ckpt", state)
+    state["extra"]["history"]["loss"][1] = 2.0
+    hpcddp.save_checkpoint(tmp_path / "ckpt", state)
+    assert hpcddp.load_checkpoint(tmp_path / "ckpt")["extra"] == {"best": 0.25, "history": {"loss": [1.0, 2.0]}}
+
+
+def test_arbitrary_objects_are_saved_when_asked_and_load_with_weights_only_false(tmp_path):
+    state = {"step": 3, "when": np.datetime64("2025-01-01"), "ok": {1: (b"x", None, torch.Size([2]), {3.5j})}}
+    hpcddp.save_checkpoint(tmp_path, state, weights_only=False)
+    assert hpcddp.load_checkpoint(tmp_path, weights_only=False)["when"] == state["when"]
+    del state["when"]
+    hpcddp.save_checkpoint(tmp_path, state)  # bytes, None, complex, sets, torch.Size: the default load reads them
+    assert hpcddp.load_checkpoint(tmp_path)["ok"] == state["ok"]
 
 
 class FullDisk:
