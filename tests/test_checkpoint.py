@@ -217,7 +217,7 @@ def test_a_directory_another_running_job_saves_into_is_refused_until_that_job_en
     assert json.loads((tmp_path / ".hpcddp-owner").read_text())["pid"] == os.getpid()
 
 
-# ---- what the default load cannot read, a full disk while claiming ----------
+# ---- what the default load cannot read, a full disk while claiming, another model's checkpoint ----------
 
 
 def test_a_value_the_default_load_cannot_read_is_refused_before_anything_is_written(tmp_path):
@@ -278,3 +278,52 @@ def test_a_full_disk_while_claiming_a_directory_names_it_and_leaves_no_owner_fil
     monkeypatch.undo()
     hpcddp.save_checkpoint(directory, {"step": 1})
     assert json.loads((directory / ".hpcddp-owner").read_text())["pid"] == os.getpid()
+
+
+def two_layers(out_features):
+    torch.manual_seed(out_features)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, out_features))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def snapshot(model, optimizer):
+    return [t.clone() for t in model.state_dict().values()], [
+        s["momentum_buffer"].clone() for s in optimizer.state.values()
+    ]
+
+
+def assert_unchanged(model, optimizer, before):
+    after = snapshot(model, optimizer)
+    for a, b in zip(after[0] + after[1], before[0] + before[1], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_another_models_checkpoint_is_refused_before_the_model_or_optimizer_changes():
+    other, other_optimizer = two_layers(3)
+    state = hpcddp.training_state(other, other_optimizer, epoch=0, batch_in_epoch=0, step=1)
+    model, optimizer = two_layers(2)
+    before = snapshot(model, optimizer)
+    expected = (
+        r"^the checkpoint's model does not fit this model \(2\.weight: shape \[3, 8\] in the checkpoint, \[2, 8\] "
+        r"here; 2\.bias: shape \[3\] in the checkpoint, \[2\] here\): .*nothing was restored"
+    )
+    with pytest.raises(ValueError, match=expected):
+        hpcddp.restore_training_state(state, model, optimizer)
+    assert_unchanged(model, optimizer, before)  # the first layer fits, and was not loaded either
+
+    same, _ = two_layers(2)
+    first_layer_only = torch.optim.SGD(same[0].parameters(), lr=0.1)
+    state = hpcddp.training_state(same, first_layer_only, epoch=0, batch_in_epoch=0, step=1)
+    expected = r"^the checkpoint's optimizer does not fit this optimizer \(parameter group 0 holds 2 parameter\(s\)"
+    with pytest.raises(ValueError, match=expected):
+        hpcddp.restore_training_state(state, model, optimizer)
+    assert_unchanged(model, optimizer, before)
+
+    del state["model"]["2.bias"]
+    state["model"]["3.weight"] = torch.zeros(1)
+    with pytest.raises(ValueError, match=r"\(2\.bias: missing from the checkpoint; 3\.weight: not in this model\)"):
+        hpcddp.restore_training_state(state, model, optimizer)
+    assert_unchanged(model, optimizer, before)
