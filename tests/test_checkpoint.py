@@ -1,5 +1,6 @@
 """hpcddp.checkpoint.store in one process: atomic writes, keep_last, newest-complete selection, exact RNG round trip."""
 
+import errno
 import json
 import os
 import random
@@ -38,7 +39,8 @@ def test_save_names_the_file_by_step_and_loads_it_back(tmp_path):
 def test_an_exception_while_writing_leaves_no_file_behind(tmp_path):
     hpcddp.save_checkpoint(tmp_path, {"step": 1})
     with pytest.raises(RuntimeError, match="disk full"):
-        hpcddp.save_checkpoint(tmp_path, {"step": 2, "bad": Unpicklable()})
+        # weights_only=False: by default the value would be refused before the write this test breaks
+        hpcddp.save_checkpoint(tmp_path, {"step": 2, "bad": Unpicklable()}, weights_only=False)
     assert sorted(os.listdir(tmp_path)) == [".hpcddp-owner", "checkpoint-000001.pt"]  # the owner: this job
     assert hpcddp.load_checkpoint(tmp_path)["step"] == 1
 
@@ -213,3 +215,115 @@ def test_a_directory_another_running_job_saves_into_is_refused_until_that_job_en
     hpcddp.save_checkpoint(tmp_path, {"step": 2})  # that job ended: this one takes the directory over
     assert hpcddp.load_checkpoint(tmp_path)["step"] == 2
     assert json.loads((tmp_path / ".hpcddp-owner").read_text())["pid"] == os.getpid()
+
+
+# ---- what the default load cannot read, a full disk while claiming, another model's checkpoint ----------
+
+
+def test_a_value_the_default_load_cannot_read_is_refused_before_anything_is_written(tmp_path):
+    model, optimizer = small_model_and_optimizer()
+    extra = {"best": np.float64(0.25), "history": {"loss": [1.0, np.float32(2.0)]}}
+    state = hpcddp.training_state(model, optimizer, epoch=0, batch_in_epoch=0, step=4, extra=extra)
+    with pytest.raises(TypeError, match=r"^extra\.best is a numpy\.float64, which load_checkpoint"):
+        hpcddp.save_checkpoint(tmp_path / "ckpt", state)
+    assert not (tmp_path / "ckpt").exists()  # not even the directory or its owner file
+    state["extra"]["best"] = float(state["extra"]["best"])
+    with pytest.raises(TypeError, match=r"^extra\.history\.loss\[1\] is a numpy\.float32.*\.item\(\)"):
+        hpcddp.save_checkpoint(tmp_path / "ckpt", state)
+    state["extra"]["history"]["loss"][1] = 2.0
+    hpcddp.save_checkpoint(tmp_path / "ckpt", state)
+    assert hpcddp.load_checkpoint(tmp_path / "ckpt")["extra"] == {"best": 0.25, "history": {"loss": [1.0, 2.0]}}
+
+
+def test_arbitrary_objects_are_saved_when_asked_and_load_with_weights_only_false(tmp_path):
+    state = {"step": 3, "when": np.datetime64("2025-01-01"), "ok": {1: (b"x", None, torch.Size([2]), {3.5j})}}
+    hpcddp.save_checkpoint(tmp_path, state, weights_only=False)
+    assert hpcddp.load_checkpoint(tmp_path, weights_only=False)["when"] == state["when"]
+    del state["when"]
+    hpcddp.save_checkpoint(tmp_path, state)  # bytes, None, complex, sets, torch.Size: the default load reads them
+    assert hpcddp.load_checkpoint(tmp_path)["ok"] == state["ok"]
+
+
+class FullDisk:
+    """A file whose writes fail as on a full disk."""
+
+    def __init__(self, fh):
+        self.fh = fh
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.fh.close()
+
+    def __getattr__(self, name):
+        return getattr(self.fh, name)
+
+
+def test_a_full_disk_while_claiming_a_directory_names_it_and_leaves_no_owner_file(tmp_path, monkeypatch):
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    fdopen = os.fdopen
+    monkeypatch.setattr(os, "fdopen", lambda fd, *args, **kwargs: FullDisk(fdopen(fd, *args, **kwargs)))
+    full = rf"^\[Errno 28\] No space left on device while claiming checkpoint directory '{directory}' .*: free space"
+    with pytest.raises(OSError, match=full):
+        hpcddp.save_checkpoint(directory, {"step": 1})
+    assert os.listdir(directory) == []  # no empty owner file, no temporary file
+    with pytest.raises(ValueError, match=full.replace(r"^\[Errno 28\] ", "")):
+        check_checkpoint_dir(directory)
+    assert os.listdir(directory) == []
+    monkeypatch.undo()
+    hpcddp.save_checkpoint(directory, {"step": 1})
+    assert json.loads((directory / ".hpcddp-owner").read_text())["pid"] == os.getpid()
+
+
+def two_layers(out_features):
+    torch.manual_seed(out_features)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, out_features))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def snapshot(model, optimizer):
+    return [t.clone() for t in model.state_dict().values()], [
+        s["momentum_buffer"].clone() for s in optimizer.state.values()
+    ]
+
+
+def assert_unchanged(model, optimizer, before):
+    after = snapshot(model, optimizer)
+    for a, b in zip(after[0] + after[1], before[0] + before[1], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_another_models_checkpoint_is_refused_before_the_model_or_optimizer_changes():
+    other, other_optimizer = two_layers(3)
+    state = hpcddp.training_state(other, other_optimizer, epoch=0, batch_in_epoch=0, step=1)
+    model, optimizer = two_layers(2)
+    before = snapshot(model, optimizer)
+    expected = (
+        r"^the checkpoint's model does not fit this model \(2\.weight: shape \[3, 8\] in the checkpoint, \[2, 8\] "
+        r"here; 2\.bias: shape \[3\] in the checkpoint, \[2\] here\): .*nothing was restored"
+    )
+    with pytest.raises(ValueError, match=expected):
+        hpcddp.restore_training_state(state, model, optimizer)
+    assert_unchanged(model, optimizer, before)  # the first layer fits, and was not loaded either
+
+    same, _ = two_layers(2)
+    first_layer_only = torch.optim.SGD(same[0].parameters(), lr=0.1)
+    state = hpcddp.training_state(same, first_layer_only, epoch=0, batch_in_epoch=0, step=1)
+    expected = r"^the checkpoint's optimizer does not fit this optimizer \(parameter group 0 holds 2 parameter\(s\)"
+    with pytest.raises(ValueError, match=expected):
+        hpcddp.restore_training_state(state, model, optimizer)
+    assert_unchanged(model, optimizer, before)
+
+    del state["model"]["2.bias"]
+    state["model"]["3.weight"] = torch.zeros(1)
+    with pytest.raises(ValueError, match=r"\(2\.bias: missing from the checkpoint; 3\.weight: not in this model\)"):
+        hpcddp.restore_training_state(state, model, optimizer)
+    assert_unchanged(model, optimizer, before)

@@ -6,7 +6,9 @@
 - ``identity``: which run a checkpoint belongs to, and whether this job may resume it
   (HPCDDP_RUN_ID, HPCDDP_RESUME);
 - ``checksum``, ``owner``: the integrity check and the claim of a directory by one job
-  (the atomic write itself is ``hpcddp.env.files``).
+  (the atomic write itself, and reading without following a link, is ``hpcddp.env.files``);
+- ``loadable``: what ``load_checkpoint``'s default (``weights_only=True``) reads back,
+  checked before a save.
 """
 
 from .resume import TrainingProgress, restore_training_state, training_state

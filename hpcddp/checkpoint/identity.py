@@ -30,6 +30,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..env.files import read_text_no_follow, write_atomically
 from ..env.settings import RESUME_POLICIES, read_resume_policy, read_run_id
 
 __all__ = ["RUN_FILE", "check_directory_run", "check_resumable", "resume_policy", "this_run"]
@@ -118,22 +119,29 @@ def check_directory_run(directory: Path, holds_checkpoints: bool) -> None:
     Args:
         directory: the checkpoint directory.
         holds_checkpoints: whether it holds any checkpoint now.
+
+    Raises:
+        OSError: ``RUN_FILE`` there is a symbolic link or not a regular file (never followed).
     """
     mine = this_run()
     if mine is None:
         return
     marker = directory / RUN_FILE
     try:
-        recorded = marker.read_text().strip() or None
-    except OSError:
+        recorded = read_text_no_follow(marker).strip() or None
+    except FileNotFoundError:
         recorded = None
     if recorded == mine:
         return
     taken_over = recorded in _resumed_runs or resume_policy() in ("any-run", "any")
     if recorded is not None and holds_checkpoints and not taken_over:
+        # Quoted only when it looks like a run's name: whatever else the file holds stays out of the error.
+        named = len(recorded) <= 200 and recorded.isprintable()
+        other = f"run {recorded!r}" if named else f"another run (its {RUN_FILE} holds no run name)"
+        that = f"run {recorded!r}" if named else "that run"
         raise RuntimeError(
-            f"checkpoint directory {str(directory)!r} holds the checkpoints of run {recorded!r}, this job is run "
-            f"{mine!r}: saving there would overwrite and delete them (keep_last); give this run its own directory, or "
-            f"resume run {recorded!r} on purpose (HPCDDP_RESUME=any-run) to continue it there"
+            f"checkpoint directory {str(directory)!r} holds the checkpoints of {other}, this job is run {mine!r}: "
+            f"saving there would overwrite and delete them (keep_last); give this run its own directory, or resume "
+            f"{that} on purpose (HPCDDP_RESUME=any-run) to continue it there"
         )
-    marker.write_text(mine + "\n")
+    write_atomically(marker, lambda fh: fh.write((mine + "\n").encode()), "run marker")

@@ -9,19 +9,24 @@ keeps its job id), a process that no longer runs on this host, or a Slurm job th
 ``squeue`` no longer lists. An owner on another node outside Slurm cannot be
 checked: a warning names it and the job goes on (a job that died with a lost node
 must not lock its successor out). The claim is removed when the owner exits.
+
+The owner file is written whole or not at all (``hpcddp.env.files.create_exclusively``:
+a full disk leaves none behind) and never read through a symbolic link planted there.
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import logging
 import os
 import socket
 import subprocess
-import tempfile
 import time
 from pathlib import Path
+
+from ..env.files import create_exclusively, read_text_no_follow, write_atomically
 
 __all__ = ["OWNER_FILE", "check_not_owned_by_another_job", "claim"]
 
@@ -59,10 +64,19 @@ def _me() -> dict:
 
 
 def _read(path: Path) -> dict | None:
+    """The owner recorded in ``path``, or None when there is none (or only a torn or foreign file).
+
+    Raises:
+        OSError: ``path`` is a symbolic link or not a regular file (``read_text_no_follow``).
+    """
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        owner = json.loads(read_text_no_follow(path))
+    except (FileNotFoundError, ValueError):
         return None
+    fields = (("job", str), ("host", str), ("pid", int))
+    if not isinstance(owner, dict) or not all(isinstance(owner.get(key), kind) for key, kind in fields):
+        return None
+    return owner
 
 
 def _owner_is_gone(owner: dict) -> bool:
@@ -110,7 +124,11 @@ def _problem(directory: Path, owner: dict) -> str:
 
 
 def check_not_owned_by_another_job(directory: Path) -> str | None:
-    """Return why this job must not use ``directory`` (another live job owns it), or None."""
+    """Return why this job must not use ``directory`` (another live job owns it), or None.
+
+    Raises:
+        OSError: its owner file is a symbolic link or not a regular file.
+    """
     owner = _read(directory / OWNER_FILE)
     if owner is None or owner.get("job") == _job_id() or _owner_is_gone(owner):
         return None
@@ -122,27 +140,29 @@ def claim(directory: Path) -> None:
 
     Raises:
         RuntimeError: another job that still runs owns it.
+        OSError: a full disk (no partial owner file is left), or a symbolic link at its name.
     """
     directory = Path(directory)
     if directory in _claimed:
         return
     path = directory / OWNER_FILE
-    record = json.dumps(_me())
+    record = json.dumps(_me()).encode()
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        problem = check_not_owned_by_another_job(directory)
-        if problem is not None:
-            raise RuntimeError(problem) from None
-        # The owner is gone, or it was this job: take it over (a private temporary file, renamed).
-        fd, replacement = tempfile.mkstemp(prefix=f"{OWNER_FILE}.", suffix=".tmp", dir=directory)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(record)
-        os.chmod(replacement, 0o644)
-        os.replace(replacement, path)
-    else:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(record)
+        if not create_exclusively(path, record, "owner file"):
+            problem = check_not_owned_by_another_job(directory)
+            if problem is not None:
+                raise RuntimeError(problem)
+            # The owner is gone, or it was this job: take it over (a link planted meanwhile is replaced).
+            write_atomically(path, lambda fh: fh.write(record), "owner file")
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OSError(
+                err.errno,
+                f"{os.strerror(err.errno)} while claiming checkpoint directory {str(directory)!r} (writing its "
+                f"{OWNER_FILE}; no partial one is left): free space or raise the quota there, or choose another "
+                "checkpoint directory",
+            ) from None
+        raise
     _claimed.add(directory)
     if len(_claimed) == 1:
         atexit.register(_release_all)
@@ -152,7 +172,10 @@ def _release_all() -> None:
     me = _me()
     for directory in _claimed:
         path = directory / OWNER_FILE
-        owner = _read(path)
+        try:
+            owner = _read(path)
+        except OSError:  # a link or a directory planted there since: not this job's claim
+            continue
         if owner is not None and owner.get("pid") == me["pid"] and owner.get("host") == me["host"]:
             path.unlink(missing_ok=True)
     _claimed.clear()

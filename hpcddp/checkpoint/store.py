@@ -28,6 +28,7 @@ import torch
 from ..env.files import probe_writable, write_atomically
 from .checksum import UNVERIFIED, save_with_checksum, verify_checksum
 from .identity import check_directory_run
+from .loadable import check_loadable
 from .owner import check_not_owned_by_another_job, claim
 from .resume import rank_and_size
 
@@ -73,6 +74,7 @@ def save_checkpoint(
     *,
     step: int | None = None,
     keep_last: int | None = None,
+    weights_only: bool = True,
 ) -> Path:
     """Write ``state`` atomically from rank 0 while the other ranks wait; return its path.
 
@@ -86,6 +88,10 @@ def save_checkpoint(
         step: the step in the file name; ``state["step"]`` when None.
         keep_last: in a directory, delete all but the newest ``keep_last``
             checkpoints after writing; None keeps them all.
+        weights_only: refuse, before anything is written, a ``state`` holding a value
+            that ``load_checkpoint``'s default (``torch.load(weights_only=True)``)
+            cannot read back, such as a numpy scalar (a TypeError naming where it
+            sits); False saves any object, for ``load_checkpoint(weights_only=False)``.
     """
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
@@ -101,6 +107,8 @@ def save_checkpoint(
     error = None
     if rank == 0:
         try:
+            if weights_only:
+                check_loadable(state)
             target.parent.mkdir(parents=True, exist_ok=True)
             if directory_mode:  # a named file leaves its directory to others
                 claim(target.parent)
@@ -140,8 +148,9 @@ def check_checkpoint_dir(directory: str | os.PathLike) -> Path:
         directory: the checkpoint directory.
 
     Raises:
-        ValueError: on every rank, naming the directory and the reason (unwritable, or
-            owned by another job that still runs: ``hpcddp.checkpoint.owner``).
+        ValueError: on every rank, naming the directory and the reason (unwritable, a
+            full disk, a symbolic link at its owner file, or owned by another job that
+            still runs: ``hpcddp.checkpoint.owner``).
     """
     directory = Path(directory)
     rank, size = rank_and_size()
@@ -156,7 +165,7 @@ def check_checkpoint_dir(directory: str | os.PathLike) -> Path:
         else:
             try:
                 claim(directory)
-            except RuntimeError as err:
+            except (RuntimeError, OSError) as err:  # another job's, a full disk, a planted link
                 problem = str(err)
     if size > 1:
         from ..collectives.tensors import broadcast_object
@@ -214,9 +223,15 @@ def load_checkpoint(
         return state
     found = find_checkpoints(path)
     rank, size = rank_and_size()
-    if rank == 0 and (owned := check_not_owned_by_another_job(path)) is not None:
-        # Reading disturbs nobody (an evaluation beside training); saving here would be refused.
-        log.warning("hpcddp: loading from %s, which another job still writes: %s", path, owned)
+    if rank == 0:
+        try:
+            owned = check_not_owned_by_another_job(path)
+        except OSError as err:  # a link planted at the owner file: saving here would be refused
+            log.warning("hpcddp: loading from %s without checking its owner: %s", path, err)
+            owned = None
+        if owned is not None:
+            # Reading disturbs nobody (an evaluation beside training); saving here would be refused.
+            log.warning("hpcddp: loading from %s, which another job still writes: %s", path, owned)
     skipped = []
     newest, state = None, None
     for candidate in reversed(found):

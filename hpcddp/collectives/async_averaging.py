@@ -124,6 +124,7 @@ class AsyncModelAverager:
             raise ValueError(f"model must live on one device to be averaged, got {devices}: move it with model.to()")
         self._tensors = [t.detach() for _, t in named]
         self._pointers = [t.data_ptr() for t in self._tensors]
+        self._names = [name for name, _ in named]
         self._num_params = sum(1 for name, _ in named if name.startswith("parameter "))
         self._params_numel = sum(t.numel() for t in self._tensors[: self._num_params])
         self._lock = threading.Lock()
@@ -180,11 +181,19 @@ class AsyncModelAverager:
             )
 
     def _check_tensors_unchanged(self) -> None:
-        """Raise RuntimeError when the model's tensors were replaced or the optimizer grew since construction."""
+        """Raise RuntimeError when the model's tensors were added, removed or replaced, or the optimizer grew."""
         if _count_params(self._optimizer) != self._optimizer_params:
             self._check_arguments(self._model, self._optimizer, self.warmup_steps)
             self._optimizer_params = _count_params(self._optimizer)
-        if [t.data_ptr() for _, t in _averaged(self._model)] != self._pointers:
+        named = _averaged(self._model)
+        if [t.data_ptr() for _, t in named] != self._pointers:
+            changes = [f"{n} added" for n, _ in named if n not in self._names]
+            changes += [f"{n} removed" for n in self._names if n not in dict(named)]
+            if changes:
+                raise RuntimeError(
+                    f"AsyncModelAverager: the model's parameters changed after it was made ({', '.join(changes[:4])}), "
+                    "so averaging would not reach them all: make the averager once the model has all its layers"
+                )
             raise RuntimeError(
                 "AsyncModelAverager: the model's parameters or buffers were replaced after it was made (model.to(), "
                 ".double(), load_state_dict(assign=True)), so averaging would no longer reach them: make the averager "

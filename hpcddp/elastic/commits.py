@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ..env.files import open_no_follow
+
 __all__ = ["CommitStore", "default_commit_root"]
 
 _NAME = re.compile(r"^commit-(\d{12})\.pt$")
@@ -53,7 +55,7 @@ class CommitStore:
         self.directory = os.path.join(self.run_dir, _safe(host or socket.gethostname()))
 
     def _check_owner(self) -> None:
-        info = os.stat(self.user_dir)
+        info = os.lstat(self.user_dir)  # a link planted there is the planter's, and refused as such
         if info.st_uid != os.getuid() or info.st_mode & 0o022:
             raise PermissionError(
                 f"{self.user_dir} belongs to another user or others may write in it: "
@@ -95,7 +97,8 @@ class CommitStore:
             raise FileNotFoundError(f"no commit in {self.directory}")
         self._check_owner()
         path = os.path.join(self.directory, f"commit-{serial:012d}.pt")
-        payload = torch.load(path, map_location="cpu", weights_only=False)
+        with os.fdopen(open_no_follow(path, os.O_RDONLY), "rb") as fh:
+            payload = torch.load(fh, map_location="cpu", weights_only=False)
         return payload["serial"], payload["snapshot"]
 
     def remove(self) -> None:

@@ -1,22 +1,29 @@
-"""Files that appear whole or not at all: a private temporary file, fsynced, renamed into place.
+"""Files that appear whole or not at all, and files read or written by a fixed name.
 
-Used for checkpoints and timelines. The temporary file is created exclusively with a
-random name (``mkstemp``: ``O_CREAT | O_EXCL``), so a file or symbolic link planted at
-a predictable name is never followed or truncated, and two writers never share one.
+Used for checkpoints, timelines, the owner and run marker of a checkpoint directory,
+the status files of ``hpcddp run`` and elastic commits. A file is written to a private
+temporary file created exclusively with a random name (``mkstemp``: ``O_CREAT |
+O_EXCL``), fsynced and renamed into place, so a file or symbolic link planted at a
+predictable name is never followed or truncated (the rename replaces the link itself),
+and two writers never share one. A file read by a fixed name is opened with
+``O_NOFOLLOW``: a link planted there by whoever may write in the directory would
+otherwise make this job read, and quote in its errors, any file it can reach.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["probe_writable", "write_atomically"]
+__all__ = ["create_exclusively", "open_no_follow", "probe_writable", "read_text_no_follow", "write_atomically"]
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
+_NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS)  # some FUSE and object-store mounts
 
 
 def _umask() -> int:
@@ -31,8 +38,91 @@ def _umask() -> int:
     return 0o022
 
 
+def open_no_follow(path: str | os.PathLike, flags: int, mode: int = 0o666) -> int:
+    """Open ``path`` with ``os.open`` ``flags`` unless it is a symbolic link or not a regular file.
+
+    Args:
+        path: the file.
+        flags: ``os.O_RDONLY``, or ``os.O_WRONLY | os.O_CREAT ...``.
+        mode: the permissions of a file it creates (before the umask).
+
+    Raises:
+        OSError: ``path`` is a symbolic link (ELOOP) or not a regular file, in one line
+            naming it and the fix; or the error of the open itself.
+    """
+    # O_NONBLOCK: a FIFO planted at the name must not block the open; a regular file ignores it.
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as err:
+        if err.errno == errno.ELOOP and os.path.islink(path):
+            raise OSError(
+                errno.ELOOP,
+                f"{path} is a symbolic link, which hpcddp will not follow (it could point at any file this job may "
+                "read or write): remove it",
+            ) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"{path} is not a regular file, which hpcddp will not read or write: remove it")
+    return fd
+
+
+def read_text_no_follow(path: str | os.PathLike, limit: int = 1 << 16) -> str:
+    """Return the first ``limit`` bytes of the regular file ``path`` as text, never following a symbolic link.
+
+    Args:
+        path: the file.
+        limit: how much to read at most (the small files hpcddp keeps).
+
+    Raises:
+        OSError: as ``open_no_follow``; FileNotFoundError when it does not exist.
+    """
+    with os.fdopen(open_no_follow(path, os.O_RDONLY), "rb") as fh:
+        return fh.read(limit).decode("utf-8", errors="replace")
+
+
+def _full_disk(err: OSError, path: Path, what: str, kept: str) -> OSError:
+    return OSError(
+        err.errno,
+        f"{os.strerror(err.errno)} while writing {what} {path}{kept}: free space or raise the quota there, or "
+        "write somewhere else",
+    )
+
+
+def _write_temporary(path: Path, write: Callable[[BinaryIO], None], what: str, kept: str) -> str:
+    """Write a private temporary file beside ``path`` through ``write``, fsynced; return its name.
+
+    On any failure the temporary file is removed; a full disk is named as ``_full_disk``.
+    """
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        # mkstemp makes the file 0600; the result should be as readable as any file the user writes.
+        os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except BaseException as err:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.errno in _FULL:
+            raise _full_disk(err, path, what, kept) from None
+        raise
+    return tmp
+
+
+def _fsync_directory(directory: Path) -> None:
+    # A rename or link is only durable once the directory entry is on disk too.
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
 def write_atomically(path: Path, write: Callable[[BinaryIO], None], what: str) -> None:
     """Write ``path`` through ``write(file)`` so that it appears whole or not at all.
+
+    A symbolic link at ``path`` is replaced, never followed.
 
     Args:
         path: the final name.
@@ -43,30 +133,63 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], None], what: str) -
         OSError: on a full disk or quota, naming ``path`` and what to do; the file
             that was there before is kept.
     """
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = _write_temporary(path, write, what, " (the older file is kept)")
     try:
-        # mkstemp makes the file 0600; the result should be as readable as any file the user writes.
-        os.fchmod(fd, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+
+
+def create_exclusively(path: Path, data: bytes, what: str) -> bool:
+    """Create ``path`` holding ``data`` unless something (a file, a symbolic link) is there; return whether it did.
+
+    The data go to a private temporary file that is then hard-linked to ``path``, so a
+    reader never sees the file empty or cut short, and a full disk leaves nothing behind.
+
+    Args:
+        path: the name to create.
+        data: its contents.
+        what: what the file is, for the error on a full disk ("owner file").
+
+    Raises:
+        OSError: on a full disk or quota, naming ``path`` and what to do.
+    """
+    tmp = _write_temporary(path, lambda fh: fh.write(data), what, "")
+    try:
+        os.link(tmp, path)  # fails on any existing name, a symbolic link included; follows none
+    except FileExistsError:
+        return False
+    except OSError as err:
+        if err.errno in _FULL:
+            raise _full_disk(err, path, what, "") from None
+        if err.errno not in _NO_HARD_LINKS:
+            raise
+        return _create_in_place(path, data, what)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    _fsync_directory(path.parent)
+    return True
+
+
+def _create_in_place(path: Path, data: bytes, what: str) -> bool:
+    """``create_exclusively`` where hard links are not allowed: create exclusively, write, remove on failure."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except FileExistsError:
+        return False
+    try:
         with os.fdopen(fd, "wb") as fh:
-            write(fh)
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
     except BaseException as err:
-        Path(tmp).unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
         if isinstance(err, OSError) and err.errno in _FULL:
-            raise OSError(
-                err.errno,
-                f"{os.strerror(err.errno)} while writing {what} {path} (the older file is kept): "
-                "free space or raise the quota there, or write somewhere else",
-            ) from None
+            raise _full_disk(err, path, what, "") from None
         raise
-    # The rename is only durable once the directory entry is on disk too.
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    return True
 
 
 def probe_writable(directory: Path) -> str | None:

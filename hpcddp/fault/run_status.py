@@ -9,6 +9,10 @@ exits normally. A rank that started and never finished did not end by itself.
 A rank that ends the whole job (``hpcddp.fault.abort``) writes ``<rank>.aborted``
 first, so that ``hpcddp run`` can stop an mpirun that never exits after the abort
 (it waits on the daemon of a node it cannot reach).
+
+Every file is written whole through a private temporary name and read without
+following a symbolic link (``hpcddp.env.files``): a link planted at a rank's file name
+is replaced, never written through, and its target is never read.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import atexit
 import socket
 from pathlib import Path
+
+from ..env.files import read_text_no_follow, write_atomically
 
 __all__ = ["aborted_ranks", "mark_aborted", "mark_started", "started_ranks", "unfinished_ranks"]
 
@@ -29,15 +35,27 @@ def mark_started(directory: str, rank: int) -> None:
     """
     path = Path(directory)
     try:
-        (path / f"{rank}.started").write_text(socket.gethostname())
+        _write(path / f"{rank}.started", socket.gethostname())
     except OSError:  # not shared with this node, or gone: nothing to check then
         return
     atexit.register(_mark_finished, path / f"{rank}.finished")
 
 
+def _write(path: Path, text: str) -> None:
+    write_atomically(path, lambda fh: fh.write(text.encode()), "run status file")
+
+
+def _read(path: Path) -> str | None:
+    """The text of a rank's status file, or None when it is gone, or is not a regular file (a planted link)."""
+    try:
+        return read_text_no_follow(path, limit=256).strip()
+    except OSError:
+        return None
+
+
 def _mark_finished(path: Path) -> None:
     try:
-        path.write_text("")
+        _write(path, "")
     except OSError:
         pass
 
@@ -53,7 +71,7 @@ def unfinished_ranks(directory: str) -> dict[int, str]:
     for started in path.glob("*.started"):
         rank = started.name.removesuffix(".started")
         if rank.isdigit() and not (path / f"{rank}.finished").exists():
-            missing[int(rank)] = started.read_text().strip() or "?"
+            missing[int(rank)] = _read(started) or "?"
     return dict(sorted(missing.items()))
 
 
@@ -74,11 +92,8 @@ def mark_aborted(directory: str, rank: int, code: int) -> None:
         rank: this process's rank.
         code: the job's exit code.
     """
-    path = Path(directory) / f"{rank}.aborted"
-    partial = path.with_suffix(".aborted-partial")
     try:
-        partial.write_text(str(code))
-        partial.replace(path)  # whole or absent: a reader never sees an empty code
+        _write(Path(directory) / f"{rank}.aborted", str(code))  # whole or absent: a reader never sees an empty code
     except OSError:
         pass
 
@@ -91,7 +106,7 @@ def aborted_ranks(directory: str) -> dict[int, int]:
     """
     aborted = {}
     for path in Path(directory).glob("*.aborted"):
-        rank, code = path.name.removesuffix(".aborted"), path.read_text().strip()
-        if rank.isdigit():
+        rank, code = path.name.removesuffix(".aborted"), _read(path)
+        if rank.isdigit() and code is not None:
             aborted[int(rank)] = int(code) if code.isdigit() else 1
     return dict(sorted(aborted.items()))

@@ -246,3 +246,15 @@ def test_a_model_moved_after_construction_is_refused_at_the_next_round():
         averager.pause()
     with pytest.raises(RuntimeError, match=replaced):
         averager.close()
+
+
+def test_a_layer_added_after_construction_is_named_as_a_change_not_a_replacement():
+    model = rank_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    averager = hpcddp.AsyncModelAverager(model, optimizer)
+    model.add_module("head", torch.nn.Linear(3, 2))  # new parameters no round would reach
+    changed = r"the model's parameters changed after it was made \(parameter head\.weight added, parameter head\.bias"
+    with pytest.raises(RuntimeError, match=changed):
+        averager.pause()
+    with pytest.raises(RuntimeError, match=changed):
+        averager.close()

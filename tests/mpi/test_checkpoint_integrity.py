@@ -67,3 +67,17 @@ def test_ranks_that_list_different_steps_load_the_newest_every_rank_has(tmp_path
     steps = [10, 20] if hpcddp.rank() == 0 else [10, 15]  # e.g. a stale directory listing on one node
     state = hpcddp.load_checkpoint(node_views(tmp_path, steps, torn=False))
     assert hpcddp.allgather_object(state["step"]) == [10] * hpcddp.size()
+
+
+def test_a_link_planted_at_the_run_marker_fails_on_every_rank(tmp_path, monkeypatch):
+    directory = shared_dir(tmp_path) / "ckpt"
+    secret = directory.parent / "secret"
+    if hpcddp.rank() == 0:
+        directory.mkdir()
+        secret.write_text("the-secret-contents")
+        (directory / ".hpcddp-run").symlink_to(secret)
+    hpcddp.barrier()
+    monkeypatch.setenv("HPCDDP_RUN_ID", "5-new")
+    with pytest.raises(RuntimeError, match=r"\.hpcddp-run is a symbolic link, which hpcddp will not follow") as e:
+        hpcddp.save_checkpoint(directory, {"step": 1})
+    assert "the-secret-contents" not in str(e.value) and secret.read_text() == "the-secret-contents"
