@@ -345,6 +345,8 @@ class Reducer:
         changed, self.active_ranks, self.nonfinite_ranks = self._control.read(self._buckets[-1].control)
         if self.nonfinite_ranks:
             self._sender.reset()
+        elif not self.zero_unused:
+            self._sender.keep_unapplied(self._buckets)
         self._postscale()
         if not self.zero_unused:
             for bucket in self._buckets:

@@ -51,6 +51,13 @@ class BucketSender:
         if bucket.wire is not None:
             bucket.buffer.copy_(bucket.wire)
 
+    def keep_unapplied(self, buckets: Sequence[Bucket]) -> None:
+        """After a reduction: the compression memory keeps what was sent for the parameters no rank used."""
+        for bucket, codec in zip(buckets, self._codecs):
+            if codec is None or bool((bucket.used != 0).all()):
+                continue
+            codec.keep_unapplied([view for view, used in zip(bucket.views, bucket.used.tolist()) if used == 0])
+
     def reset(self) -> None:
         """Forget the compression memory of every bucket (after an inf or NaN, which would stay in it)."""
         for codec in self._codecs:

@@ -22,6 +22,7 @@ scales), a quarter of an fp32 ring allreduce's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,14 @@ class _Int8Codec(BucketCodec):
     def reset(self) -> None:
         self._send_error.zero_()
         self._own_error.zero_()
+
+    def keep_unapplied(self, views: Sequence[torch.Tensor]) -> None:
+        if not self.settings.use_error_feedback:
+            return
+        start, share = self.bucket.grads.storage_offset(), 1.0 / self.comm.size
+        for view in views:
+            at = view.storage_offset() - start
+            self._send_error[at : at + view.numel()].add_(view.reshape(-1), alpha=share)
 
     def _encode(self, values: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
         """Quantise ``values`` (already plus the error) into rows of wire bytes, one per shard; ``error``

@@ -21,6 +21,7 @@ bucket index)`` as one ``randn`` over the bucket's Qs in bucket order, the same 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -129,6 +130,14 @@ class _PowerSGDCodec(BucketCodec):
         for matrix in self._matrices:
             matrix.memory.zero_()
         self._draw_q()
+
+    def keep_unapplied(self, views: Sequence[torch.Tensor]) -> None:
+        if not self.settings.use_error_feedback:
+            return
+        unapplied = {view.data_ptr() for view in views}
+        for matrix in self._matrices:
+            if matrix.grad.data_ptr() in unapplied:
+                matrix.memory.add_(matrix.grad, alpha=1.0 / self.comm.size)
 
     def launch(self, reduction: int) -> StagedReduction | None:
         if not self._matrices or reduction < self.settings.start_powerSGD_iter:

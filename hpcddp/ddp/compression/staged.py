@@ -51,6 +51,18 @@ class BucketCodec(abc.ABC):
     def reset(self) -> None:
         """Forget the memory (error feedback, warm start), as after a non-finite gradient."""
 
+    @abc.abstractmethod
+    def keep_unapplied(self, views: Sequence[torch.Tensor]) -> None:
+        """Add to the memory the reduced gradient of ``views``, which no rank used and the optimizer never sees.
+
+        Their gradients were zeros, so what was sent for them was the memory itself; put back
+        (each rank a 1/size share of the sum), it is sent again when they are next used and
+        nothing the memory carried is lost.
+
+        Args:
+            views: the bucket's gradient views (``Bucket.views``) that go back to None, as reduced.
+        """
+
 
 class StagedReduction(Handle):
     """A bucket's reduction in stages; ``wait()`` runs the ones left and returns the bucket's buffer.
