@@ -48,12 +48,11 @@ These rules hold for every collective on the road:
    when the first communicator is made. Every wait on the communicator (the agreement,
    the idle communication thread) moves receives in flight on, so that a rank blocked
    in a collective still takes a message its peer must finish sending first.
-7. **Waiting is MPI's own.** A rank waiting for late ranks (in the agreement) blocks in
-   ``MPI_Wait``, which moves every hop of the collective on as it arrives (a sleep
-   between tests delays each hop by the sleep: 2·log2(p) hops for a small allreduce).
-   Only when something else needs the waiting thread, a timeout to measure or
-   point-to-point receives in flight (rule 6), does it poll: ``MPI_Test`` with a yield of
-   the core for 5 ms, then sleeps of 10 us doubling to 200 us (``waits``).
+7. **Waiting yields, then sleeps.** A rank waiting for late ranks (in the agreement)
+   tests its request for 5 ms, yielding the core between tests (``sched_yield``), then
+   sleeps between tests (10 us, doubling to 200 us): a non-blocking collective moves on
+   only inside a test, so ranks that arrive within the spin see MPI's own hop latency,
+   while a straggler's long wait leaves the core to training threads (``waits``).
 8. **Everything is visible.** The runner records every operation in the
    communicator's ``OperationLog``, the point-to-point layer every message, and every
    blocking wait says what it waits for (``hpcddp.comm.oplog.waiting``): the stall

@@ -13,7 +13,6 @@ from typing import Protocol
 
 __all__ = ["abandon", "describe_members", "timed_out", "wait_for_request"]
 
-# Past this a wait polls more gently: a rank this late is a straggler, whose wait is long anyway.
 _SPIN_S = 5e-3
 _LONGEST_SLEEP_S = 200e-6
 _ABANDONED: list = []
@@ -28,23 +27,22 @@ class Receives(Protocol):
 
 
 def wait_for_request(request, messages: Receives | None = None, deadline: float | None = None) -> bool:
-    """Complete an MPI request as rule 7 says: block in MPI when nothing else needs this thread, else poll.
+    """Complete an MPI request as rule 7 says: test it, yielding the core, for 5 ms; then sleep between tests.
 
     Returns False, the request still pending, when ``deadline`` passed first.
 
     Args:
         request: the mpi4py request.
-        messages: point-to-point receives in flight (rule 6), moved on while polling.
+        messages: point-to-point receives in flight (rule 6), moved on between tests.
         deadline: a ``time.monotonic()`` to give up at; None waits as long as it takes.
     """
     if request.Test():
         return True
-    if deadline is None and (messages is None or messages.next_progress_in() is None):
-        # MPI's own wait progresses every hop of a collective as it arrives; a sleep between
-        # tests would delay each hop of a latency-bound collective by the sleep (mpi4py
-        # releases the GIL in Wait, so the process's other threads go on).
-        request.Wait()
-        return True
+    # A collective progresses only inside a test on every rank it passes through: a rank
+    # asleep when a hop arrives delays every later hop by its sleep, so ranks that arrive
+    # within the spin see MPI's own latency. MPI_Wait would spin as well but never yield
+    # the core and never move the receives in flight on; a wait longer than the spin is a
+    # straggler's, where a sleep costs little and gives the core to training threads.
     spin_until = time.perf_counter() + _SPIN_S
     pause = 10e-6
     while not request.Test():
@@ -53,7 +51,7 @@ def wait_for_request(request, messages: Receives | None = None, deadline: float 
         if messages is not None:
             messages.progress()
         if time.perf_counter() < spin_until:
-            os.sched_yield()  # oversubscribed ranks share cores: let the peer run
+            os.sched_yield()
         else:
             time.sleep(pause)
             pause = min(pause * 2, _LONGEST_SLEEP_S)
