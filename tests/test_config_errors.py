@@ -204,7 +204,7 @@ def test_invalid_integer_variable(fresh):
         (
             "HPCDDP_HIERARCHICAL_ALLREDUCE",
             "maybe",
-            "environment variable HPCDDP_HIERARCHICAL_ALLREDUCE must be 0 or 1, got 'maybe'",
+            "environment variable HPCDDP_HIERARCHICAL_ALLREDUCE must be 0, 1 or auto, got 'maybe'",
         ),
         (
             "HPCDDP_RESUME",
@@ -228,7 +228,8 @@ def test_stall_settings_from_environment_and_arguments(fresh):
     assert read_settings({}) == {}
     assert read_settings({"HPCDDP_HIERARCHICAL_ALLREDUCE": "0"}) == {"hierarchical_allreduce": False}
     assert read_settings({"HPCDDP_HIERARCHICAL_ALLREDUCE": "on"}) == {"hierarchical_allreduce": True}
-    with pytest.raises(ValueError, match=r"^hierarchical_allreduce must be True or False, got 'yes'$"):
+    assert read_settings({"HPCDDP_HIERARCHICAL_ALLREDUCE": "Auto"}) == {"hierarchical_allreduce": "auto"}
+    with pytest.raises(ValueError, match=r"^hierarchical_allreduce must be True, False or 'auto', got 'yes'$"):
         hpcddp.init(hierarchical_allreduce="yes")
     with pytest.raises(
         ValueError,
@@ -269,3 +270,51 @@ def test_an_older_cpu_torch_is_told_the_cpu_index():
     assert str(raised.value).endswith("pip install 'torch>=2.13' --index-url https://download.pytorch.org/whl/cpu"), (
         raised.value
     )
+
+
+class FakeNodes:
+    """An mpi4py communicator as hierarchy_for sees it: ranks on named hosts (this process is rank 0)."""
+
+    def __init__(self, hosts):
+        self.hosts, self.splits = hosts, 0
+
+    def Get_size(self):
+        return len(self.hosts)
+
+    def Get_rank(self):
+        return 0
+
+    def allgather(self, value):
+        return list(self.hosts)
+
+    def Split(self, color, key):
+        self.splits += 1
+        return self
+
+
+@pytest.mark.parametrize(
+    "hosts, two_levels",
+    [
+        (["a", "a", "a", "a"], False),  # one node: MPI's shared memory is the whole job
+        (["a", "b", "c"], False),  # one rank per node: no shared-memory level to use
+        (["a", "a", "b", "b"], True),
+        (["a", "b", "a", "b"], True),  # placed by node
+        (["a", "a", "a", "b"], True),  # uneven: through each node's first rank
+    ],
+    ids=["one-node", "one-rank-per-node", "2x2", "2x2-by-node", "uneven"],
+)
+def test_hierarchical_allreduce_auto_takes_two_levels_across_nodes_of_several_ranks(fresh, hosts, two_levels):
+    from types import SimpleNamespace
+
+    from hpcddp.comm.hierarchy import hierarchy_for
+    from hpcddp.runtime.config import InitConfig
+
+    assert InitConfig(hierarchical_allreduce="auto").hierarchical_allreduce == "auto"
+    MPI = SimpleNamespace(Get_processor_name=lambda: hosts[0], UNDEFINED=-32766)
+    comm = FakeNodes(hosts)
+    hierarchy = hierarchy_for(comm, MPI, enabled="auto")
+    assert (hierarchy is not None) == two_levels, hosts
+    if two_levels:
+        assert hierarchy.num_nodes == len(set(hosts)) and comm.splits == 2
+    assert hierarchy_for(FakeNodes(hosts), MPI, enabled=False) is None
+    assert hierarchy_for(FakeNodes(hosts), MPI, enabled=True) is not None

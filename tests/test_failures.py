@@ -81,6 +81,43 @@ def test_exception_in_hpcddp_thread_ends_the_job(tmp_path):
     assert "RuntimeError: comm thread broke" in result.stdout
 
 
+def test_exception_in_a_thread_that_steps_an_async_averager_ends_the_job(tmp_path):
+    # The thread holds the averager's rounds: left to Python's thread hook, its rank would go on
+    # (or wait in close()) while the others wait for rounds it will never post.
+    result, _ = launch(
+        tmp_path,
+        """
+        import threading, time, torch, hpcddp
+        hpcddp.init()
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        averager = hpcddp.AsyncModelAverager(model, optimizer)
+
+        def train():
+            for _ in range(5):
+                optimizer.zero_grad()
+                model(torch.randn(3, 4)).sum().backward()
+                optimizer.step()
+            if hpcddp.rank() == 1:
+                print(f"RAISED_AT {time.time()}", flush=True)
+                optimizer.step(lambda: 1 / 0)
+
+        worker = threading.Thread(target=train, name="trainer")
+        worker.start()
+        worker.join()
+        averager.close()
+        print(f"CLOSED on rank {hpcddp.rank()}", flush=True)
+        """,
+    )
+    ended = time.time()
+    out = result.stdout
+    assert result.returncode != 0, out
+    assert "[hpcddp rank 1] uncaught exception in thread trainer:" in out, out
+    assert "ZeroDivisionError: division by zero" in out and "CLOSED on rank 1" not in out, out
+    raised = float(re.search(r"RAISED_AT (\S+)", out).group(1))
+    assert ended - raised < 30, f"the job took {ended - raised:.1f} s to end after the exception"
+
+
 def test_a_skipped_backward_is_named_on_every_rank_at_the_next_collective(tmp_path):
     # Rank 1 has one batch less (no backward, no step for it), then reaches a barrier while
     # rank 0 reduces its last step's gradients: the agreement before every collective

@@ -12,7 +12,6 @@ from pathlib import Path
 from .conftest import ROOT
 
 PACKAGE = Path(ROOT) / "hpcddp"
-MAX_LINES = 400
 
 # The rooms from the bottom up (docs/architecture.md): a module imports its own room or a
 # lower one. runtime.lifecycle is init(), which composes the features, so it sits above them.
@@ -116,11 +115,6 @@ def test_rooms_import_only_rooms_below_them():
             if other != room and LEVELS[other] >= LEVELS[room] and not name.startswith(imported + "."):
                 upward.append(f"{name} -> {imported}")
     assert not upward, "imports that climb (see LEVELS and docs/architecture.md):\n" + "\n".join(upward)
-
-
-def test_modules_stay_small():
-    long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
-    assert not long, f"modules over {MAX_LINES} lines (split them by concern): {long}"
 
 
 def test_package_root_holds_only_the_public_api():

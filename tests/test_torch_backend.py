@@ -44,7 +44,8 @@ def test_init_process_group_hpcddp_in_a_world_of_one(world_of_one):
     [
         ("float32", "PREMUL_SUM", ValueError, "PREMUL_SUM is NCCL-only"),
         ("float32", "BAND", TypeError, "op='band' needs an integer tensor"),
-        ("bool", "SUM", TypeError, "does not support tensors of dtype torch.bool"),
+        ("bool", "AVG", TypeError, r"op=AVG cannot reduce bool tensors \(gloo refuses them too\): use ReduceOp.SUM"),
+        ("complex64", "SUM", TypeError, "does not support tensors of dtype torch.complex64"),
     ],
 )
 def test_reductions_mpi_cannot_do_are_refused(dtype, op, error, message):

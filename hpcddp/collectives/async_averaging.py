@@ -32,8 +32,12 @@ The rules, written once here (every other module follows them by calling this on
    own buffer only, never a parameter. ``pause()`` and ``close()`` update the parameters
    as well: call them from the training thread, or while no forward or backward pass
    runs (an update between a forward pass and its backward makes autograd raise
-   "modified by an inplace operation"). A step that raised leaves the lock with its
-   thread, which may still ``close()``.
+   "modified by an inplace operation"). torch runs no post-step hook after a step that
+   raised, so the averager also wraps the optimizer's ``step`` (as torch's LR schedulers
+   do) and releases the lock there, whatever the step did: a failed step applies no
+   round, and any thread may then ``close()``. A thread that steps takes part in the
+   rounds: an uncaught exception in it ends the job, as one in the main thread does
+   (``hpcddp.fault.abort``).
 4. **Buffers.** Floating buffers (BatchNorm's running statistics) ride in the same
    rounds but take the round's average itself, not ``average - snapshot``: running
    statistics decay, and the delta of a decaying running variance can push it below
@@ -47,11 +51,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import types
 from collections.abc import Iterator
 
 import torch
 
 from ..comm.base import Communicator, Handle, ReduceOp
+from ..comm.oplog import mark_collective_thread
 from ..ddp.consistency import check_same_parameters
 from ..ddp.optimizer import DistributedOptimizer
 from ..runtime.state import at_shutdown
@@ -119,28 +125,18 @@ class AsyncModelAverager:
         self._model, self._optimizer = model, optimizer
         self._optimizer_params = _count_params(optimizer)
         named = _averaged(model)
-        if len({t.device for _, t in named}) > 1:
-            devices = sorted({str(t.device) for _, t in named})
-            raise ValueError(f"model must live on one device to be averaged, got {devices}: move it with model.to()")
-        self._tensors = [t.detach() for _, t in named]
-        self._pointers = [t.data_ptr() for t in self._tensors]
-        self._names = [name for name, _ in named]
-        self._num_params = sum(1 for name, _ in named if name.startswith("parameter "))
-        self._params_numel = sum(t.numel() for t in self._tensors[: self._num_params])
+        self._use(named, allocate=False)
         self._lock = threading.Lock()
         self._holder: int | None = None  # the thread inside a step (rule 3)
         self._in_flight: Handle | None = None
         self._paused = self._stopped = self._closed = False
         self._hooks = []
+        self._step = None  # the optimizer's step as it was before the averager wrapped it
         if self._comm.size == 1:
             return
         self._comm = self._comm.split(list(range(self._comm.size)))  # rule 2: the rounds' own
         check_same_parameters(self._comm, named, "AsyncModelAverager")
-        dtype = functools.reduce(torch.promote_types, (t.dtype for t in self._tensors), torch.float32)
-        numel = sum(t.numel() for t in self._tensors) + 1  # the last element: the stop request
-        self._round = torch.empty(numel, dtype=dtype, device=self._tensors[0].device)
-        self._snapshot = torch.empty_like(self._round)
-        self._round_views = self._views(self._round)
+        self._use(named)
         with torch.no_grad():
             self._pack()
             self._comm.broadcast_async_(self._round, 0, check="AsyncModelAverager start").wait()
@@ -150,7 +146,26 @@ class AsyncModelAverager:
             optimizer.register_step_pre_hook(self._before_step),
             optimizer.register_step_post_hook(self._after_step),
         ]
+        self._wrap_step()
         at_shutdown(self.close)
+
+    def _use(self, named: list[tuple[str, torch.Tensor]], allocate: bool = True) -> None:
+        """Average ``named`` (the model's floating tensors) from now on, in a round buffer of their size."""
+        if len({t.device for _, t in named}) > 1:
+            devices = sorted({str(t.device) for _, t in named})
+            raise ValueError(f"model must live on one device to be averaged, got {devices}: move it with model.to()")
+        self._tensors = [t.detach() for _, t in named]
+        self._pointers = [t.data_ptr() for t in self._tensors]
+        self._names = [name for name, _ in named]
+        self._num_params = sum(1 for name, _ in named if name.startswith("parameter "))
+        self._params_numel = sum(t.numel() for t in self._tensors[: self._num_params])
+        if not allocate:
+            return
+        dtype = functools.reduce(torch.promote_types, (t.dtype for t in self._tensors), torch.float32)
+        numel = sum(t.numel() for t in self._tensors) + 1  # the last element: the stop request
+        self._round = torch.empty(numel, dtype=dtype, device=self._tensors[0].device)
+        self._snapshot = torch.empty_like(self._round)
+        self._round_views = self._views(self._round)
 
     @staticmethod
     def _check_arguments(model, optimizer, warmup_steps) -> None:
@@ -197,7 +212,8 @@ class AsyncModelAverager:
             raise RuntimeError(
                 "AsyncModelAverager: the model's parameters or buffers were replaced after it was made (model.to(), "
                 ".double(), load_state_dict(assign=True)), so averaging would no longer reach them: make the averager "
-                "after the model has its final device and dtype"
+                "after the model has its final device and dtype (close() averages the new tensors once, a new "
+                "AsyncModelAverager goes on from there)"
             )
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -206,8 +222,39 @@ class AsyncModelAverager:
         return [v.view(t.shape) for v, t in zip(flat[:-1].split(sizes), self._tensors)]
 
     # -- the step hooks (rules 1 and 3) ------------------------------------------------------
+    def _wrap_step(self) -> None:
+        """Make the optimizer's ``step`` release the lock after a step that raised (rule 3)."""
+        # The step found on the instance: an LR scheduler's wrapper made before stays in the
+        # chain. Ours is a bound method, as an LR scheduler made after expects (it rebinds
+        # step.__func__ to the optimizer).
+        self._had_own_step = "step" in self._optimizer.__dict__
+        self._step = step = self._optimizer.step
+
+        def guarded_step(optimizer, *args, **kwargs):
+            try:
+                return step(*args, **kwargs)
+            finally:
+                self._release_after_failed_step()
+
+        self._guarded_step = types.MethodType(guarded_step, self._optimizer)
+        self._optimizer.step = self._guarded_step
+
+    def _unwrap_step(self) -> None:
+        if self._step is None or self._optimizer.__dict__.get("step") is not self._guarded_step:
+            return  # wrapped again since (an LR scheduler made after): ours stays in its chain, a no-op
+        if self._had_own_step:
+            self._optimizer.step = self._step
+        else:
+            del self._optimizer.step  # the class's step again
+
+    def _release_after_failed_step(self) -> None:
+        if self._holder == threading.get_ident():  # the pre-step hook ran, the post-step hook did not
+            self._holder = None
+            self._lock.release()
+
     def _before_step(self, optimizer, args, kwargs) -> None:
-        if self._holder != threading.get_ident():  # else a step of this thread raised and kept the lock
+        mark_collective_thread()
+        if self._holder != threading.get_ident():  # else a step of this thread raised outside the wrapper
             self._lock.acquire()
             if self._closed:  # closed by another thread while this one waited: the post-step hook is gone
                 self._lock.release()
@@ -275,6 +322,17 @@ class AsyncModelAverager:
                 self._in_flight.wait()
                 self._apply_round()
 
+    def _use_current_tensors(self) -> None:
+        """Take the tensors the model holds now for close()'s average: those loaded while paused (assign=True) too.
+
+        Collective, alike on every rank whatever each rank replaced: the same ValueError
+        on every rank when the ranks' tensors no longer match (one rank called .double()).
+        """
+        named = _averaged(self._model)
+        check_same_parameters(self._comm, named, "AsyncModelAverager.close()")
+        if [t.data_ptr() for _, t in named] != self._pointers:
+            self._use(named)
+
     def _average_now(self) -> None:
         self._pack()
         self._comm.allreduce_(self._round[:-1], ReduceOp.AVERAGE, check="AsyncModelAverager average")
@@ -298,6 +356,8 @@ class AsyncModelAverager:
             if self._closed:
                 raise RuntimeError("resume() after close(): make a new AsyncModelAverager to average again")
             if self._paused:
+                if self._comm.size > 1:
+                    self._check_tensors_unchanged()  # else the next round would update the old tensors
                 self._paused = self._stopped = False
 
     @contextlib.contextmanager
@@ -312,8 +372,10 @@ class AsyncModelAverager:
     def close(self) -> None:
         """Finish the round in flight, average once synchronously and stop averaging (collective; idempotent).
 
-        Afterwards every rank holds bitwise identical parameters and floating buffers,
-        and the optimizer steps alone. ``hpcddp.shutdown()`` calls it for a script that did not.
+        Afterwards every rank holds bitwise identical parameters and floating buffers (those
+        the model holds now: tensors loaded while paused with ``load_state_dict(...,
+        assign=True)`` included), and the optimizer steps alone. ``hpcddp.shutdown()``
+        calls it for a script that did not.
         """
         if self._closed:
             return
@@ -324,6 +386,7 @@ class AsyncModelAverager:
             try:
                 if self._comm.size > 1:
                     self._stop_rounds()
+                    self._use_current_tensors()
                     with torch.no_grad():
                         self._average_now()
                     self._comm.close()
@@ -331,6 +394,7 @@ class AsyncModelAverager:
                 # Last: until now a step in another thread waits in the pre-step hook for the lock (rule 3).
                 for hook in self._hooks:
                     hook.remove()
+                self._unwrap_step()
 
 
 def _averaged(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -3,7 +3,9 @@
 Every backend, message and agreement names a dtype through here (``dtype_name``), and
 every MPI buffer is typed through here (``mpi_datatype``): MPI reduces the native dtypes
 with its own ops; MPI has no standard 16-bit float, so float16 and bfloat16 travel as
-2-byte integers and are combined by user-defined ops (``hpcddp.comm.reduction``).
+2-byte integers and are combined by user-defined ops (``hpcddp.comm.reduction``). bool
+travels as ``MPI_C_BOOL``, which MPI reduces with its logical ops only (``MPI_LOR``,
+``MPI_LAND``, ``MPI_LXOR``: ``hpcddp.comm.reduction`` maps torch's ops onto them).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ DTYPES: dict[torch.dtype, Carried] = {
     torch.int16: Carried(np.int16, True),
     torch.int8: Carried(np.int8, True),
     torch.uint8: Carried(np.uint8, True),
+    torch.bool: Carried(np.bool_, True),
 }
 HALF_DTYPES = tuple(dtype for dtype, carried in DTYPES.items() if not carried.native)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["HIERARCHY_MIN_BYTES", "NodeHierarchy", "hierarchy_for"]
+__all__ = ["HIERARCHY_MIN_BYTES", "NodeHierarchy", "hierarchy_for", "pays_across"]
 
 #: messages below this size take the flat allreduce: three steps cost more latency
 #: than the link time they save
@@ -87,15 +87,29 @@ class NodeHierarchy:
             self.across.Free()
 
 
-def hierarchy_for(comm, MPI, enabled: bool) -> NodeHierarchy | None:
+def pays_across(hosts: list[str]) -> bool:
+    """Whether two levels can save anything: the ranks span several nodes and a node holds several.
+
+    Args:
+        hosts: the node of every rank, in rank order.
+    """
+    return 1 < len(set(hosts)) < len(hosts)
+
+
+def hierarchy_for(comm, MPI, enabled: bool | str) -> NodeHierarchy | None:
     """Return the two-level scheme for ``comm`` when ``enabled`` (collective over ``comm``),
     else None: a flat allreduce.
 
     Args:
         comm: the mpi4py communicator.
         MPI: the mpi4py ``MPI`` module.
-        enabled: whether to use it (``init(hierarchical_allreduce=)``).
+        enabled: whether to use it (``init(hierarchical_allreduce=)``): True, False, or
+            "auto" (when ``pays_across`` the nodes; every rank sees the same hosts, so
+            all decide alike).
     """
     if not enabled or comm.Get_size() == 1:
         return None
-    return NodeHierarchy(comm, MPI)
+    hosts = comm.allgather(MPI.Get_processor_name())
+    if enabled == "auto" and not pays_across(hosts):
+        return None
+    return NodeHierarchy(comm, MPI, hosts)

@@ -51,13 +51,13 @@ class MPICommunicator(VectorOps, IntoOps, Communicator):
         comm: an mpi4py communicator; it is duplicated, so hpcddp's traffic never
             mixes with the caller's. Creating the communicator is collective over it.
         hierarchical: allreduce in two levels (inside nodes, then between them; see
-            ``hpcddp.comm.hierarchy``).
+            ``hpcddp.comm.hierarchy``); "auto" when the job spans nodes of several ranks.
     """
 
     name = "mpi"
     agrees_in_background = True
 
-    def __init__(self, comm=None, *, hierarchical: bool = False) -> None:
+    def __init__(self, comm=None, *, hierarchical: bool | str = False) -> None:
         MPI = import_mpi()
         require_thread_multiple(MPI)
         self._MPI = MPI

@@ -6,6 +6,8 @@ point-to-point messages in flight. Threads that block in hpcddp (a ``wait()``, a
 blocking collective) say so with ``waiting``. Nothing here sends anything: the
 inspector reads ``rank_status()`` when it needs to (see ``hpcddp.fault.stall.inspector``).
 Recording is a few dictionary operations under a lock per event, on the hot path.
+The threads that submit collectives are noted too (``is_collective_thread``): the
+exception hook ends the job when one of them dies of an uncaught exception.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import contextlib
 import itertools
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -24,7 +27,9 @@ __all__ = [
     "collective_tag",
     "current_tag",
     "describe",
+    "is_collective_thread",
     "logs",
+    "mark_collective_thread",
     "patient_collectives",
     "rank_status",
     "register",
@@ -109,8 +114,25 @@ def current_tag() -> tuple[str, int | None]:
 
 def describe(op: str, shape=None, dtype: str | None = None) -> Descriptor:
     """Return the descriptor of an operation submitted now by this thread (its tag and patience included)."""
+    mark_collective_thread()
     tag, step = _tag.value or ("", None)
     return Descriptor(0, op, None if shape is None else tuple(shape), dtype, tag, step, _tag.patient)
+
+
+# Thread objects, not idents: an ident is reused once its thread ends.
+_collective_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+def mark_collective_thread() -> None:
+    """Note that the calling thread takes part in collectives (it submitted one, or steps an averager)."""
+    thread = threading.current_thread()
+    if thread not in _collective_threads:
+        _collective_threads.add(thread)
+
+
+def is_collective_thread(thread: threading.Thread) -> bool:
+    """True when ``thread`` took part in collectives: its ranks' peers may wait for its next one."""
+    return thread in _collective_threads
 
 
 class _Activity:

@@ -3,7 +3,9 @@
 torch's ``ReduceOp.AVG`` is hpcddp's ``AVERAGE``; an average travels as a sum (gloo and
 MPI have no average) and is divided by the number of ranks after (integers toward zero,
 as NCCL divides them). The MPI ops for float16 and bfloat16, which MPI cannot reduce
-itself, are made here once per process.
+itself, are made here once per process. bool tensors reduce as gloo reduces them (torch
+2.13): SUM and MAX are a logical or, MIN and PRODUCT a logical and, with MPI's logical ops
+(the only ones MPI defines on ``MPI_C_BOOL``); an average of bools is refused, as on gloo.
 """
 
 from __future__ import annotations
@@ -59,17 +61,19 @@ class Reduction(NamedTuple):
     mpi: str
     #: how two 16-bit float buffers combine (None: integers only)
     combine: Callable | None
+    #: MPI's logical op that reduces bool tensors (None: bools cannot be reduced so)
+    logical: str | None
 
 
 REDUCTIONS: dict[ReduceOp, Reduction] = {
-    ReduceOp.SUM: Reduction("SUM", "SUM", torch.add),
-    ReduceOp.AVERAGE: Reduction("AVG", "SUM", torch.add),
-    ReduceOp.MIN: Reduction("MIN", "MIN", torch.minimum),
-    ReduceOp.MAX: Reduction("MAX", "MAX", torch.maximum),
-    ReduceOp.PRODUCT: Reduction("PRODUCT", "PROD", torch.mul),
-    ReduceOp.BAND: Reduction("BAND", "BAND", None),
-    ReduceOp.BOR: Reduction("BOR", "BOR", None),
-    ReduceOp.BXOR: Reduction("BXOR", "BXOR", None),
+    ReduceOp.SUM: Reduction("SUM", "SUM", torch.add, "LOR"),
+    ReduceOp.AVERAGE: Reduction("AVG", "SUM", torch.add, None),
+    ReduceOp.MIN: Reduction("MIN", "MIN", torch.minimum, "LAND"),
+    ReduceOp.MAX: Reduction("MAX", "MAX", torch.maximum, "LOR"),
+    ReduceOp.PRODUCT: Reduction("PRODUCT", "PROD", torch.mul, "LAND"),
+    ReduceOp.BAND: Reduction("BAND", "BAND", None, "LAND"),
+    ReduceOp.BOR: Reduction("BOR", "BOR", None, "LOR"),
+    ReduceOp.BXOR: Reduction("BXOR", "BXOR", None, "LXOR"),
 }
 _BY_TORCH_NAME = {row.torch: op for op, row in REDUCTIONS.items()}
 _ALIASES = {"avg": ReduceOp.AVERAGE, "mean": ReduceOp.AVERAGE, "prod": ReduceOp.PRODUCT}
@@ -141,6 +145,11 @@ def check_reducible(dtype: torch.dtype, op: ReduceOp, what: str = "allreduce") -
     """
     if dtype not in DTYPES:
         raise TypeError(f"{what} does not support tensors of dtype {dtype}")
+    if dtype is torch.bool and REDUCTIONS[op].logical is None:
+        raise TypeError(
+            f"op={REDUCTIONS[op].torch} cannot reduce bool tensors (gloo refuses them too): use ReduceOp.SUM or MAX "
+            "(logical or) or MIN or PRODUCT (logical and), or convert the tensor to a number type first"
+        )
     if op.bitwise and dtype.is_floating_point:
         raise TypeError(f"op='{op.value}' needs an integer tensor, got {dtype}")
 
@@ -170,6 +179,8 @@ _half_ops_lock = threading.Lock()
 
 def mpi_op(MPI, dtype: torch.dtype, op: ReduceOp):
     """Return the MPI op that reduces ``dtype`` with ``op`` (an average: the sum)."""
+    if dtype is torch.bool:
+        return getattr(MPI, REDUCTIONS[op].logical)
     op = travels_as(op)
     if DTYPES[dtype].native:
         return getattr(MPI, REDUCTIONS[op].mpi)

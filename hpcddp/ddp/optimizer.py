@@ -42,7 +42,9 @@ class DistributedOptimizer(OptimizerFacade):
     accumulated twice in one backward pass (a weight used outside and inside a
     reentrant ``torch.utils.checkpoint``) is reduced once both accumulations are
     in: the first backward pass learns how often each parameter accumulates (and
-    reduces only at its end).
+    reduces only at its end). A gradient assigned by hand (``p.grad =
+    torch.autograd.grad(...)``) at a step that no backward pass reduced for is not
+    averaged, as in DDP; ``step()`` then warns once, naming the parameters.
 
     Args:
         optimizer: any ``torch.optim.Optimizer``.
@@ -79,6 +81,9 @@ class DistributedOptimizer(OptimizerFacade):
     # the wrapped optimizer (which would bypass this wrapper's attributes).
     _step_supports_amp_scaling = False
     _own_attributes = ("_optimizer", "reducer")
+    #: the reducer's ``num_reductions`` at the last step: unchanged at a step, nothing was reduced for it
+    _reductions_at_step = 0
+    _warned_outside = False
 
     def __init__(
         self,
@@ -194,6 +199,9 @@ class DistributedOptimizer(OptimizerFacade):
         span = _no_span if recorder is None else recorder.measure
         with span("step"):
             self.reducer.synchronize()  # a no-op after a reducing backward pass, which waited itself
+            if self.reducer.num_reductions == self._reductions_at_step:
+                self._warn_grads_outside()
+            self._reductions_at_step = self.reducer.num_reductions
             self.reducer.steps_taken += 1
             nonfinite = self.reducer.nonfinite_ranks
             if self.skip_nonfinite and not self._grads_finite():
@@ -208,6 +216,20 @@ class DistributedOptimizer(OptimizerFacade):
             self._warn_nonfinite(nonfinite)
             with span("optimizer.step"):
                 return self._optimizer.step(closure)
+
+    def _warn_grads_outside(self) -> None:
+        # Only at a step that nothing was reduced for: a gradient replaced after a reduction
+        # (p.grad = p.grad.clamp(...)) derives from the average and is no drift.
+        if self._warned_outside or not (names := self.reducer.grads_outside_buckets()):
+            return
+        self._warned_outside = True
+        shown = ", ".join(repr(name) for name in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        log.warning(
+            "hpcddp: step() found gradients that no backward hook reduced, assigned by hand (%s): each rank "
+            "steps on its own, as with torch DDP, and the replicas drift apart; compute them with loss.backward(), "
+            "or average them first (hpcddp.allreduce(p.grad, op='average')); hvd.DistributedOptimizer averages them",
+            shown,
+        )
 
     def _warn_nonfinite(self, ranks: list[int]) -> None:
         # Once when it starts: the steps after it are NaN on every rank as a consequence.

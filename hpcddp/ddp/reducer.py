@@ -41,7 +41,7 @@ from .compression import Compressor
 from .consistency import check_same_parameters, next_optimizer_label
 from .control import ControlNumbers
 from .sending import BucketSender
-from .slots import GradSlot, fill_bucket, note_grads_present, reset_bucket_grads
+from .slots import GradSlot, fill_bucket, grads_outside, note_grads_present, reset_bucket_grads
 from .timing import ReductionTimes
 from .trainable import average_loose_grads, require_trainable, watch_frozen
 
@@ -151,6 +151,10 @@ class Reducer:
     def grads(self) -> list[torch.Tensor]:
         """The flat gradient tensors of the buckets (views of their buffers)."""
         return [bucket.grads for bucket in self._buckets]
+
+    def grads_outside_buckets(self) -> list[str]:
+        """Names of the parameters whose gradient was assigned by hand, outside its bucket (no hook saw it)."""
+        return grads_outside(self._buckets, self._bucket_slots)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

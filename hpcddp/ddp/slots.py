@@ -10,7 +10,7 @@ import torch
 
 from .buckets import Bucket, adopt_grad
 
-__all__ = ["GradSlot", "fill_bucket", "note_grads_present", "reset_bucket_grads"]
+__all__ = ["GradSlot", "fill_bucket", "grads_outside", "note_grads_present", "reset_bucket_grads"]
 
 
 @dataclass
@@ -100,6 +100,21 @@ def note_grads_present(buckets: Sequence[Bucket], bucket_slots: Sequence[Sequenc
     for bucket, slots in zip(buckets, bucket_slots):
         for param, slot in zip(bucket.params, slots):
             slot.had_grad = param.grad is not None
+
+
+def grads_outside(buckets: Sequence[Bucket], bucket_slots: Sequence[Sequence[GradSlot]]) -> list[str]:
+    """Name the parameters whose ``grad`` is a tensor other than their bucket view.
+
+    Backward, a reduction and ``zero_grad`` leave every gradient in its view (or None):
+    another tensor was assigned by hand (``p.grad = torch.autograd.grad(...)``), and no
+    hook saw it.
+    """
+    return [
+        slot.name
+        for bucket, slots in zip(buckets, bucket_slots)
+        for param, slot in zip(bucket.params, slots)
+        if param.grad is not None and param.grad is not slot.view
+    ]
 
 
 def fill_bucket(bucket: Bucket, slots: Sequence[GradSlot], divide_by: float | None) -> None:

@@ -78,7 +78,7 @@ def read_settings(environ: Mapping[str, str]) -> dict[str, Any]:
     ``stall_timeout`` (seconds), HPCDDP_STALL_ABORT_AFTER ``stall_abort_after``
     (seconds), HPCDDP_STALL_ACTION ``stall_action``, HPCDDP_DIST_TIMEOUT
     ``dist_timeout`` (seconds), HPCDDP_HIERARCHICAL_ALLREDUCE ``hierarchical_allreduce``
-    (0 or 1), HPCDDP_TIMELINE ``timeline`` (a path), HPCDDP_CHECK_COLLECTIVES
+    (0, 1 or auto), HPCDDP_TIMELINE ``timeline`` (a path), HPCDDP_CHECK_COLLECTIVES
     ``check_collectives`` (0 or 1); an explicit
     ``init()`` argument wins over any of them. HPCDDP_RESUME is only checked here.
 
@@ -108,13 +108,18 @@ def read_settings(environ: Mapping[str, str]) -> dict[str, Any]:
         if action not in ("abort", "warn"):
             raise ValueError(f"environment variable HPCDDP_STALL_ACTION must be 'abort' or 'warn', got {action!r}")
         settings["stall_action"] = action
-    for name, field in (
-        ("HPCDDP_HIERARCHICAL_ALLREDUCE", "hierarchical_allreduce"),
-        ("HPCDDP_CHECK_COLLECTIVES", "check_collectives"),
-    ):
-        raw = environ.get(name, "").strip().lower()
-        if raw:
-            settings[field] = _switch(name, raw)
+    hierarchical = environ.get("HPCDDP_HIERARCHICAL_ALLREDUCE", "").strip().lower()
+    if hierarchical == "auto":
+        settings["hierarchical_allreduce"] = "auto"
+    elif hierarchical:
+        if hierarchical not in _SWITCH_VALUES:
+            raise ValueError(
+                f"environment variable HPCDDP_HIERARCHICAL_ALLREDUCE must be 0, 1 or auto, got {hierarchical!r}"
+            )
+        settings["hierarchical_allreduce"] = _SWITCH_VALUES[hierarchical]
+    checks = environ.get("HPCDDP_CHECK_COLLECTIVES", "").strip().lower()
+    if checks:
+        settings["check_collectives"] = _switch("HPCDDP_CHECK_COLLECTIVES", checks)
     timeline = environ.get("HPCDDP_TIMELINE", "").strip()
     if timeline:
         settings["timeline"] = timeline

@@ -159,8 +159,10 @@ def install_exception_hooks(rank: int, *, use_mpi: bool) -> None:
     """Make an uncaught exception on this rank print its traceback and end the job.
 
     Chains the hooks already installed: ``sys.excepthook`` for the main thread and
-    ``threading.excepthook`` for hpcddp's own threads (a user thread's failure is
-    left to the previous hook, as it does not block collectives by itself).
+    ``threading.excepthook`` for hpcddp's own threads and for any thread that took
+    part in collectives (it submitted one, or stepped an ``AsyncModelAverager``): the
+    other ranks would wait for its next collective. The failure of a thread that never
+    did is left to the previous hook, as it does not block collectives by itself.
 
     Args:
         rank: this process's rank, printed before the traceback.
@@ -186,8 +188,10 @@ def install_exception_hooks(rank: int, *, use_mpi: bool) -> None:
         abort_job(f"[hpcddp rank {rank}] uncaught exception (traceback above): {summary}", use_mpi=use_mpi)
 
     def thread_excepthook(args):
+        from ..comm.oplog import is_collective_thread
+
         thread = args.thread
-        if thread is None or not thread.name.startswith("hpcddp-"):
+        if thread is None or not (thread.name.startswith("hpcddp-") or is_collective_thread(thread)):
             previous_thread_hook(args)
             return
         where = f" in thread {thread.name}"

@@ -42,9 +42,25 @@ class _HorovodOptimizer(_HpcddpOptimizer):
         return {param: name for name, param in self.reducer.named}
 
     def synchronize(self) -> None:
-        """Finish reducing the gradients now (e.g. to clip them before ``step()``)."""
-        super().synchronize()
+        """Finish reducing the gradients now (e.g. to clip them before ``step()``).
+
+        As Horovod's, it also reduces the gradients no hook reduced: when no backward
+        pass started a reduction since the last step (gradients assigned by hand,
+        ``p.grad = torch.autograd.grad(...)``), every gradient is reduced now.
+        """
+        self._reduce_missing()
         self._synchronized = True
+
+    def _reduce_missing(self) -> None:
+        # Horovod's synchronize() allreduces missing_p = _requires_update - set(_handles): every
+        # parameter whose hook did not fire since the last synchronize. A backward pass here
+        # reduces all buckets at once, so "no hook fired" is "nothing reduced since the last step".
+        reducer = self.reducer
+        if reducer.closed:
+            return
+        reducer.synchronize()
+        if reducer.num_reductions == self._reductions_at_step:
+            reducer.synchronize(force=True)
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -65,6 +81,8 @@ class _HorovodOptimizer(_HpcddpOptimizer):
                 "wrap step() in optimizer.skip_synchronize() when you call synchronize() yourself",
                 stacklevel=2,
             )
+        if not self._skipping:  # as Horovod's step(): synchronize unless told it was done
+            self._reduce_missing()
         self._synchronized = False
         if not self._sparse:
             return super().step(closure)

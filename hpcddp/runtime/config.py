@@ -48,12 +48,14 @@ class InitConfig:
     a collective that waits longer fails with the collective's name and this knob.
     Environment: HPCDDP_DIST_TIMEOUT."""
 
-    hierarchical_allreduce: bool = False
+    hierarchical_allreduce: bool | str = False
     """Allreduce in two levels on backend mpi: reduce-scatter inside each node, allreduce
     between nodes, allgather inside the node (``hpcddp.comm.hierarchy``). Off by default:
     Open MPI 5's own allreduce already crossed each link with 1x the buffer on the virtual
     cluster (docs/BENCHMARKS.md), so it only helps where the MPI's is not node-aware.
-    Environment: HPCDDP_HIERARCHICAL_ALLREDUCE (1 or 0)."""
+    "auto": two levels when the ranks span several nodes and a node holds several of
+    them (one node, or one rank per node, has no second level to save).
+    Environment: HPCDDP_HIERARCHICAL_ALLREDUCE (1, 0 or auto)."""
 
     timeline: str | None = None
     """Write a Chrome-trace timeline of forward, backward, step and every bucket's
@@ -84,8 +86,10 @@ class InitConfig:
             raise ValueError(f"interface must be a network interface name such as 'eth0', got {self.interface!r}")
         if self.timeline is not None and (not isinstance(self.timeline, (str, os.PathLike)) or not str(self.timeline)):
             raise ValueError(f"timeline must be a file path, got {self.timeline!r}")
-        if not isinstance(self.hierarchical_allreduce, bool):
-            raise ValueError(f"hierarchical_allreduce must be True or False, got {self.hierarchical_allreduce!r}")
+        if not isinstance(self.hierarchical_allreduce, bool) and self.hierarchical_allreduce != "auto":
+            raise ValueError(
+                f"hierarchical_allreduce must be True, False or 'auto', got {self.hierarchical_allreduce!r}"
+            )
         if not isinstance(self.check_collectives, bool):
             raise ValueError(f"check_collectives must be True or False, got {self.check_collectives!r}")
         if self.stall_action not in STALL_ACTIONS:

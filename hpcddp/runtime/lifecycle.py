@@ -35,7 +35,7 @@ def init(
     stall_abort_after: float | None = None,
     stall_action: str | None = None,
     dist_timeout: float | None = None,
-    hierarchical_allreduce: bool | None = None,
+    hierarchical_allreduce: bool | str | None = None,
     timeline: str | os.PathLike | None = None,
     check_collectives: bool | None = None,
 ) -> None:
@@ -65,7 +65,8 @@ def init(
         dist_timeout: torch.distributed's timeout for gloo/nccl collectives.
             Default HPCDDP_DIST_TIMEOUT, else 1800.
         hierarchical_allreduce: on backend mpi, allreduce in two levels (inside each
-            node, then between nodes). Default HPCDDP_HIERARCHICAL_ALLREDUCE, else off
+            node, then between nodes); "auto" when the ranks span several nodes and a
+            node holds several. Default HPCDDP_HIERARCHICAL_ALLREDUCE, else off
             (Open MPI's own allreduce was as node-aware on the tests' virtual nodes).
         timeline: write a Chrome-trace timeline (forward, backward, step, every
             bucket's reduction) to this path at shutdown. Default HPCDDP_TIMELINE.

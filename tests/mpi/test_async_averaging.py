@@ -258,3 +258,70 @@ def test_a_layer_added_after_construction_is_named_as_a_change_not_a_replacement
         averager.pause()
     with pytest.raises(RuntimeError, match=changed):
         averager.close()
+
+
+def close_within(averager, seconds: float = 60.0) -> None:
+    """``averager.close()`` from another thread, failing (not hanging) when it does not return in time."""
+    import threading
+
+    errors = []
+
+    def close():
+        try:
+            averager.close()
+        except BaseException as err:  # noqa: BLE001 - handed to the test below
+            errors.append(err)
+
+    closer = threading.Thread(target=close, daemon=True)
+    closer.start()
+    closer.join(seconds)
+    assert not closer.is_alive(), f"close() still waits after {seconds} s (a failed step kept the averager's lock)"
+    if errors:
+        raise errors[0]
+
+
+def test_a_step_that_raised_in_a_thread_leaves_no_lock_behind():
+    import threading
+
+    model = rank_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    averager = hpcddp.AsyncModelAverager(model, optimizer)
+    caught = []
+
+    def broken_closure():
+        raise ValueError("the loss could not be computed")
+
+    def train():
+        for step in range(20):
+            local_step(model, optimizer, step)
+            time.sleep(FAST_PAUSE_S)
+        if hpcddp.rank() == hpcddp.size() - 1:  # the thread's last step, on one rank: no later step frees the lock
+            try:
+                optimizer.step(broken_closure)
+            except ValueError as err:
+                caught.append(err)
+
+    worker = threading.Thread(target=train)
+    worker.start()
+    worker.join()
+    assert len(caught) == (1 if hpcddp.rank() == hpcddp.size() - 1 else 0)
+    close_within(averager)  # from the main thread, which never stepped
+    assert same_on_every_rank(floating_state(model))
+
+
+def test_close_averages_the_tensors_loaded_with_assign_while_paused():
+    model = rank_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    averager = hpcddp.AsyncModelAverager(model, optimizer)
+    train_for(model, optimizer, 0.2)
+    averager.pause()
+    torch.manual_seed(100 + hpcddp.rank())  # a checkpoint of each rank's own, loaded as new tensors
+    loaded = {k: torch.randn_like(v) if v.is_floating_point() else v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(loaded, assign=True)
+    expected = mpi4py_average(floating_state(model))
+    with pytest.raises(RuntimeError, match="the model's parameters or buffers were replaced after it was made"):
+        averager.resume()  # the optimizer still steps the old tensors: rounds cannot go on
+    averager.close()
+    closed = floating_state(model)
+    assert same_on_every_rank(closed), "close() must leave bitwise identical models"
+    np.testing.assert_allclose(closed, expected, rtol=1e-6, atol=1e-7)

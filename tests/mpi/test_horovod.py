@@ -8,6 +8,7 @@ import hpcddp
 import hpcddp.horovod as hvd
 
 from .test_failures_join import make_model, make_sgd, num_batches, rank_data
+from .test_training_loops import assert_ranks_agree
 
 
 def test_layout_matches_hpcddp():
@@ -233,3 +234,37 @@ def test_join_averages_over_all_ranks_and_returns_the_last_rank():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     optimizer.close()
     del optimizer
+
+
+def _assign_grads(model, step):
+    """Gradients from torch.autograd.grad, assigned by hand (no hook sees them); return them as numpy."""
+    generator = torch.Generator().manual_seed(100 * hvd.rank() + step)
+    x, y = torch.randn(6, 5, generator=generator), torch.randint(0, 3, (6,), generator=generator)
+    params = list(model.parameters())
+    grads = torch.autograd.grad(F.cross_entropy(model(x), y), params)
+    for param, grad in zip(params, grads):
+        param.grad = grad
+    return [g.numpy().copy() for g in grads]
+
+
+@pytest.mark.parametrize("synchronize", ["in step", "explicit"])
+def test_gradients_assigned_by_hand_are_averaged_as_horovods_missing_parameters(synchronize):
+    import numpy as np
+
+    model = make_model()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    for step in range(3):
+        optimizer.zero_grad()
+        local = _assign_grads(model, step)
+        expected = [np.mean(arrays, axis=0) for arrays in zip(*hpcddp.allgather_object(local))]
+        if synchronize == "explicit":
+            optimizer.synchronize()
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        else:
+            optimizer.step()
+        for param, mean in zip(model.parameters(), expected):
+            np.testing.assert_allclose(param.grad.numpy(), mean, rtol=1e-6, atol=1e-7)
+    optimizer.close()
+    del optimizer
+    assert_ranks_agree(model)

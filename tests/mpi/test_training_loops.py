@@ -190,3 +190,60 @@ def test_nan_loss_on_one_rank_is_reported_naming_that_rank(caplog):
     # Once, when it starts (every later step is NaN everywhere as a consequence), on every rank.
     assert len(warnings) == 1, warnings
     assert f"the local gradient of rank {bad_rank} was inf or NaN in reduction 1" in warnings[0]
+
+
+# ---- gradients assigned by hand -----------------------------------------------------------------
+
+
+def hand_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "no backward hook reduced" in r.getMessage()]
+
+
+def test_gradients_assigned_by_hand_stay_local_as_in_ddp_with_one_warning_naming_them(caplog):
+    model = make_model()
+    optimizer = hpcddp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters())
+    with caplog.at_level(logging.WARNING, logger="hpcddp"):
+        for x, y in batches(3):
+            optimizer.zero_grad()
+            weight = model.out.weight
+            (grad,) = torch.autograd.grad(F.cross_entropy(model(x), y), [weight])
+            weight.grad = grad
+            optimizer.step()
+            assert torch.equal(weight.grad, grad), "torch DDP's behaviour: a gradient no hook saw is not averaged"
+    optimizer.close()
+    warnings = hand_warnings(caplog)
+    assert len(warnings) == 1, warnings
+    assert "assigned by hand ('out.weight')" in warnings[0], warnings[0]
+
+
+def test_no_warning_about_hand_assigned_gradients_in_loops_that_reduce_them(caplog):
+    model = make_model()
+    model.inp.bias.requires_grad_(False)  # frozen
+    optimizer = hpcddp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(), backward_passes_per_step=2
+    )
+    data = batches(12)
+    with caplog.at_level(logging.WARNING, logger="hpcddp"):
+        for step in range(0, 4, 2):  # backward_passes_per_step: the first pass of each step reduces nothing
+            optimizer.zero_grad()
+            for x, y in data[step : step + 2]:
+                F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        optimizer.backward_passes_per_step = 1
+        optimizer.zero_grad(set_to_none=False)
+        with optimizer.no_sync():
+            F.cross_entropy(model(data[4][0]), data[4][1]).backward()
+        F.cross_entropy(model(data[5][0]), data[5][1]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        optimizer.step()
+        optimizer.step()  # again, on the same (reduced) gradients
+        optimizer.zero_grad()
+        optimizer.step()  # no gradient at all
+        with hpcddp.join(optimizer):  # uneven: the last rank runs out first and steps in the others' shadow
+            for x, y in data[6 : 12 - hpcddp.rank() * 2]:
+                optimizer.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                optimizer.step()
+    optimizer.close()
+    assert hand_warnings(caplog) == []
+    assert_ranks_agree(model)

@@ -55,6 +55,48 @@ def test_all_reduce(gloo, op, dtype):
     exact(mine, on_gloo(all_reduce, values((4, 3), dtype), op, gloo).to(dtype))
 
 
+BOOL_OPS = [dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT]
+BOOL_OPS += [dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR]
+
+
+@pytest.mark.parametrize("op", BOOL_OPS, ids=str)
+def test_bool_reductions_are_logical_as_on_gloo(gloo, op):
+    # gloo (torch 2.13): SUM and MAX are a logical or, MIN and PRODUCT a logical and.
+    rank, size = rank_size()
+    pattern = torch.tensor([[True, False, True], [False, False, True]])
+    full = (values((4, 3), torch.int64) > 0) | (pattern.repeat(2, 1) & (rank % 2 == 0))
+    mine, reference = full.clone(), full.clone()
+    dist.all_reduce(mine, op=op)
+    dist.all_reduce(reference, op=op, group=gloo)
+    exact(mine, reference)
+    assert mine.dtype == torch.bool
+    mine = full.clone()
+    work = dist.all_reduce(mine, op=op, async_op=True)
+    work.wait()
+    exact(mine, reference)
+    if op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT):
+        union = torch.stack(hpcddp_allgather(full))
+        logical = union.any(0) if op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX) else union.all(0)
+        exact(mine, logical)
+    mine = full.clone()
+    dist.reduce(mine, dst=size - 1, op=op)
+    exact(mine, reference if rank == size - 1 else full)
+
+
+def test_a_bool_average_is_refused_as_on_gloo(gloo):
+    flags = torch.ones(3, dtype=torch.bool)
+    with pytest.raises((TypeError, RuntimeError)):
+        dist.all_reduce(flags.clone(), op=dist.ReduceOp.AVG, group=gloo)
+    with pytest.raises(TypeError, match=r"op=AVG cannot reduce bool tensors .*: use ReduceOp.SUM"):
+        dist.all_reduce(flags.clone(), op=dist.ReduceOp.AVG)
+
+
+def hpcddp_allgather(tensor):
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, tensor, group=None)
+    return out
+
+
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int8, torch.uint8], ids=str)
 def test_integer_averages_divide_toward_zero_as_nccl_does(gloo, dtype):
     # PyTorch Lightning's sync_dist logging sends ReduceOp.AVG of an int64 batch size to
