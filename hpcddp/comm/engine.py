@@ -244,7 +244,9 @@ class Engine:
         if self._closed:
             raise RuntimeError(
                 f"{name}: this communicator is closed (hpcddp.shutdown(), or its process group was destroyed): "
-                "call dist.destroy_process_group() before hpcddp.shutdown(), and no collective after either"
+                "after a new hpcddp.init(), use objects made after it (process sets, optimizers on them, "
+                "hpcddp.DistributedOptimizer; hvd.DistributedOptimizer of the global set follows by itself); "
+                "call dist.destroy_process_group() before hpcddp.shutdown()"
             )
 
     # -- running ------------------------------------------------------------------------

@@ -15,9 +15,14 @@ number and each answer echoes it. A rank's check-ins reach rank 0 in order, so e
 taken by the next call of rank 0 that waits for one; a rank ignores an answer that
 echoes an earlier call of its own (one it stopped waiting for). When the barrier fails,
 the receives still waiting are cancelled (``Message.withdraw``): they can never take a
-user's message or a later barrier's. A check-in that arrives after rank 0 gave up on
-it stays in MPI and is taken by rank 0's next monitored barrier: the late rank then
-passes its call, and rank 0's next call does not wait for that rank.
+user's message or a later barrier's, and rank 0 sends each of those ranks a notice that
+it gave up on it. A rank that finds the notice while it waits for its answer waits only
+``timeout`` more, then raises: a rank that came late raises soon after it comes (gloo's
+raises at once, rank 0 having closed its connection), where it used to wait as long as
+the group's timeout; a rank that skipped the failed barrier still passes the next one,
+if rank 0 calls it in time. A send cannot be withdrawn in MPI, so the late check-in stays
+and is taken by rank 0's next monitored barrier: rank 0's next call does not wait for
+that rank.
 
 The messages name ranks of the communicator (the group's ranks), as gloo's do.
 """
@@ -33,7 +38,7 @@ from .p2p import Message, PointToPoint
 
 __all__ = ["MonitoredBarrier"]
 
-_PASSED, _FAILED = 0, 1
+_PASSED, _FAILED, _GAVE_UP = 0, 1, 2  # _GAVE_UP: rank 0's notice to a rank it stopped waiting for
 _TAG_NUMBER = 0  # the reserved tag of monitored barriers (check-ins and answers go opposite ways)
 
 
@@ -63,20 +68,30 @@ class MonitoredBarrier:
         if self._p2p.rank == 0:
             self._collect(timeout, wait_all_ranks)
         else:
-            self._check_in(call, peer_timeout)
+            self._check_in(call, timeout, peer_timeout)
 
-    def _check_in(self, call: int, peer_timeout: float | None) -> None:
+    def _check_in(self, call: int, timeout: float, peer_timeout: float | None) -> None:
         rank, p2p = self._p2p.rank, self._p2p
         sent = p2p.send(torch.tensor([call]), 0, self._tag, reserved=True)
         deadline = None if peer_timeout is None else time.monotonic() + peer_timeout
+        problem = f"no answer from rank 0 within {peer_timeout:g} s, the group's timeout"
         answer = torch.empty(2, dtype=torch.int64)  # verdict, the call it answers
         while True:
             received = p2p.recv(answer, 0, self._tag, reserved=True)
             if not received._block(None if deadline is None else max(0.0, deadline - time.monotonic())):
                 received.withdraw()
-                problem = f"no answer from rank 0 within {peer_timeout:g} s, the group's timeout"
                 break
             verdict, answered = received.wait().tolist()
+            if verdict == _GAVE_UP:
+                # This rank came after rank 0 gave up on it (or skipped that barrier): rank 0 answers
+                # only if it calls again within timeout (gloo's late rank raises at once, its pair closed).
+                late = time.monotonic() + timeout
+                deadline = late if deadline is None else min(deadline, late)
+                problem = (
+                    f"rank 0 had given up on this rank in an earlier monitored barrier (it came later than "
+                    f"timeout=) and did not answer within {timeout:g} s"
+                )
+                continue
             if answered == call:
                 problem = None if verdict == _PASSED else "rank 0 reported that some rank did not come"
                 break
@@ -108,7 +123,7 @@ class MonitoredBarrier:
         self._answer(_PASSED, check_ins)
 
     def _answer(self, verdict: int, check_ins: dict[int, Message]) -> None:
-        """Answer every rank whose check-in came; withdraw the other check-ins (on failure only, then)."""
+        """Answer every rank whose check-in came; withdraw the other check-ins and tell those ranks (on failure)."""
         came = {r: m for r, m in check_ins.items() if not m.withdraw()}
         answers = []
         for rank, message in came.items():
@@ -116,6 +131,9 @@ class MonitoredBarrier:
             answers.append(self._p2p.send(torch.tensor([verdict, echo]), rank, self._tag, reserved=True))
         for answer in answers:  # 16 bytes to a rank that waits for them: MPI sends them at once
             answer.wait()
+        for rank in check_ins.keys() - came.keys():
+            # Nobody may ever take it (a rank that skipped the barrier, or exited): rank 0 does not wait.
+            self._p2p.send(torch.tensor([_GAVE_UP, -1]), rank, self._tag, reserved=True).withdraw()
 
 
 def _missing(check_ins: dict[int, Message], start: float, timeout: float, wait_all_ranks: bool) -> list[int]:

@@ -114,26 +114,52 @@ class DistributedOptimizer(OptimizerFacade):
             from ..runtime.state import communicator as current
 
             communicator = current()
-        predivide = communicator.size if gradient_predivide_factor is None else gradient_predivide_factor
-        #: the object that reduces the gradients (buckets, hooks, join state)
-        self.reducer = Reducer(
-            collect_parameters(optimizer, named_parameters),
-            communicator,
-            op=arguments.op,
-            bucket_cap_bytes=int(bucket_cap_mb * MB),
-            first_bucket_bytes=int(first_bucket_mb * MB),
-            wire_dtype=arguments.wire_dtype,
-            predivide=float(predivide),
-            compressor=arguments.compressor,
-            backward_passes_per_step=backward_passes_per_step,
+        self._gradient_predivide_factor = gradient_predivide_factor
+        self._reducer_options = {
+            "op": arguments.op,
+            "bucket_cap_bytes": int(bucket_cap_mb * MB),
+            "first_bucket_bytes": int(first_bucket_mb * MB),
+            "wire_dtype": arguments.wire_dtype,
+            "compressor": arguments.compressor,
             # The timeline is looked up at every use: hvd.start_timeline() may begin one later.
-            record_timeline=default_comm,
+            "record_timeline": default_comm,
+        }
+        #: the object that reduces the gradients (buckets, hooks, join state)
+        self.reducer = self._make_reducer(
+            collect_parameters(optimizer, named_parameters), communicator, backward_passes_per_step
         )
         self._records_timeline = default_comm
         self.skip_nonfinite = bool(skip_nonfinite)
         #: steps skipped because a reduced gradient was inf or NaN (skip_nonfinite)
         self.skipped_steps = 0
         self._warned_nonfinite = False
+
+    def _make_reducer(self, named, communicator: Communicator, backward_passes_per_step: int) -> Reducer:
+        factor = self._gradient_predivide_factor
+        predivide = communicator.size if factor is None else factor
+        return Reducer(
+            named,
+            communicator,
+            predivide=float(predivide),
+            backward_passes_per_step=backward_passes_per_step,
+            **self._reducer_options,
+        )
+
+    def rebind_(self, communicator: Communicator) -> None:
+        """Reduce over ``communicator`` from now on, in new buckets (collective on its ranks).
+
+        For a communicator of the same ranks made after ``hpcddp.shutdown()`` and
+        ``init()`` (Horovod's elastic reset): the gradients move to the new buckets, a
+        reduction begun on the old communicator is dropped, compression memory and the
+        step count start afresh, as on a new optimizer; the wrapped optimizer's state stays.
+
+        Args:
+            communicator: the new communicator.
+        """
+        old = self.reducer
+        old.close()
+        self.reducer = self._make_reducer(old.named, communicator, old.backward_passes_per_step)
+        self.reducer.zero_unused = old.zero_unused
 
     # -- behave like the wrapped optimizer (the rest is OptimizerFacade's) -----------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -52,7 +52,6 @@ class AdasumOptimizer(OptimizerFacade):
     def __init__(self, optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1):
         check_backward_passes(backward_passes_per_step)
         self._optimizer = optimizer
-        self._comm = communicator_of(global_process_set)
         self._compression = compression
         self.backward_passes_per_step = backward_passes_per_step
         self._named = [(name, p) for name, p in collect_parameters(optimizer, named_parameters) if p.requires_grad]
@@ -65,6 +64,11 @@ class AdasumOptimizer(OptimizerFacade):
         for _, param in self._named:
             param.grad = torch.zeros_like(param)
             self._hooks.append(param.register_post_accumulate_grad_hook(lambda p: _call_if_alive(count_pass, p)))
+
+    @property
+    def _comm(self):
+        # Looked up at every step, as Horovod's global state: after hvd.shutdown(); hvd.init() it is the new one.
+        return communicator_of(global_process_set)
 
     def _count_pass(self, param: torch.Tensor) -> None:
         self._passes[param] += 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..comm.base import ReduceOp
@@ -41,10 +43,24 @@ class HostsUpdatedInterrupt(RuntimeError):
 
 # (cross_rank, cross_size), computed collectively by init() (or the first call).
 _cross: tuple[int, int] | None = None
+# Run at the end of every init(); registered by the modules whose objects outlive a shutdown().
+_init_callbacks: list[Callable[[], object]] = []
+
+
+def at_init(callback: Callable[[], object]) -> None:
+    """Run ``callback`` at the end of every ``init()``, on every rank (it may make collectives).
+
+    Args:
+        callback: e.g. moving objects made before ``shutdown()`` to the new communicator.
+    """
+    _init_callbacks.append(callback)
 
 
 def init(comm=None, process_sets=None) -> None:
     """Start hpcddp (``hpcddp.init()``) and register ``process_sets``; collective. Again after ``shutdown()``.
+
+    After ``shutdown()``, the DistributedOptimizers made before (global process set)
+    reduce over the new communicator from their next backward pass, as Horovod's do.
 
     Args:
         comm: Horovod's sub-communicator option (a list of ranks or an mpi4py
@@ -63,6 +79,8 @@ def init(comm=None, process_sets=None) -> None:
 
         for process_set in process_sets:
             add_process_set(process_set)
+    for callback in _init_callbacks:
+        callback()
 
 
 def _compute_cross() -> tuple[int, int]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
+import itertools
 import time
 import warnings
 import weakref
@@ -18,14 +20,16 @@ from ..ddp.optimizer import DistributedOptimizer as _HpcddpOptimizer
 from ..ddp.optimizer_args import check_backward_passes
 from ..runtime import state
 from .adasum_optimizer import AdasumOptimizer
-from .basics import Adasum, Average, size
+from .basics import Adasum, Average, at_init, size
 from .compression import OPTIMIZER_COMPRESSION, Compression
 from .ops import resolve_op
 from .process_sets import communicator_of, global_process_set
 
 __all__ = ["DistributedOptimizer", "join"]
 
-_optimizers: weakref.WeakSet = weakref.WeakSet()
+# The live DistributedOptimizers, in the order they were made (the same on every rank: making one is collective).
+_optimizers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_made = itertools.count()
 
 
 class _HorovodOptimizer(_HpcddpOptimizer):
@@ -33,6 +37,7 @@ class _HorovodOptimizer(_HpcddpOptimizer):
 
     _synchronized = False
     _skipping = False
+    _process_set = global_process_set
     # parameter -> its bucket view, for parameters whose gradients arrive sparse
     _sparse: dict | None = None
 
@@ -202,8 +207,30 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     # weight decay still move it), where DDP and hpcddp leave it None.
     wrapped.reducer.zero_unused = True
     wrapped._watch_sparse()
-    _optimizers.add(wrapped)
+    wrapped._process_set = process_set
+    _optimizers[next(_made)] = wrapped
     return wrapped
+
+
+def _follow_new_communicator() -> None:
+    """Move every live DistributedOptimizer of the global set to the communicator of a new ``hvd.init()``.
+
+    Horovod's optimizer reduces through the global state, so one kept across an elastic
+    reset (``hvd.shutdown(); hvd.init()``) goes on working; hpcddp's holds its
+    communicator, which shutdown() closed. Collective: every rank rebuilds the same
+    optimizers' buckets, in the order it made them.
+    """
+    # An optimizer dropped on every rank but kept alive by a reference cycle on one would
+    # be rebuilt (a collective) there alone.
+    gc.collect()
+    comm = communicator_of(global_process_set)
+    for _, optimizer in sorted(_optimizers.items()):
+        if optimizer._process_set is global_process_set and not optimizer.reducer.closed:
+            if optimizer.reducer.comm is not comm:
+                optimizer.rebind_(comm)
+
+
+at_init(_follow_new_communicator)
 
 
 def _rebuild(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -246,7 +273,7 @@ def join(device=-1) -> int:
     alltoalls and reducescatters raise RuntimeError, as in Horovod; the last rank
     is the one that joined last. ``device`` is accepted for Horovod's signature.
     """
-    optimizers = [opt for opt in list(_optimizers) if opt.buckets and not opt.reducer.closed]
+    optimizers = [opt for opt in list(_optimizers.values()) if opt.buckets and not opt.reducer.closed]
     if len(optimizers) > 1:
         raise RuntimeError(
             f"hvd.join() can shadow one DistributedOptimizer, found {len(optimizers)} live ones: "

@@ -29,6 +29,7 @@ from torch.distributed.constants import default_pg_timeout
 from ..comm.engine import Collective
 from ..comm.p2p import describe_tensors as describe
 from ..comm.reduction import from_torch
+from ._compile import run_eagerly_under_compile
 from ._exchange import ExchangeCollectives, like
 from ._futures import OrderedFuture
 from ._p2p import PointToPoint
@@ -276,3 +277,7 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
             # value() first: a failed operation fails the returned future too
             works[-1]._future = works[-1]._future.then(lambda done: (done.value(), result)[1])
         return works[-1]
+
+
+# torch.compile(DDP(model)): DDP's buffer broadcast calls these back from C++ (see _compile).
+run_eagerly_under_compile(_Work, ProcessGroupHPCDDP, ExchangeCollectives, PointToPoint)

@@ -4,6 +4,8 @@ References: rank 0's values as plain mpi4py broadcasts them, and each rank's own
 gathered with mpi4py, never hpcddp's collectives.
 """
 
+import copy
+
 import pytest
 import torch
 from mpi4py import MPI
@@ -97,3 +99,45 @@ def test_run_resets_in_process_and_every_rank_goes_on_from_the_same_commit():
     assert total == n * sum(range(1, 7))
     assert resets == [n]
     assert comm.allgather(total) == [total] * n
+
+
+def _local_and_averaged_grads(model, x):
+    """This rank's gradient of ``model`` on ``x``, and its average over the ranks as mpi4py computes it."""
+    reference = copy.deepcopy(model)
+    reference(x).square().sum().backward()
+    local = [p.grad.clone() for p in reference.parameters()]
+    return [torch.from_numpy(MPI.COMM_WORLD.allreduce(g.numpy())) / hvd.size() for g in local]
+
+
+@pytest.mark.parametrize("loop", ["zero_grad first", "backward first"])
+@pytest.mark.parametrize(
+    "options", [{}, {"compression": hvd.Compression.fp16}, {"op": hvd.Adasum}], ids=["average", "fp16", "adasum"]
+)
+def test_an_optimizer_kept_across_shutdown_and_init_reduces_over_the_new_communicator(loop, options):
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), **options
+    )
+    generator = torch.Generator().manual_seed(hvd.rank())
+    for reset in (False, True, True):
+        if reset:  # what hvd.elastic.run does after a HorovodInternalError, in the same processes
+            hvd.shutdown()
+            hvd.init()
+        x = torch.randn(5, 4, generator=generator)
+        if loop == "zero_grad first":
+            optimizer.zero_grad()
+        expected = [p.detach() - 0.1 * g for p, g in zip(model.parameters(), _local_and_averaged_grads(model, x))]
+        model(x).square().sum().backward()
+        optimizer.step()
+        if loop == "backward first":
+            optimizer.zero_grad()
+        if "op" not in options:  # Adasum combines the ranks' steps otherwise; the ranks still agree
+            tolerance = 1e-3 if options else 1e-6
+            for p, e in zip(model.parameters(), expected):
+                torch.testing.assert_close(p.detach(), e, atol=tolerance, rtol=tolerance)
+        gathered = MPI.COMM_WORLD.allgather([p.detach().clone() for p in model.parameters()])
+        for theirs in gathered:
+            for p, q in zip(model.parameters(), theirs):
+                assert torch.equal(p.detach(), q)
+    optimizer.close()

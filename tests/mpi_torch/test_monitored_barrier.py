@@ -42,6 +42,23 @@ def test_a_missing_rank_is_named_by_rank_0_and_the_others_hear_of_it(backend):
 
 
 @pytest.mark.parametrize("backend", ["hpcddp", "gloo"])
+def test_a_rank_later_than_the_timeout_raises_soon_after_it_comes_and_every_other_rank_at_the_timeout(backend):
+    # Its own group: the late rank's check-in may stay behind in it (see hpcddp.comm.monitored).
+    group = dist.new_group(backend=backend)
+    rank, late = dist.get_rank(), last_rank()
+    if rank == late:
+        time.sleep(2.5)
+    started = time.monotonic()
+    for_late = "rank 0 had given up on this rank" if backend == "hpcddp" else "Connection closed by peer"
+    expected = {0: f"Rank {late} failed to pass monitoredBarrier in 1000 ms", late: for_late}
+    with pytest.raises(RuntimeError, match=expected.get(rank, f"Rank {rank} successfully reached monitoredBarrier")):
+        dist.monitored_barrier(group, timeout=timedelta(seconds=1))
+    # gloo's late rank raises at once (rank 0 closed its pair); hpcddp's after one timeout more.
+    assert time.monotonic() - started < 1 + 5
+    dist.barrier()
+
+
+@pytest.mark.parametrize("backend", ["hpcddp", "gloo"])
 def test_wait_all_ranks_names_every_missing_rank(backend):
     group = None if backend == "hpcddp" else dist.new_group(backend="gloo")
     if dist.get_rank() == 0:
