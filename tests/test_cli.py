@@ -28,7 +28,7 @@ def test_every_command_has_help(command):
 def dry_run(*args, env=None):
     result = CliRunner().invoke(main, ["run", "--dry-run", *args], env=env)
     assert result.exit_code == 0, result.output
-    return shlex.split(result.output.strip())
+    return shlex.split(result.stdout.strip())
 
 
 @pytest.fixture
@@ -52,6 +52,17 @@ def test_dry_run_oversubscribes_and_yields_past_the_cores():
     assert "--oversubscribe" in argv and argv[argv.index("--bind-to") + 1] == "none"
     assert "mpi_yield_when_idle" in argv
     assert "FOO=bar" in argv and argv[-2:] == ["hpcddp", "info"]
+
+
+@pytest.mark.parametrize("extra", [2, 0])
+def test_oversubscribing_is_said_in_one_line(train_py, extra):
+    cpus = len(os.sched_getaffinity(0))
+    result = CliRunner().invoke(main, ["run", "--dry-run", "-np", str(cpus + extra), train_py])
+    assert result.exit_code == 0, result.output
+    note = (
+        f"[hpcddp run] {cpus + extra} ranks on {cpus} cores: oversubscribing (each rank yields its core while it waits)"
+    )
+    assert result.stderr.splitlines() == ([note] if extra else [])
 
 
 def test_n_is_an_alias_of_np_as_in_mpirun(train_py):

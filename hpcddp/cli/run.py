@@ -95,7 +95,7 @@ def run(
     hvd.elastic API): when a rank or a node is lost the job starts again on the hosts
     left, from the last commit, and it grows back when hosts return.
     """
-    from .launch import LaunchConfig, build_launch_command, program_command
+    from .launch import LaunchConfig, build_launch_command, oversubscription, program_command
 
     if script.startswith("-"):
         _no_such_option(script)
@@ -130,6 +130,13 @@ def run(
                 env=env,
                 program=program_command(script, args),
             )
+        )
+    ranks_and_cpus = oversubscription(command)
+    if ranks_and_cpus:
+        num_ranks, cpus = ranks_and_cpus
+        click.echo(
+            f"[hpcddp run] {num_ranks} ranks on {cpus} cores: oversubscribing (each rank yields its core while it waits)",
+            err=True,
         )
     if dry_run:
         click.echo(shlex.join(command))
