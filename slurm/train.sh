@@ -180,7 +180,9 @@ if [[ -n $MODULES ]]; then
     set -u
 fi
 
-mkdir -p "$HPCDDP_CHECKPOINT_DIR"
+# Not made here: hpcddp makes it (PreemptionHandler(checkpoint_dir=...), save_checkpoint) and
+# removes it again at exit when nothing was saved, so a job that saved nothing leaves no empty
+# checkpoints/<run>/. A script that writes there itself must make it (os.makedirs).
 ntasks=${SLURM_NTASKS:-2}
 cpus_per_task=${SLURM_CPUS_PER_TASK:-1}
 echo "hpcddp: job name ${SLURM_JOB_NAME:-}, ${SLURM_JOB_NUM_NODES:-1} node(s) ${SLURM_JOB_NODELIST:-$(hostname -s)}:" \

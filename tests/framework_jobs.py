@@ -33,7 +33,7 @@ def require(module: str) -> None:
     if importlib.util.find_spec(module) is None:
         reason = f"{module} is not installed: pip install -e '.[frameworks]'"
         if CI:
-            pytest.fail(f"CI installs the dev extra, which brings the frameworks, but {reason}")
+            pytest.fail(f"CI installs the frameworks extra (README's test command), but {reason}")
         pytest.skip(reason)
 
 

@@ -5,6 +5,7 @@ import json
 import os
 import random
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -12,6 +13,8 @@ import torch
 
 import hpcddp
 from hpcddp.checkpoint import check_checkpoint_dir, find_checkpoints
+
+from .conftest import ROOT
 
 
 class Unpicklable:
@@ -327,3 +330,33 @@ def test_another_models_checkpoint_is_refused_before_the_model_or_optimizer_chan
     with pytest.raises(ValueError, match=r"\(2\.bias: missing from the checkpoint; 3\.weight: not in this model\)"):
         hpcddp.restore_training_state(state, model, optimizer)
     assert_unchanged(model, optimizer, before)
+
+
+# A job in a process of its own: the directories are cleaned up when it exits.
+CHECK_SAVE_AND_EXIT = """
+import sys
+from pathlib import Path
+
+import hpcddp
+from hpcddp.checkpoint import check_checkpoint_dir
+
+root = Path(sys.argv[1])
+with hpcddp.PreemptionHandler(checkpoint_dir=root / "fresh" / "checkpoints" / "run-a"):
+    pass  # a job stopped before its first save
+check_checkpoint_dir(root / "checkpoints" / "run-b")
+hpcddp.save_checkpoint(root / "checkpoints" / "run-b", {"step": 1})
+check_checkpoint_dir(root / "checkpoints" / "run-c")
+check_checkpoint_dir(root / "existing")
+"""
+
+
+def test_a_job_that_saved_nothing_leaves_no_empty_checkpoint_directory(tmp_path):
+    (tmp_path / "existing").mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    subprocess.run([sys.executable, "-c", CHECK_SAVE_AND_EXIT, str(tmp_path)], env=env, check=True, timeout=120)
+    # The directories made for run-a, its parents too, are gone; run-c's, beside a saved run, too.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "existing"]
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["run-b"]
+    assert [p.name for p in find_checkpoints(tmp_path / "checkpoints" / "run-b")] == ["checkpoint-000001.pt"]
+    assert not (tmp_path / "checkpoints" / "run-b" / ".hpcddp-owner").exists()
+    assert os.listdir(tmp_path / "existing") == []  # empty, but not made by the job: kept

@@ -28,7 +28,7 @@ def test_every_command_has_help(command):
 def dry_run(*args, env=None):
     result = CliRunner().invoke(main, ["run", "--dry-run", *args], env=env)
     assert result.exit_code == 0, result.output
-    return shlex.split(result.output.strip())
+    return shlex.split(result.stdout.strip())
 
 
 @pytest.fixture
@@ -52,6 +52,39 @@ def test_dry_run_oversubscribes_and_yields_past_the_cores():
     assert "--oversubscribe" in argv and argv[argv.index("--bind-to") + 1] == "none"
     assert "mpi_yield_when_idle" in argv
     assert "FOO=bar" in argv and argv[-2:] == ["hpcddp", "info"]
+
+
+@pytest.mark.parametrize("extra", [2, 0])
+def test_oversubscribing_is_said_in_one_line(train_py, extra):
+    cpus = len(os.sched_getaffinity(0))
+    result = CliRunner().invoke(main, ["run", "--dry-run", "-np", str(cpus + extra), train_py])
+    assert result.exit_code == 0, result.output
+    note = (
+        f"[hpcddp run] {cpus + extra} ranks on {cpus} cores: oversubscribing (each rank yields its core while it waits)"
+    )
+    assert result.stderr.splitlines() == ([note] if extra else [])
+
+
+def test_n_is_an_alias_of_np_as_in_mpirun(train_py):
+    for args in (["-n", "1"], ["-n1"], ["--num-proc", "1"]):
+        argv = dry_run(*args, train_py)
+        assert argv[argv.index("-np") + 1] == "1" and argv[-2:] == [sys.executable, "train.py"]
+
+
+@pytest.mark.parametrize(
+    "option, suggestion",
+    [("--num-porc", "'--num-proc'"), ("--num-porc=2", "'--num-proc'"), ("--dryrun", "'--dry-run'")],
+)
+def test_a_mistyped_option_of_run_suggests_the_close_one(train_py, option, suggestion):
+    result = CliRunner().invoke(main, ["run", option, "2", train_py])
+    name = option.split("=")[0]
+    assert result.exit_code == 2 and f"no such option: {name} Did you mean {suggestion}?" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_options_after_the_program_are_the_programs_even_when_they_look_like_runs(train_py):
+    argv = dry_run("-np", "1", train_py, "--num-porc", "2", "-n", "3")
+    assert argv[-6:] == [sys.executable, "train.py", "--num-porc", "2", "-n", "3"]
 
 
 def test_dry_run_with_hosts_leaves_placement_to_mpirun_and_forwards_variables(train_py):

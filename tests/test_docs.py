@@ -146,3 +146,39 @@ def test_readme_example_trains_on_two_ranks(tmp_path):
     result = run_mpi(2, [sys.executable, str(script)], timeout=180, cwd=str(tmp_path))
     assert result.returncode == 0, result.stdout[-5000:]
     assert "epoch 4: loss" in result.stdout and "on 2 ranks" in result.stdout, result.stdout[-5000:]
+
+
+def test_checkpoints_guide_loop_stops_on_every_rank_and_resumes(tmp_path):
+    page = (DOCS / "guide" / "checkpoints.md").read_text()
+    code = re.search(r"## A preemption-safe loop\n.*?```python\n(.*?)```", page, re.DOTALL).group(1)
+    # A stop signal that reaches rank 0 alone, at its 5th step: every rank must stop there.
+    stop_on_rank_0 = (
+        "import hpcddp\n"
+        "_should_stop = hpcddp.PreemptionHandler.should_stop\n"
+        "def should_stop(self, calls=[0]):\n"
+        "    calls[0] += 1\n"
+        "    if calls[0] == 5 and hpcddp.rank() == 0:\n"
+        "        self.request()\n"
+        "    return _should_stop(self)\n"
+        "hpcddp.PreemptionHandler.should_stop = should_stop\n"
+    )
+    (tmp_path / "stopped.py").write_text(stop_on_rank_0 + code)
+    report_resume = (
+        "import hpcddp\n"
+        "_restore = hpcddp.restore_training_state\n"
+        "def restore_training_state(*args, **kwargs):\n"
+        "    progress = _restore(*args, **kwargs)\n"
+        "    print(f'rank {hpcddp.rank()} resumed at step {progress.step}')\n"
+        "    return progress\n"
+        "hpcddp.restore_training_state = restore_training_state\n"
+    )
+    (tmp_path / "resumed.py").write_text(report_resume + code)
+    env = {"HPCDDP_CHECKPOINT_DIR": str(tmp_path / "run")}
+    first = run_mpi(2, [sys.executable, "stopped.py"], timeout=180, cwd=str(tmp_path), env=env)
+    assert first.returncode == 0, first.stdout[-5000:]
+    assert "rank 0 at step 5" in first.stdout and "rank 1 at step 5" in first.stdout, first.stdout[-5000:]
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*.pt")) == ["checkpoint-000005.pt"]
+    second = run_mpi(2, [sys.executable, "resumed.py"], timeout=180, cwd=str(tmp_path), env=env)
+    assert second.returncode == 0, second.stdout[-5000:]
+    assert "rank 0 resumed at step 5" in second.stdout and "rank 1 resumed at step 5" in second.stdout
+    assert "rank 0 at step 500" in second.stdout and "rank 1 at step 500" in second.stdout, second.stdout[-5000:]

@@ -8,7 +8,9 @@ one line naming the owner, unless the owner is gone: the same job (a Slurm reque
 keeps its job id), a process that no longer runs on this host, or a Slurm job that
 ``squeue`` no longer lists. An owner on another node outside Slurm cannot be
 checked: a warning names it and the job goes on (a job that died with a lost node
-must not lock its successor out). The claim is removed when the owner exits.
+must not lock its successor out). The claim is removed when the owner exits, and so are
+the directories that were made for it if nothing else was put in them: a job that saved
+no checkpoint leaves no empty ``checkpoints/<run>/`` behind.
 
 The owner file is written whole or not at all (``hpcddp.env.files.create_exclusively``:
 a full disk leaves none behind) and never read through a symbolic link planted there.
@@ -24,6 +26,7 @@ import os
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..env.files import create_exclusively, read_text_no_follow, write_atomically
@@ -35,6 +38,8 @@ OWNER_FILE = ".hpcddp-owner"
 log = logging.getLogger("hpcddp")
 
 _claimed: set[Path] = set()
+# Directories made for a claim (deepest first), removed at exit when still empty.
+_created: list[Path] = []
 
 
 def _start_time(pid: int) -> str | None:
@@ -135,8 +140,13 @@ def check_not_owned_by_another_job(directory: Path) -> str | None:
     return _problem(directory, owner)
 
 
-def claim(directory: Path) -> None:
+def claim(directory: Path, created: Sequence[Path] = ()) -> None:
     """Make this job the owner of ``directory`` (rank 0, before writing there).
+
+    Args:
+        directory: the checkpoint directory.
+        created: the directories this job made for it, ``directory`` and then the parents
+            made with it; each is removed when the job exits if it is empty by then.
 
     Raises:
         RuntimeError: another job that still runs owns it.
@@ -164,6 +174,7 @@ def claim(directory: Path) -> None:
             ) from None
         raise
     _claimed.add(directory)
+    _created.extend(Path(path).absolute() for path in created)
     if len(_claimed) == 1:
         atexit.register(_release_all)
 
@@ -179,3 +190,9 @@ def _release_all() -> None:
         if owner is not None and owner.get("pid") == me["pid"] and owner.get("host") == me["host"]:
             path.unlink(missing_ok=True)
     _claimed.clear()
+    for directory in _created:
+        try:
+            directory.rmdir()  # only an empty one: whatever was saved there stays
+        except OSError:
+            pass
+    _created.clear()

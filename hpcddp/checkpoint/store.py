@@ -140,6 +140,9 @@ def save_checkpoint(
 def check_checkpoint_dir(directory: str | os.PathLike) -> Path:
     """Make sure rank 0 can write checkpoints into ``directory`` (creating it); collective.
 
+    A directory made here (and parents made with it) is removed again when the job
+    exits if it is still empty then: a job that saved nothing leaves nothing behind.
+
     Call it when the job starts, so that a read-only or missing mount fails at once
     instead of at the first save, which may come hours later (``PreemptionHandler``
     does this for its ``checkpoint_dir``).
@@ -156,6 +159,7 @@ def check_checkpoint_dir(directory: str | os.PathLike) -> Path:
     rank, size = rank_and_size()
     problem = None
     if rank == 0:
+        created = _missing_directories(directory)
         unwritable = probe_writable(directory)
         if unwritable is not None:
             problem = (
@@ -164,7 +168,7 @@ def check_checkpoint_dir(directory: str | os.PathLike) -> Path:
             )
         else:
             try:
-                claim(directory)
+                claim(directory, created)
             except (RuntimeError, OSError) as err:  # another job's, a full disk, a planted link
                 problem = str(err)
     if size > 1:
@@ -174,6 +178,16 @@ def check_checkpoint_dir(directory: str | os.PathLike) -> Path:
     if problem is not None:
         raise ValueError(problem)
     return directory
+
+
+def _missing_directories(directory: Path) -> list[Path]:
+    """``directory`` and those of its parents that do not exist yet, deepest first."""
+    missing = []
+    for path in (directory, *directory.parents):
+        if path.exists():
+            break
+        missing.append(path)
+    return missing
 
 
 def load_checkpoint(

@@ -21,6 +21,7 @@ __all__ = [
     "build_launch_command",
     "is_open_mpi",
     "mpirun_command",
+    "oversubscription",
     "program_command",
 ]
 
@@ -230,6 +231,17 @@ def _srun_command(num_proc: int | None, program: Sequence[str], environ: dict[st
         # Since Slurm 22.05 srun no longer inherits --cpus-per-task from the allocation.
         command.append(f"--cpus-per-task={cpus}")
     return command + list(program)
+
+
+def oversubscription(command: Sequence[str]) -> tuple[int, int] | None:
+    """Return ``(ranks, cpus)`` when ``command`` (from ``mpirun_command``) oversubscribes this host, else None.
+
+    Args:
+        command: an mpirun or srun command line.
+    """
+    if "--oversubscribe" not in command:
+        return None
+    return int(command[list(command).index("-np") + 1]), _usable_cpus()
 
 
 def mpirun_command(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import shlex
 import shutil
@@ -13,7 +14,14 @@ __all__ = ["run"]
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option("-np", "--num-proc", "num_proc", type=int, help="Ranks to start (default in Slurm: all tasks).")
+@click.option(
+    "-n",
+    "-np",
+    "--num-proc",
+    "num_proc",
+    type=int,
+    help="Ranks to start, as mpirun's -n (default in Slurm: all tasks).",
+)
 @click.option("-H", "--hosts", help="Hosts and slots, e.g. node1:4,node2:4 (mpirun -H).")
 @click.option("--hostfile", type=click.Path(exists=True, dir_okay=False), help="An mpirun hostfile.")
 @click.option(
@@ -87,10 +95,10 @@ def run(
     hvd.elastic API): when a rank or a node is lost the job starts again on the hosts
     left, from the last commit, and it grows back when hosts return.
     """
-    from .launch import LaunchConfig, build_launch_command, program_command
+    from .launch import LaunchConfig, build_launch_command, oversubscription, program_command
 
-    if script.startswith("-"):  # ignore_unknown_options passes a mistyped option on as the script
-        raise click.UsageError(f"no such option: {script} (see hpcddp run --help)")
+    if script.startswith("-"):
+        _no_such_option(script)
     elastic = min_np is not None or max_np is not None or host_discovery_script is not None
     try:
         config = LaunchConfig(
@@ -123,12 +131,34 @@ def run(
                 program=program_command(script, args),
             )
         )
+    ranks_and_cpus = oversubscription(command)
+    if ranks_and_cpus:
+        num_ranks, cpus = ranks_and_cpus
+        click.echo(
+            f"[hpcddp run] {num_ranks} ranks on {cpus} cores: oversubscribing (each rank yields its core while it waits)",
+            err=True,
+        )
     if dry_run:
         click.echo(shlex.join(command))
         return
     from ..fault.supervise import supervise
 
     sys.exit(supervise(command, environ))
+
+
+def _no_such_option(arg: str) -> None:
+    """Fail on ARG, an option run does not have, suggesting the closest of run's own options.
+
+    ignore_unknown_options (there so that the program's options after SCRIPT reach it
+    untouched) also keeps click's parser from raising its NoSuchOption, with the
+    "Did you mean" list, for a mistyped option before SCRIPT: that arrives here as SCRIPT.
+    """
+    name = arg.split("=", 1)[0]
+    ctx = click.get_current_context()
+    options = [opt for param in ctx.command.get_params(ctx) if isinstance(param, click.Option) for opt in param.opts]
+    raise click.NoSuchOption(
+        name, message=f"no such option: {name}", possibilities=difflib.get_close_matches(name, options), ctx=ctx
+    )
 
 
 def _check_program(script: str) -> None:

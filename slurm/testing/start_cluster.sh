@@ -28,6 +28,9 @@ SLURM_TEST_PARTITION=${SLURM_TEST_PARTITION:-debug}
 SLURM_TEST_CLUSTER=${SLURM_TEST_CLUSTER:-hpcddp}
 # Seconds to wait for the node to come up before failing.
 SLURM_TEST_TIMEOUT=${SLURM_TEST_TIMEOUT:-60}
+# Seconds a daemon started here must have lived before the cluster counts as up: one that cannot
+# bind its port ("Address already in use") writes its pid file first and exits soon after.
+SLURM_TEST_SETTLE=${SLURM_TEST_SETTLE:-2}
 
 # shellcheck source-path=SCRIPTDIR source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -36,11 +39,6 @@ source "$(dirname "${BASH_SOURCE[0]}")/slurm_setup.sh"
 
 NODE=$(hostname -s)
 RESTART=0
-
-if ((EUID != 0)); then
-    echo "start_cluster.sh must run as root (it installs packages and starts daemons), got uid $EUID" >&2
-    exit 1
-fi
 
 show_logs() {
     local f
@@ -54,6 +52,19 @@ show_logs() {
 die() {
     echo "start_cluster.sh: $*" >&2
     show_logs
+    exit 1
+}
+
+# Fail with message $2 and the last lines of daemon $1's log and stdout (where a daemon that
+# exits before it opens its log, e.g. on a bad slurm.conf, says why).
+die_daemon() {
+    local name=$1 f
+    echo "start_cluster.sh: $2" >&2
+    for f in "$SLURM_TEST_LOG_DIR/$name.log" "$SLURM_TEST_LOG_DIR/$name.stdout"; do
+        [[ -s $f ]] || continue
+        echo "----- last lines of $f -----" >&2
+        tail -n 25 "$f" >&2
+    done
     exit 1
 }
 
@@ -104,9 +115,20 @@ node_state() {
     timeout 10 sinfo --noheader --nodes="$NODE" --format=%T 2>/dev/null | head -n 1
 }
 
+# Fail unless daemon $1 (pid file $2) started here is running.
+check_alive() {
+    daemon_pid "$2" >/dev/null || die_daemon "$1" "$1 is not running (no live process in $2)"
+}
+
 wait_for_node() {
-    local state="" deadline=$((SECONDS + SLURM_TEST_TIMEOUT)) resumed=0
+    local state="" start=$SECONDS deadline=$((SECONDS + SLURM_TEST_TIMEOUT)) resumed=0
     while ((SECONDS < deadline)); do
+        # A daemon that died will not come back: say why now rather than after the timeout
+        # (not at once: a daemon writes its pid file after it forks, a moment after starting).
+        if ((SECONDS - start > SLURM_TEST_SETTLE)); then
+            check_alive slurmctld "$SLURMCTLD_PIDFILE"
+            check_alive slurmd "$SLURMD_PIDFILE"
+        fi
         state=$(node_state || true)
         case $state in
             idle | mixed | allocated | completing) return 0 ;;
@@ -124,7 +146,45 @@ wait_for_node() {
     die "node $NODE did not become idle within ${SLURM_TEST_TIMEOUT}s (sinfo state: '${state:-no answer}')"
 }
 
+# Seconds process $1 has been running.
+process_age() {
+    ps -o etimes= -p "$1" 2>/dev/null | tr -d ' '
+}
+
+# Fail, with the reason, unless the slurmctld and slurmd started here run and answer: the
+# controller to `scontrol ping`, the node to sinfo as idle (or busy with jobs). Answers alone
+# are not enough: when our daemon lost its port to another cluster's ("Address already in
+# use"), that one answers instead.
+check_cluster() {
+    local name pidfile pid age ping state deadline
+    for name in slurmctld slurmd; do
+        pidfile=$SLURMCTLD_PIDFILE
+        [[ $name == slurmd ]] && pidfile=$SLURMD_PIDFILE
+        deadline=$((SECONDS + SLURM_TEST_SETTLE + 1))
+        until pid=$(daemon_pid "$pidfile"); do
+            ((SECONDS < deadline)) || check_alive "$name" "$pidfile"
+            sleep 0.2
+        done
+        age=$(process_age "$pid")
+        if [[ $age =~ ^[0-9]+$ ]] && ((age < SLURM_TEST_SETTLE)); then
+            sleep $((SLURM_TEST_SETTLE - age))
+        fi
+        check_alive "$name" "$pidfile"
+    done
+    ping=$(timeout 10 scontrol ping 2>&1) || true
+    [[ $ping == *" is UP"* ]] || die_daemon slurmctld "slurmctld does not answer: scontrol ping says '${ping:-nothing}'"
+    state=$(node_state) || true
+    case $state in
+        idle | mixed | allocated | completing) ;;
+        *) die_daemon slurmd "node $NODE is not up: sinfo says '${state:-nothing}'" ;;
+    esac
+}
+
 main() {
+    if ((EUID != 0)); then
+        echo "start_cluster.sh must run as root (it installs packages and starts daemons), got uid $EUID" >&2
+        exit 1
+    fi
     lock_cluster
     install -d "$SLURM_TEST_STATE_DIR/slurmctld" "$SLURM_TEST_STATE_DIR/slurmd" "$SLURM_TEST_LOG_DIR"
     install_packages
@@ -142,7 +202,11 @@ main() {
     start_slurm_daemon slurmctld "$SLURMCTLD_PIDFILE"
     start_slurm_daemon slurmd "$SLURMD_PIDFILE"
     wait_for_node
+    check_cluster
     log "cluster up: node $NODE, partition $SLURM_TEST_PARTITION, $SLURM_TEST_CPUS CPUs ($(nproc) real)"
 }
 
-main "$@"
+# Sourced (tests/test_slurm_scripts.py), it only defines the functions.
+if [[ ${BASH_SOURCE[0]} == "$0" ]]; then
+    main "$@"
+fi
