@@ -207,6 +207,19 @@ def test_a_rank_that_does_not_answer_is_lost():
     assert judge(statuses, {}) == "lost"
 
 
+def test_a_rank_that_does_not_answer_but_uses_the_cpu_is_only_slow():
+    # Rank 1 holds the GIL in a long C call; rank 3 neither answers nor computes.
+    a = bucket(9, 10, 4, index=0)
+    waiting = status(0, {WORLD: comm(range(4), 9, [(a, 70.0)])}, WAITING)
+    statuses = {0: waiting, 1: None, 2: status(2, {WORLD: comm(range(4), 9, [(a, 70.0)])}, WAITING), 3: None}
+    assert judge(statuses, {}, busy={1, 3}) == "slow"
+    assert judge(statuses, {}, busy={1}) == "lost"
+    report = explain_stall(statuses, {}, 4, 60, hosts=["n1", "n1", "n2", "n2"], busy={1})
+    assert "rank 1 on node n1 is busy in a long call outside Python (CPU time advancing)" in report
+    assert "rank 3 on node n2 did not answer the inspector: dead, stopped, or hung without using the CPU" in report
+    assert report.endswith("waiting: ranks 0, 2; missing or different: ranks 1, 3")
+
+
 # ---- the logs every road writes -----------------------------------------------------------------
 
 

@@ -4,6 +4,7 @@
   this rank is doing;
 - ``verdict``: lost, exited, deadlocked or slow, judged from every rank's status;
 - ``report``: the message naming the operation, the missing ranks and the likely cause;
+- ``liveness``: whether a rank that does not answer still uses the CPU (read on its node);
 - ``inspector``: the thread on each rank, and rank 0's questions to the others.
 
 One inspector runs per process, over every communicator hpcddp made (``start``).

@@ -5,15 +5,19 @@ every ``min(1 s, timeout / 4)`` and reads its own operation logs; nothing is sen
 no operation has waited ``timeout`` seconds. Then the waiting rank alarms rank 0, and
 rank 0 asks every rank for its status over a communicator of its own (point-to-point,
 so that ranks blocked in a collective still answer from this thread), judges
-(``verdict``) and reports (``report``).
+(``verdict``) and reports (``report``). A rank that does not answer is asked about
+once more, of its kernel: a rank on its node reads whether its process uses the CPU
+(``liveness``), since a rank that holds the GIL in one long C call cannot answer from
+Python, yet is only slow.
 
 Policy, as the tools users know (Horovod warns at 60 s, torch.distributed ends a
 collective after 30 min): a stall is a warning after ``timeout``, repeated every
-``timeout``. The job ends when ranks are lost (no answer: dead, or their node is down
-or cut off), when a rank left while others wait in an operation that needs it (with
-that rank's exit code), when every rank is deadlocked (the same stuck state seen
-twice), or once a stall has lasted ``abort_after``. A rank whose alarm rank 0 never
-answers ends itself, so that no rank outlives a lost node.
+``timeout``. The job ends when ranks are lost (no answer and no CPU time used: dead,
+stopped, or their node is down or cut off), when a rank left while others wait in an
+operation that needs it (with that rank's exit code), when every rank is deadlocked
+(the same stuck state seen twice), or once a stall has lasted ``abort_after``. A rank
+whose alarm rank 0 never answers ends itself unless rank 0 is busy, so that no rank
+outlives a lost node.
 
 A rank that leaves (the end of its script, ``sys.exit``, ``hpcddp.shutdown()``) tells
 rank 0 first (rank 0 tells everyone), with how far it got on each communicator: a
@@ -29,14 +33,15 @@ import threading
 import time
 
 from ...comm import oplog
+from . import liveness
 from .report import exit_reason, explain_stall
-from .verdict import Exit, judge, stable, stuck_operations
+from .verdict import Exit, judge, longest_wait, stable, stuck_operations
 
 __all__ = ["StallInspector"]
 
 log = logging.getLogger("hpcddp")
 
-_ALARM, _QUERY, _REPLY, _BYE = 71, 72, 73, 74
+_ALARM, _QUERY, _REPLY, _BYE, _CHECK, _CHECKED = 71, 72, 73, 74, 75, 76
 _STALE = object()
 
 
@@ -68,6 +73,8 @@ class StallInspector:
         self.abort_after = abort_after
         self.rank, self.size = self._comm.Get_rank(), self._comm.Get_size()
         self.hosts: list[str] = self._comm.allgather(socket.gethostname())
+        self._processes: list = self._comm.allgather(liveness.this_process())
+        self._asked = 0
         self._interval = max(0.05, min(1.0, timeout / 4))
         self._stop = threading.Event()
         self._exits: dict[int, Exit] = {}
@@ -143,6 +150,7 @@ class StallInspector:
 
     def _tick(self) -> None:
         self._receive_byes()
+        self._answer_checks()
         if self.rank == 0:
             self._tick_rank0()
         else:
@@ -175,15 +183,23 @@ class StallInspector:
             self._unanswered_since is not None
             and now - self._unanswered_since > self.ANSWER_WITHIN_S + 2 * self._interval
         ):
-            # Rank 0 answers every alarm within moments: it is gone, or cut off from here.
+            # Rank 0 answers every alarm within moments: it is gone, or cut off from here, or busy.
+            where = f"rank {self.rank} on {self.hosts[self.rank]} waits in an operation and rank 0 on {self.hosts[0]}"
+            if self._busy([0], (r for r in range(1, self.size) if r not in self._exits)):
+                self._unanswered_since = time.monotonic()
+                self._report(
+                    f"[hpcddp stall inspector] {where} is busy in a long call outside Python (CPU time advancing): "
+                    "holding the GIL (a long sort, regex or pickle), it cannot answer this rank's alarm",
+                    self._too_long(longest_wait({self.rank: oplog.rank_status(self.rank)})),
+                )
+                return
             self._report(
-                f"[hpcddp stall inspector] rank {self.rank} on {self.hosts[self.rank]} waits in an operation and "
-                f"rank 0 on {self.hosts[0]} did not answer its alarm: node {self.hosts[0]} is down or cut off from "
-                "this node, or rank 0 died or hangs outside Python (holding the GIL)",
+                f"[hpcddp stall inspector] {where} did not answer its alarm: node {self.hosts[0]} is down or cut off "
+                "from this node, or rank 0 died, is stopped, or hangs outside Python",
                 "ranks were lost",
             )
 
-    def _tick_rank0(self) -> None:
+    def _answer_alarms(self) -> bool:
         status = self._MPI.Status()
         alarmed = False
         while self._comm.Iprobe(tag=_ALARM, status=status):
@@ -192,24 +208,31 @@ class StallInspector:
             # Answer at once, report or not: a rank whose alarm goes unanswered ends itself.
             self._send(None, status.Get_source(), _QUERY)
             alarmed = True
+        return alarmed
+
+    def _tick_rank0(self) -> None:
+        alarmed = self._answer_alarms()
         # After a rank left, look every tick: a rank waiting for it waits forever.
         if not (alarmed or self._exits or self._stalled()):
             return
-        first = self._gather()
-        verdict = judge(first, self._exits)
+        first, busy = self._gather()
+        verdict = judge(first, self._exits, busy)
         if verdict == "deadlock":
             # Certain only if nothing changed meanwhile: see hpcddp.fault.stall.verdict.
             if self._stop.wait(self._interval):
                 return
-            second = self._gather()
+            second, busy = self._gather()
             if not stable(first, second):
-                verdict = judge(second, self._exits)
+                verdict = judge(second, self._exits, busy)
                 verdict = "slow" if verdict == "deadlock" else verdict
             first = second
-        self._act(first, verdict)
+        self._act(first, busy, verdict)
 
-    def _gather(self) -> dict:
-        """Every rank's status (None for a rank that does not answer in time), exited ranks left out."""
+    def _gather(self) -> tuple[dict, set[int]]:
+        """Every rank's status (None for a rank that does not answer in time), exited ranks left out.
+
+        Also the ranks of those that did not answer which are ``_busy``.
+        """
         self._episode += 1
         pending = {r for r in range(1, self.size) if r not in self._exits}
         for r in pending:
@@ -219,6 +242,7 @@ class StallInspector:
         deadline = time.monotonic() + max(self.ANSWER_WITHIN_S, 2 * self._interval)
         status = self._MPI.Status()
         while pending and time.monotonic() < deadline and not self._stop.is_set():
+            self._answer_alarms()
             if self._comm.Iprobe(tag=_REPLY, status=status):
                 message = self._recv(status.Get_source(), _REPLY)
                 episode, answer = (None, None) if message is _STALE else message
@@ -231,13 +255,73 @@ class StallInspector:
                 del statuses[r]
             pending -= self._exits.keys()
             time.sleep(0.01)
-        return statuses
+        if not pending or self._stop.is_set():
+            return statuses, set()
+        return statuses, self._busy(pending, (r for r, s in statuses.items() if s is not None))
+
+    # -- ranks that do not answer -------------------------------------------------------
+    def _busy(self, silent, answering) -> set[int]:
+        """Return the ranks of ``silent`` whose process uses the CPU, read on their node (see ``liveness``).
+
+        This rank reads those on its own node; for each other node it asks the first rank
+        of ``answering`` there, and a node where none answers within ``ANSWER_WITHIN_S`` (a
+        rank alone on its node, or a node lost) has no busy rank.
+        """
+        nodes: dict[str, list[int]] = {}
+        for r in silent:
+            if self._processes[r] is not None:
+                nodes.setdefault(self._processes[r][0], []).append(r)
+        mine = self._processes[self.rank]
+        here = nodes.pop(mine[0], []) if mine is not None else []
+        checkers: dict[str, int] = {}
+        for r in answering:
+            node = self._processes[r] and self._processes[r][0]
+            if node in nodes and node not in checkers:
+                checkers[node] = r
+                if len(checkers) == len(nodes):
+                    break
+        self._asked += 1
+        for node, r in checkers.items():
+            self._send((self._asked, nodes[node]), r, _CHECK)
+        busy = self._busy_here(here)
+        waiting = set(checkers.values())
+        deadline = time.monotonic() + self.ANSWER_WITHIN_S
+        status = self._MPI.Status()
+        while waiting and time.monotonic() < deadline and not self._stop.is_set():
+            if self.rank == 0:
+                self._answer_alarms()
+            if self._comm.Iprobe(tag=_CHECKED, status=status):
+                message = self._recv(status.Get_source(), _CHECKED)
+                if message is not _STALE and message[0] == self._asked:
+                    busy.update(message[1])
+                    waiting.discard(status.Get_source())
+                continue
+            time.sleep(0.01)
+        return busy
+
+    def _busy_here(self, ranks: list[int]) -> set[int]:
+        processes = {tuple(self._processes[r][1:]): r for r in ranks}
+        return {processes[p] for p in liveness.busy_processes(list(processes))}
+
+    def _answer_checks(self) -> None:
+        status = self._MPI.Status()
+        asks = []
+        while self._comm.Iprobe(tag=_CHECK, status=status):
+            message = self._recv(status.Get_source(), _CHECK)
+            if message is not _STALE:
+                asks.append((status.Get_source(), *message))
+        if not asks:
+            return
+        # Every rank that waits may ask about a silent rank 0 at once: one reading answers them all.
+        busy = self._busy_here(sorted({r for *_, ranks in asks for r in ranks}))
+        for source, asked, ranks in asks:
+            self._send((asked, [r for r in ranks if r in busy]), source, _CHECKED)
 
     # -- verdicts ---------------------------------------------------------------------
-    def _act(self, statuses: dict, verdict: str) -> None:
+    def _act(self, statuses: dict, busy: set[int], verdict: str) -> None:
         if self._stop.is_set():
             return  # this rank is leaving: what it saw may be the others leaving too
-        report = explain_stall(statuses, self._exits, self.size, self.timeout, self.hosts)
+        report = explain_stall(statuses, self._exits, self.size, self.timeout, self.hosts, busy)
         reason, code = None, 1
         if verdict == "lost":
             reason = "ranks were lost"
@@ -246,22 +330,16 @@ class StallInspector:
         elif verdict == "deadlock":
             reason = "every rank waits in an operation that can never complete (seen twice)"
         else:
-            longest = max(
-                (
-                    a
-                    for s in statuses.values()
-                    if s
-                    for c in s["comms"].values()
-                    for d, a in c["running"]
-                    if not d.patient
-                ),
-                default=0.0,
-            )
+            longest = longest_wait(statuses)
             if longest < self.timeout:
                 return  # a rank left or alarmed, and nothing waits any more
-            if self.abort_after and longest >= self.abort_after:
-                reason = f"the stall has lasted {longest:.0f} s (stall_abort_after={self.abort_after:g} s)"
+            reason = self._too_long(longest)
         self._report(report, reason, code)
+
+    def _too_long(self, longest: float) -> str | None:
+        if self.abort_after and longest >= self.abort_after:
+            return f"the stall has lasted {longest:.0f} s (stall_abort_after={self.abort_after:g} s)"
+        return None
 
     def _report(self, report: str, reason: str | None, code: int = 1) -> None:
         """Abort for ``reason`` (with stall_action="abort"), else warn at most once per ``timeout``."""

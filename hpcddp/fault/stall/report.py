@@ -108,13 +108,31 @@ def _silent_lines(silent: list[int], size: int, hosts: Sequence[str] | None) -> 
             )
         else:
             lines.append(
-                f"  {ranks_text(ranks)} on node {host} did not answer the inspector: dead, or hung outside Python "
-                "(holding the GIL)"
+                f"  {ranks_text(ranks)} on node {host} did not answer the inspector: dead, stopped, or hung "
+                "without using the CPU"
             )
     return lines
 
 
-def explain_stall(statuses: dict, exits: dict, size: int, timeout: float, hosts: Sequence[str] | None = None) -> str:
+def _busy_lines(busy: Sequence[int], hosts: Sequence[str] | None) -> list[str]:
+    by_host: dict[str, list[int]] = {}
+    for r in busy:
+        by_host.setdefault(f" on node {hosts[r]}" if hosts else "", []).append(r)
+    return [
+        f"  {ranks_text(ranks)}{where} {'is' if len(ranks) == 1 else 'are'} busy in a long call outside Python "
+        "(CPU time advancing): holding the GIL (a long sort, regex or pickle), it cannot answer the inspector"
+        for where, ranks in by_host.items()
+    ]
+
+
+def explain_stall(
+    statuses: dict,
+    exits: dict,
+    size: int,
+    timeout: float,
+    hosts: Sequence[str] | None = None,
+    busy=frozenset(),
+) -> str:
     """Return the stall report for one snapshot.
 
     Args:
@@ -123,12 +141,14 @@ def explain_stall(statuses: dict, exits: dict, size: int, timeout: float, hosts:
         size: the number of ranks in the job.
         timeout: the stall timeout, quoted in the report.
         hosts: every rank's host name, to name the node of ranks that did not answer.
+        busy: the ranks that did not answer but use the CPU (see ``hpcddp.fault.stall.liveness``).
     """
     oldest = _oldest(statuses)
-    silent = sorted(r for r, s in statuses.items() if s is None and r not in exits)
+    busy = sorted(busy)
+    silent = sorted(r for r, s in statuses.items() if s is None and r not in exits and r not in busy)
+    unanswered = _busy_lines(busy, hosts) + (_silent_lines(silent, size, hosts) if silent else [])
     if oldest is None:
-        lines = ["[hpcddp stall inspector] no rank is waiting in a collective any more"]
-        return "\n".join(lines + _silent_lines(silent, size, hosts)) if silent else lines[0]
+        return "\n".join(["[hpcddp stall inspector] no rank is waiting in a collective any more", *unanswered])
     key, reference, longest, members = oldest
     seq = reference.seq
     lines = [
@@ -168,10 +188,10 @@ def explain_stall(statuses: dict, exits: dict, size: int, timeout: float, hosts:
         started = exits[r].started.get(key, 0)
         if started < seq:
             lines.append(f"  {_exited_text(r, exits[r])} after #{started}: it will never submit #{seq}")
-    lines.extend(_silent_lines(silent, size, hosts) if silent else [])
+    lines.extend(unanswered)
     waiting = sorted(r for r, d in at_seq.items() if _running(statuses[r], key, seq))
     different = {r for match, rs in groups.items() if match != reference.match_key() for r in rs}
-    late = sorted(set(missing) | set(silent) | different | {r for r in members if r in exits})
+    late = sorted(set(missing) | set(silent) | set(busy) | different | {r for r in members if r in exits})
     lines.append(
         f"  waiting: {ranks_text(waiting) if waiting else 'none'}; missing or different: "
         f"{ranks_text(late) if late else 'none'}"

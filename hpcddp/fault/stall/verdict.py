@@ -4,7 +4,9 @@ Pure functions over the dicts of ``oplog.rank_status`` (one per rank, None for a
 that did not answer) and the exits ranks announced. The rule that keeps a healthy job
 alive: an abort needs certainty.
 
-- **lost**: a rank did not answer the inspector and did not say it was leaving.
+- **lost**: a rank did not answer the inspector, did not say it was leaving, and is
+  not busy: a rank on its node does not see its process use the CPU (``liveness``).
+  A busy rank holds the GIL in a long C call; it is alive, and only slow.
 - **exited**: a rank left (``sys.exit``, the end of its script, ``hpcddp.shutdown()``)
   before starting an operation that another rank is running on a communicator they
   share: that operation can never complete.
@@ -17,15 +19,15 @@ alive: an abort needs certainty.
   whatever its waiting threads say: they compute, and may yet send what a peer waits
   for. Threads inside hpcddp do not count (MPI may busy-poll while they wait). A transfer that is merely slow (all
   members inside the same operation) is completable and never a deadlock.
-- **slow**: anything else (a rank computing, a long transfer): warned about, aborted
-  only after ``stall_abort_after``.
+- **slow**: anything else (a rank computing, busy or not, a long transfer): warned
+  about, aborted only after ``stall_abort_after``.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["Exit", "Stuck", "judge", "stable", "stuck_operations"]
+__all__ = ["Exit", "Stuck", "judge", "longest_wait", "stable", "stuck_operations"]
 
 
 class Exit(NamedTuple):
@@ -130,22 +132,33 @@ def _rank_is_stuck(statuses: dict, exits: dict, rank: int) -> bool:
     return blocking > 0
 
 
-def judge(statuses: dict, exits: dict) -> str:
+def judge(statuses: dict, exits: dict, busy=frozenset()) -> str:
     """Return "lost", "exited", "deadlock" (if ``stable``) or "slow" for one snapshot.
 
     Args:
         statuses: every rank that has not exited: its ``rank_status``, or None when it
             did not answer.
         exits: ``Exit`` of every rank that said it was leaving.
+        busy: the ranks that did not answer but use the CPU (``liveness``).
     """
-    if any(status is None for rank, status in statuses.items() if rank not in exits):
+    if any(status is None for rank, status in statuses.items() if rank not in exits and rank not in busy):
         return "lost"
     if stuck_operations(statuses, exits):
         return "exited"
+    if busy:
+        return "slow"  # a busy rank may yet join what the others wait in
     alive = [rank for rank in statuses if rank not in exits]
     if alive and all(_rank_is_stuck(statuses, exits, rank) for rank in alive):
         return "deadlock"
     return "slow"
+
+
+def longest_wait(statuses: dict) -> float:
+    """Return the seconds the oldest running collective has waited (0 if none; patient ones left out)."""
+    return max(
+        (age for s in statuses.values() if s for c in s["comms"].values() for d, age in c["running"] if not d.patient),
+        default=0.0,
+    )
 
 
 #: CPU cores a rank may use between two snapshots and still count as stuck (its waits poll and sleep)

@@ -1,0 +1,96 @@
+"""A rank that does not answer the stall inspector: busy in one long C call (alive) or stopped (lost)."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hpcddp.fault.stall import StallInspector, liveness
+from hpcddp.testing import run_script
+
+from .conftest import ROOT
+
+LIMIT_S = 180  # a busy 2-core machine starts two torch processes in ~10 s
+TIMEOUT_S = 2
+#: a rank silent this long was declared lost before the fix: stall_timeout, the inspector's wait for answers, 2 ticks
+LOST_AFTER_S = TIMEOUT_S + StallInspector.ANSWER_WITHIN_S + 2
+#: how long rank 1's call is meant to last (the fit to this machine is rough when others load it)
+SILENT_S = LOST_AFTER_S + 8
+
+# One match of a catastrophically backtracking pattern is one C call that holds the GIL
+# throughout (the regex engine never releases it), as a list.sort() of 40M floats or a long
+# pickle would; every extra "a" doubles its time, so the length is fitted to this machine.
+SCRIPT = f"""
+    import os, re, signal, time, torch, hpcddp
+    hpcddp.init()
+    hpcddp.allreduce(torch.ones(1))
+
+    def hold_the_gil(seconds):
+        pattern = re.compile(r"(a+)+$")
+        n, took = 16, 0.0
+        while took < 0.2:
+            n += 1
+            started = time.monotonic()
+            pattern.match("a" * n + "b")
+            took = time.monotonic() - started
+        while took < seconds:
+            n, took = n + 1, 2 * took
+        started = time.monotonic()
+        pattern.match("a" * n + "b")
+        return time.monotonic() - started
+
+    if os.environ["HOW"] == f"rank {{hpcddp.rank()}} busy":
+        print(f"rank {{hpcddp.rank()}} held the GIL for {{hold_the_gil({SILENT_S}):.1f}} s", flush=True)
+    elif os.environ["HOW"] == f"rank {{hpcddp.rank()}} stopped":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    total = hpcddp.allreduce(torch.full((1,), float(hpcddp.rank() + 1)), op=hpcddp.ReduceOp.SUM)
+    print(f"rank {{hpcddp.rank()}} sum {{int(total)}}", flush=True)
+"""
+
+
+def test_a_process_is_busy_while_it_computes_not_while_it_sleeps_or_once_stopped_or_dead():
+    computing = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    sleeping = subprocess.Popen(["sleep", "60"])
+    try:
+        process, asleep = ((p.pid, int(liveness._stat(p.pid)[19])) for p in (computing, sleeping))
+        assert liveness.busy_processes([process, asleep]) == {process}
+        assert liveness.busy_processes([(computing.pid, process[1] + 1)]) == set()  # another process, same pid
+        computing.send_signal(signal.SIGSTOP)
+        assert liveness.busy_processes([process]) == set()
+    finally:
+        for p in (computing, sleeping):
+            p.kill()
+            p.wait()
+    assert liveness.busy_processes([process]) == set()
+    assert liveness.this_process()[1] == os.getpid()
+
+
+def launch(tmp_path, how):
+    started = time.monotonic()
+    env = {"HPCDDP_STALL_TIMEOUT": str(TIMEOUT_S), "HOW": how}
+    result = run_script(2, SCRIPT, tmp_path, timeout=LIMIT_S, env=env, cwd=ROOT)
+    assert not result.timed_out, f"the job hung until the time limit:\n{result.stdout[-5000:]}"
+    return result.stdout, time.monotonic() - started
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_rank_holding_the_gil_in_one_long_c_call_is_busy_not_lost(tmp_path, rank):
+    # Rank 1 does not answer rank 0's questions; rank 0 does not answer rank 1's alarm.
+    out, _ = launch(tmp_path, f"rank {rank} busy")
+    held = re.search(rf"rank {rank} held the GIL for ([\d.]+) s", out)
+    assert held and float(held.group(1)) >= LOST_AFTER_S, out[-5000:]
+    assert "rank 0 sum 3" in out and "rank 1 sum 3" in out, out[-5000:]
+    assert "aborting" not in out and "did not answer" not in out, out[-5000:]
+    assert re.search(rf"rank {rank} on (node )?\S+ is busy in a long call outside Python \(CPU time advancing\)", out)
+
+
+def test_a_stopped_rank_is_still_lost(tmp_path):
+    out, elapsed = launch(tmp_path, "rank 1 stopped")
+    assert "sum 3" not in out, out[-5000:]
+    assert re.search(r"rank 1 on node \S+ did not answer the inspector: dead, stopped", out), out[-5000:]
+    assert "aborting the job: ranks were lost" in out, out[-5000:]
+    assert elapsed < 90, f"{elapsed:.0f} s"
