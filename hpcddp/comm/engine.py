@@ -52,7 +52,9 @@ These rules hold for every collective on the road:
    tests its request for 5 ms, yielding the core between tests (``sched_yield``), then
    sleeps between tests (10 us, doubling to 200 us): a non-blocking collective moves on
    only inside a test, so ranks that arrive within the spin see MPI's own hop latency,
-   while a straggler's long wait leaves the core to training threads (``waits``).
+   while a straggler's long wait leaves the core to training threads. Where a node's
+   ranks outnumber its cores the spin is 50 us: a yield would hand the core to another
+   rank for a whole time slice (``waits.share_cores``).
 8. **Everything is visible.** The runner records every operation in the
    communicator's ``OperationLog``, the point-to-point layer every message, and every
    blocking wait says what it waits for (``hpcddp.comm.oplog.waiting``): the stall

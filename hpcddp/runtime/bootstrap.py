@@ -12,9 +12,10 @@ import functools
 import torch
 
 from ..comm.base import Communicator
+from ..comm.waits import share_cores
 from ..env import ClusterEnvironment, RankLayout, detect_environment
 from .config import InitConfig
-from .device import NodePeer, describe_self, select_device, set_cpu_threads
+from .device import NodePeer, describe_self, ranks_outnumber_cores, select_device, set_cpu_threads
 from .exports import export_layout, export_rendezvous
 from .state import Runtime
 
@@ -43,6 +44,7 @@ def start(config: InitConfig) -> Runtime:
     comm = _create_communicator(chosen, environment, layout, device, config)
     comm.check_collectives = config.check_collectives
     threads = set_cpu_threads(layout, config.num_threads, node_peers)
+    share_cores(ranks_outnumber_cores(layout, node_peers))
     return Runtime(config, environment, layout, device, comm, threads)
 
 

@@ -80,6 +80,25 @@ def select_device(
     return torch.device("cuda", layout.local_rank % visible)
 
 
+def _ranks_sharing(cpus, layout: RankLayout, node_peers: Sequence[NodePeer] | None) -> int:
+    """How many local ranks share this rank's CPUs (``cpus``, its affinity mask)."""
+    if node_peers is not None:
+        return max(1, sum(1 for peer in node_peers if peer.cpus == cpus))
+    node_cpus = os.cpu_count() or len(cpus)
+    return max(1, layout.local_size if len(cpus) >= node_cpus else 1)
+
+
+def ranks_outnumber_cores(layout: RankLayout, node_peers: Sequence[NodePeer] | None = None) -> bool:
+    """Whether the local ranks sharing this rank's CPUs are more than those CPUs (an oversubscribed node).
+
+    Args:
+        layout: this rank's place in the job.
+        node_peers: every local rank's NodePeer, or None when unknown.
+    """
+    cpus = usable_cpus()
+    return _ranks_sharing(cpus, layout, node_peers) > len(cpus)
+
+
 def set_cpu_threads(layout: RankLayout, num_threads: int | None, node_peers: Sequence[NodePeer] | None = None) -> int:
     """Set torch's intra-op threads for this rank and return the number used.
 
@@ -98,12 +117,7 @@ def set_cpu_threads(layout: RankLayout, num_threads: int | None, node_peers: Seq
         if os.environ.get("OMP_NUM_THREADS"):
             return torch.get_num_threads()
         cpus = usable_cpus()
-        node_cpus = os.cpu_count() or len(cpus)
-        if node_peers is not None:
-            sharing = sum(1 for peer in node_peers if peer.cpus == cpus)
-        else:
-            sharing = layout.local_size if len(cpus) >= node_cpus else 1
-        num_threads = len(cpus) // max(1, sharing)
+        num_threads = len(cpus) // _ranks_sharing(cpus, layout, node_peers)
     num_threads = max(1, num_threads)
     torch.set_num_threads(num_threads)
     return num_threads
