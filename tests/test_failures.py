@@ -353,3 +353,28 @@ def test_different_tensor_sizes_end_the_job_with_the_cause(tmp_path, check):
     stalled = re.search(r"rank 1 submitted allreduce #\d+ of shape \[12\] float32 instead", out)
     assert truncated or stalled, out
     assert "data-dependent shapes" in out, out
+
+
+def test_sys_exit_in_a_thread_that_ran_a_collective_ends_only_that_thread(tmp_path):
+    # Python's thread hook ignores SystemExit: the job goes on, as without hpcddp (it was aborted).
+    result, _ = launch(
+        tmp_path,
+        """
+        import sys, threading, torch, hpcddp
+        hpcddp.init()
+
+        def work():
+            hpcddp.allreduce(torch.ones(2))
+            sys.exit(0)
+
+        worker = threading.Thread(target=work, name="worker")
+        worker.start()
+        worker.join()
+        print(f"SUM {hpcddp.allreduce(torch.ones(1), op='sum').item():g} on rank {hpcddp.rank()}", flush=True)
+        """,
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert sorted(line for line in result.stdout.splitlines() if line.startswith("SUM")) == [
+        "SUM 2 on rank 0",
+        "SUM 2 on rank 1",
+    ], result.stdout[-3000:]

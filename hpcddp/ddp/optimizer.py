@@ -225,8 +225,8 @@ class DistributedOptimizer(OptimizerFacade):
         span = _no_span if recorder is None else recorder.measure
         with span("step"):
             self.reducer.synchronize()  # a no-op after a reducing backward pass, which waited itself
-            if self.reducer.num_reductions == self._reductions_at_step:
-                self._warn_grads_outside()
+            self._warn_grads_outside()
+            self.reducer.start_step()
             self._reductions_at_step = self.reducer.num_reductions
             self.reducer.steps_taken += 1
             nonfinite = self.reducer.nonfinite_ranks
@@ -244,8 +244,6 @@ class DistributedOptimizer(OptimizerFacade):
                 return self._optimizer.step(closure)
 
     def _warn_grads_outside(self) -> None:
-        # Only at a step that nothing was reduced for: a gradient replaced after a reduction
-        # (p.grad = p.grad.clamp(...)) derives from the average and is no drift.
         if self._warned_outside or not (names := self.reducer.grads_outside_buckets()):
             return
         self._warned_outside = True
@@ -253,7 +251,8 @@ class DistributedOptimizer(OptimizerFacade):
         log.warning(
             "hpcddp: step() found gradients that no backward hook reduced, assigned by hand (%s): each rank "
             "steps on its own, as with torch DDP, and the replicas drift apart; compute them with loss.backward(), "
-            "or average them first (hpcddp.allreduce(p.grad, op='average')); hvd.DistributedOptimizer averages them",
+            "or average them first (hpcddp.allreduce(p.grad, op='average')); hvd.DistributedOptimizer averages them "
+            "when no backward pass ran since the last step",
             shown,
         )
 

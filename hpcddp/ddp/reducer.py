@@ -153,8 +153,13 @@ class Reducer:
         return [bucket.grads for bucket in self._buckets]
 
     def grads_outside_buckets(self) -> list[str]:
-        """Names of the parameters whose gradient was assigned by hand, outside its bucket (no hook saw it)."""
+        """Names of the parameters whose gradient was assigned by hand since the last step (no hook saw it)."""
         return grads_outside(self._buckets, self._bucket_slots)
+
+    def start_step(self) -> None:
+        """A step was taken: gradients from backward count from here (``grads_outside_buckets``)."""
+        for slot in self._slots.values():
+            slot.landed = False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

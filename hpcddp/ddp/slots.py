@@ -34,6 +34,8 @@ class GradSlot:
     #: rank uses it but one had a gradient, it keeps it (zeros, an earlier average), as in
     #: DDP; sent in the used-counter, so that every rank decides alike (a joined rank too)
     had_grad: bool = False
+    #: got a gradient from backward on this rank since the last ``step()``
+    landed: bool = False
 
     def land(
         self,
@@ -58,7 +60,7 @@ class GradSlot:
         if self.pass_id != pass_id:
             self.pass_id, self.count = pass_id, 0
         self.count += 1
-        self.used = True
+        self.used = self.landed = True
         if learning:
             self.expected = max(self.expected, self.count)
         if not reduces:
@@ -103,17 +105,18 @@ def note_grads_present(buckets: Sequence[Bucket], bucket_slots: Sequence[Sequenc
 
 
 def grads_outside(buckets: Sequence[Bucket], bucket_slots: Sequence[Sequence[GradSlot]]) -> list[str]:
-    """Name the parameters whose ``grad`` is a tensor other than their bucket view.
+    """Name the parameters whose ``grad`` was assigned by hand since the last step: no hook saw it.
 
-    Backward, a reduction and ``zero_grad`` leave every gradient in its view (or None):
-    another tensor was assigned by hand (``p.grad = torch.autograd.grad(...)``), and no
-    hook saw it.
+    Backward, a reduction and ``zero_grad`` leave every gradient in its view (or None);
+    another tensor there, on a parameter backward gave no gradient since the last step,
+    was assigned by hand (``p.grad = torch.autograd.grad(...)``). One backward did give
+    (``p.grad = p.grad.clamp(...)`` after the reduction) derives from the average.
     """
     return [
         slot.name
         for bucket, slots in zip(buckets, bucket_slots)
         for param, slot in zip(bucket.params, slots)
-        if param.grad is not None and param.grad is not slot.view
+        if param.grad is not None and param.grad is not slot.view and not slot.landed
     ]
 
 

@@ -191,7 +191,9 @@ def install_exception_hooks(rank: int, *, use_mpi: bool) -> None:
         from ..comm.oplog import is_collective_thread
 
         thread = args.thread
-        if thread is None or not (thread.name.startswith("hpcddp-") or is_collective_thread(thread)):
+        # sys.exit() ends only its thread, silently, as without hpcddp (Python's own hook ignores it).
+        quiet = issubclass(args.exc_type, SystemExit)
+        if quiet or thread is None or not (thread.name.startswith("hpcddp-") or is_collective_thread(thread)):
             previous_thread_hook(args)
             return
         where = f" in thread {thread.name}"

@@ -216,6 +216,26 @@ def test_gradients_assigned_by_hand_stay_local_as_in_ddp_with_one_warning_naming
     assert "assigned by hand ('out.weight')" in warnings[0], warnings[0]
 
 
+def test_a_gradient_assigned_by_hand_beside_a_backward_pass_is_named_too(caplog):
+    # Backward reduced the other parameters; out.weight's gradient came by hand after it: the
+    # replicas drift unless the user averages it, so the step says so (it did not: only steps
+    # that nothing was reduced for were checked).
+    model = make_model()
+    optimizer = hpcddp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters())
+    weight = model.out.weight
+    with caplog.at_level(logging.WARNING, logger="hpcddp"):
+        for x, y in batches(2):
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            (grad,) = torch.autograd.grad(loss, [weight], retain_graph=True)
+            loss.backward(inputs=[p for p in model.parameters() if p is not weight])
+            weight.grad = grad * (hpcddp.rank() + 1)
+            optimizer.step()
+    optimizer.close()
+    warnings = hand_warnings(caplog)
+    assert len(warnings) == 1 and "assigned by hand ('out.weight')" in warnings[0], warnings
+
+
 def test_no_warning_about_hand_assigned_gradients_in_loops_that_reduce_them(caplog):
     model = make_model()
     model.inp.bias.requires_grad_(False)  # frozen
