@@ -275,8 +275,13 @@ def test_an_older_cpu_torch_is_told_the_cpu_index():
 class FakeNodes:
     """An mpi4py communicator as hierarchy_for sees it: ranks on named hosts (this process is rank 0)."""
 
-    def __init__(self, hosts):
-        self.hosts, self.splits = hosts, 0
+    def __init__(self, hosts, codes=None):
+        self.hosts, self.splits, self.codes = hosts, 0, codes
+
+    def Allreduce(self, _, both, op):
+        # min and -max of every rank's setting code; None: all ranks as this one
+        if self.codes is not None:
+            both[0], both[1] = min(self.codes), -max(self.codes)
 
     def Get_size(self):
         return len(self.hosts)
@@ -310,7 +315,7 @@ def test_hierarchical_allreduce_auto_takes_two_levels_across_nodes_of_several_ra
     from hpcddp.runtime.config import InitConfig
 
     assert InitConfig(hierarchical_allreduce="auto").hierarchical_allreduce == "auto"
-    MPI = SimpleNamespace(Get_processor_name=lambda: hosts[0], UNDEFINED=-32766)
+    MPI = SimpleNamespace(Get_processor_name=lambda: hosts[0], UNDEFINED=-32766, IN_PLACE=None, MIN=None)
     comm = FakeNodes(hosts)
     hierarchy = hierarchy_for(comm, MPI, enabled="auto")
     assert (hierarchy is not None) == two_levels, hosts
@@ -318,3 +323,15 @@ def test_hierarchical_allreduce_auto_takes_two_levels_across_nodes_of_several_ra
         assert hierarchy.num_nodes == len(set(hosts)) and comm.splits == 2
     assert hierarchy_for(FakeNodes(hosts), MPI, enabled=False) is None
     assert hierarchy_for(FakeNodes(hosts), MPI, enabled=True) is not None
+
+
+def test_ranks_that_disagree_on_the_hierarchical_allreduce_fail_alike_instead_of_hanging():
+    # A rank with it off used to return before the others' allgather of host names: init hung.
+    from types import SimpleNamespace
+
+    from hpcddp.comm.hierarchy import hierarchy_for
+
+    MPI = SimpleNamespace(Get_processor_name=lambda: "a", UNDEFINED=-32766, IN_PLACE=None, MIN=None)
+    for mine, codes in ((False, [0, 2]), ("auto", [0, 2]), (True, [1, 0])):
+        with pytest.raises(ValueError, match="HPCDDP_HIERARCHICAL_ALLREDUCE .* differs between the ranks"):
+            hierarchy_for(FakeNodes(["a", "a", "b", "b"], codes), MPI, enabled=mine)

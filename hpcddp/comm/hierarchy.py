@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 __all__ = ["HIERARCHY_MIN_BYTES", "NodeHierarchy", "hierarchy_for", "pays_across"]
 
 #: messages below this size take the flat allreduce: three steps cost more latency
@@ -96,6 +98,13 @@ def pays_across(hosts: list[str]) -> bool:
     return 1 < len(set(hosts)) < len(hosts)
 
 
+def _min_of(comm, MPI, code: int) -> tuple[int, int]:
+    """(smallest, -largest) of every rank's ``code``, in one small allreduce."""
+    both = np.array([code, -code], dtype=np.int64)
+    comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MIN)
+    return int(both[0]), int(both[1])
+
+
 def hierarchy_for(comm, MPI, enabled: bool | str) -> NodeHierarchy | None:
     """Return the two-level scheme for ``comm`` when ``enabled`` (collective over ``comm``),
     else None: a flat allreduce.
@@ -107,7 +116,17 @@ def hierarchy_for(comm, MPI, enabled: bool | str) -> NodeHierarchy | None:
             "auto" (when ``pays_across`` the nodes; every rank sees the same hosts, so
             all decide alike).
     """
-    if not enabled or comm.Get_size() == 1:
+    if comm.Get_size() == 1:
+        return None
+    # Every rank takes part whatever its setting: ranks that disagree get one error, not a hang.
+    code = {False: 0, True: 1, "auto": 2}[enabled]
+    low, minus_high = _min_of(comm, MPI, code)
+    if low != -minus_high:
+        raise ValueError(
+            "HPCDDP_HIERARCHICAL_ALLREDUCE (init(hierarchical_allreduce=)) differs between the ranks: give every "
+            "rank the same value (export it before mpirun, or mpirun -x HPCDDP_HIERARCHICAL_ALLREDUCE)"
+        )
+    if not enabled:
         return None
     hosts = comm.allgather(MPI.Get_processor_name())
     if enabled == "auto" and not pays_across(hosts):
