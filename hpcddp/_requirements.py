@@ -18,7 +18,7 @@ __all__ = ["NEWEST_TESTED_TORCH", "OLDEST_TORCH", "check_torch_version"]
 #: the oldest torch the test suite runs on (setup.cfg's install_requires says the same)
 OLDEST_TORCH = (2, 9)
 #: the newest torch release (major, minor) the test suite ran on
-NEWEST_TESTED_TORCH = (2, 14)
+NEWEST_TESTED_TORCH = (2, 15)
 
 
 def check_torch_version(version: str | None = None) -> None:
