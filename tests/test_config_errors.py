@@ -1,9 +1,11 @@
 """Bad configuration fails with one clear line that names the knob, the value and the fix."""
 
+import configparser
 import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -257,8 +259,8 @@ def test_an_older_torch_than_the_tested_ones_fails_at_import_naming_the_fix():
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert last == (
-        "ImportError: hpcddp needs torch >= 2.13 (the oldest version its tests run on), found torch 2.5.1+cu121: "
-        "pip install 'torch>=2.13'"
+        "ImportError: hpcddp needs torch >= 2.9 (the oldest version its tests run on), found torch 2.5.1+cu121: "
+        "pip install 'torch>=2.9'"
     ), result.stderr
 
 
@@ -267,7 +269,7 @@ def test_an_older_cpu_torch_is_told_the_cpu_index():
 
     with pytest.raises(ImportError) as raised:
         check_torch_version("2.5.1+cpu")
-    assert str(raised.value).endswith("pip install 'torch>=2.13' --index-url https://download.pytorch.org/whl/cpu"), (
+    assert str(raised.value).endswith("pip install 'torch>=2.9' --index-url https://download.pytorch.org/whl/cpu"), (
         raised.value
     )
 
@@ -335,3 +337,33 @@ def test_ranks_that_disagree_on_the_hierarchical_allreduce_fail_alike_instead_of
     for mine, codes in ((False, [0, 2]), ("auto", [0, 2]), (True, [1, 0])):
         with pytest.raises(ValueError, match="HPCDDP_HIERARCHICAL_ALLREDUCE .* differs between the ranks"):
             hierarchy_for(FakeNodes(["a", "a", "b", "b"], codes), MPI, enabled=mine)
+
+
+def test_a_newer_torch_than_the_tested_ones_imports_with_one_warning_line():
+    result = subprocess.run(
+        [sys.executable, "-c", "import torch; torch.__version__ = '2.99.0+cu130'; import hpcddp; print('imported')"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "imported"
+    from hpcddp._requirements import NEWEST_TESTED_TORCH, OLDEST_TORCH
+
+    oldest, newest = (".".join(map(str, v)) for v in (OLDEST_TORCH, NEWEST_TESTED_TORCH))
+    assert result.stderr.splitlines() == [
+        f"hpcddp: torch 2.99.0+cu130 is newer than the releases its tests ran on (torch {oldest} to {newest}): "
+        f"if torch.distributed misbehaves, try pip install 'torch<{NEWEST_TESTED_TORCH[0]}.{NEWEST_TESTED_TORCH[1] + 1}' "
+        "and report it"
+    ]
+
+
+def test_setup_cfg_and_the_import_check_name_the_same_oldest_torch():
+    config = configparser.ConfigParser()
+    config.read(Path(ROOT) / "setup.cfg")
+    from hpcddp._requirements import OLDEST_TORCH
+
+    pins = [
+        line.strip() for line in config["options"]["install_requires"].splitlines() if line.strip().startswith("torch")
+    ]
+    assert pins == [f"torch>={OLDEST_TORCH[0]}.{OLDEST_TORCH[1]}"]

@@ -14,7 +14,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from ._profiling import begin, end_when_done
+from ._profiling import begin, end_when_done, wait_ended
 
 __all__ = ["PointToPoint"]
 
@@ -22,9 +22,10 @@ __all__ = ["PointToPoint"]
 class _MessageWork(dist.Work):
     """A message in flight; ``is_completed()`` moves it on, ``wait()`` completes it (raising on a mismatch)."""
 
-    def __init__(self, message, group_timeout: float | None, describe: str) -> None:
+    def __init__(self, message, group_timeout: float | None, describe: str, profiled=None) -> None:
         super().__init__()
         self._message = message
+        self._profiled = profiled  # its profiler event (``_profiling.begin``), or None
         self._group_timeout = group_timeout
         self._describe = describe
         self._future = torch.futures.Future()
@@ -46,6 +47,7 @@ class _MessageWork(dist.Work):
             raise RuntimeError(f"{self._describe}: Timed out after {seconds:g} s waiting for the peer")
         self._message.wait()  # raises a mismatch; a receive matched just in time takes its data
         self._settle()
+        wait_ended(self._profiled)
         return True
 
     def is_completed(self) -> bool:
@@ -95,4 +97,4 @@ class PointToPoint:
         engine.check_open("send" if op == "send" else "recv")
         event = begin(f"{self._backend_name}:{op}", tensors)
         describe = f"{op} {peer} on {engine.agreement.label}"
-        return _MessageWork(end_when_done(event, post()), engine.agreement.timeout, describe)
+        return _MessageWork(end_when_done(event, post()), engine.agreement.timeout, describe, event)

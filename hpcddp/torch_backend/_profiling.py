@@ -10,7 +10,10 @@ thread-local state: torch's ``_call_end_callbacks_on_jit_fut`` ends it from a fu
 callback with the state of the thread that began it (ending it from a plain Python
 thread leaves it open until the profiler stops). The operation's completion hands that
 future to one thread of this module, which completes it: also a blocking call that the
-calling thread ran itself ends its event elsewhere, as gloo's do.
+calling thread ran itself ends its event elsewhere, as gloo's do. A Work's ``wait()``
+returns only once its event ended (``wait_ended``), as gloo's Work ends its event before
+it completes: a profiler stopped right after the wait has the event (without this, a
+loaded machine's ending thread lost that race now and then).
 
 An event still open when its profiler stops is never ended nor released (ending or
 freeing it after ``_disable_profiler`` crashes torch 2.13 in its event collection): the
@@ -28,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["begin", "end_when_done"]
+__all__ = ["begin", "end_when_done", "wait_ended"]
 
 
 def begin(name: str, inputs: Sequence[torch.Tensor]) -> _Event | None:
@@ -54,11 +57,18 @@ def end_when_done(event: _Event | None, handle):
     return handle
 
 
+def wait_ended(event: _Event | None) -> None:
+    """Block until ``event`` (from ``begin``) ended, or its profiler stopped first; None: return at once."""
+    if event is not None:
+        event.settled.wait()
+
+
 class _Event:
-    __slots__ = ("end", "session")
+    __slots__ = ("end", "session", "settled")
 
     def __init__(self, end: torch.futures.Future, session: int) -> None:
         self.end, self.session = end, session
+        self.settled = threading.Event()  # set by the ending thread, whether it ended the event or not
 
 
 _session = 0  # how many times a profiler stopped
@@ -99,3 +109,4 @@ def _end_events(events: queue.SimpleQueue) -> None:
             if event.session == _session:
                 _unended.discard(event)
                 event.end.set_result(None)
+        event.settled.set()

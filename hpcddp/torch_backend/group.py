@@ -33,7 +33,7 @@ from ._compile import run_eagerly_under_compile
 from ._exchange import ExchangeCollectives, like
 from ._futures import OrderedFuture
 from ._p2p import PointToPoint
-from ._profiling import begin, end_when_done
+from ._profiling import begin, end_when_done, wait_ended
 
 __all__ = ["BACKEND_NAME", "ProcessGroupHPCDDP"]
 
@@ -44,15 +44,17 @@ BACKEND_NAME = "hpcddp"
 class _Work(dist.Work):
     """An operation of the engine; its torch future completes on the runner."""
 
-    def __init__(self, handle, future: torch.futures.Future) -> None:
+    def __init__(self, handle, future: torch.futures.Future, profiled=None) -> None:
         super().__init__()
         self._handle = handle
         self._future = future
+        self._profiled = profiled  # its profiler event (``_profiling.begin``), or None
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         seconds = timeout.total_seconds() if timeout else None
         self._handle.wait(seconds or None)  # raises the operation's error, if any
         self._future.wait()  # the runner completes it right after the handle
+        wait_ended(self._profiled)
         return True
 
     def is_completed(self) -> bool:
@@ -185,7 +187,7 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
         wake = True if opts is None else bool(getattr(opts, "asyncOp", True))
         handle = end_when_done(profiled, self._comm.start(collective, wake=wake, on_done=complete))
         future.handle = handle
-        return _Work(handle, future)
+        return _Work(handle, future, profiled)
 
     # -- collectives ------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> _Work:
@@ -273,6 +275,7 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
         for work in works[:-1]:
             work.wait()
         end_when_done(event, works[-1]._handle)
+        works[-1]._profiled = event
         if result is not None:
             # value() first: a failed operation fails the returned future too
             works[-1]._future = works[-1]._future.then(lambda done: (done.value(), result)[1])

@@ -26,6 +26,11 @@
 - ``monitored_barrier``: torch's refuses every backend but gloo by name; for hpcddp's
   groups the wrapper calls the group's own (gloo's protocol and messages), and any
   other group still gets torch's.
+- ``batch_isend_irecv``: from torch 2.14 on it asks every ``ProcessGroup`` subclass for
+  its C++ backend to see whether it coalesces ("No backend type associated with device
+  type cpu" for a group written in Python, which has none); for hpcddp's groups the
+  wrapper posts each message as torch does for a backend that does not coalesce (torch
+  2.13 and older did that for every subclass), any other group still gets torch's.
 """
 
 from __future__ import annotations
@@ -229,6 +234,28 @@ def _route_monitored_barrier(monitored_barrier):
     return wrapper
 
 
+def _route_batch_isend_irecv(batch_isend_irecv):
+    """Wrap torch's ``batch_isend_irecv``: hpcddp's groups post each message, every other group gets torch's."""
+
+    @functools.wraps(batch_isend_irecv)
+    def wrapper(p2p_op_list):
+        group = getattr(p2p_op_list[0], "group", None) if isinstance(p2p_op_list, list) and p2p_op_list else None
+        if group is None and c10d.is_initialized():
+            group = c10d._get_default_group()
+        if not isinstance(group, ProcessGroupHPCDDP):
+            return batch_isend_irecv(p2p_op_list)  # also torch's errors for a list that is not one of P2POps
+        c10d._check_p2p_op_list(p2p_op_list)
+        works = []
+        for op in p2p_op_list:  # op.peer: the global rank in every torch release (group_peer came later)
+            work = op.op(op.tensor, op.peer, group=op.group, tag=op.tag)
+            if work:
+                works.append(work)
+        return works
+
+    wrapper.__hpcddp__ = True
+    return wrapper
+
+
 def install() -> None:
     """Register the ``hpcddp`` backend and, on torch builds without MPI, route ``"mpi"`` to it (idempotent)."""
     global _installed, _mpi_routed
@@ -239,6 +266,8 @@ def install() -> None:
         c10d.init_process_group = dist.init_process_group = supply_store(c10d.init_process_group, _world_communicator)
     if not getattr(c10d.monitored_barrier, "__hpcddp__", False):
         c10d.monitored_barrier = dist.monitored_barrier = _route_monitored_barrier(c10d.monitored_barrier)
+    if not getattr(c10d.batch_isend_irecv, "__hpcddp__", False):
+        c10d.batch_isend_irecv = dist.batch_isend_irecv = _route_batch_isend_irecv(c10d.batch_isend_irecv)
     if not getattr(c10d._new_process_group_helper, "__hpcddp__", False):
         c10d._new_process_group_helper = _see_timeout(c10d._new_process_group_helper)
     if not c10d.is_mpi_available():

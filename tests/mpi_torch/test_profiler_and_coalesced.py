@@ -38,9 +38,14 @@ def collectives(group):
 @pytest.mark.parametrize("index", range(8))
 def test_each_operation_records_the_event_gloo_records(gloo, index):
     mine = comm_events(dist.get_backend(), collectives(None)[index])
-    reference = comm_events("gloo", collectives(gloo)[index])
-    assert mine == reference
     assert mine and all(is_async for _, _, is_async in mine)
+    try:
+        reference = comm_events("gloo", collectives(gloo)[index])
+    except RuntimeError as err:
+        if "does not support" not in str(err):  # torch < 2.13: "Backend gloo does not support alltoall"
+            raise
+        pytest.skip(f"no reference: torch {torch.__version__}: {err}")
+    assert mine == reference
 
 
 def test_all_gather_coalesced_matches_gloo(gloo):
