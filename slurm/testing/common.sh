@@ -26,10 +26,15 @@ log() {
 
 # Print the pid recorded in pidfile $1 if that process is alive, else fail.
 daemon_pid() {
-    local pid
+    local pid stat
     [[ -r $1 ]] || return 1
     pid=$(<"$1")
     [[ $pid =~ ^[0-9]+$ ]] && kill -0 "$pid" 2>/dev/null || return 1
+    # A daemon that died unreaped (a container's pid 1 may reap nothing) is a zombie, which kill -0
+    # finds: dead all the same. The state follows the last ')' of /proc/PID/stat.
+    stat=$(cat "/proc/$pid/stat" 2>/dev/null) || return 1
+    stat=${stat##*) }
+    [[ ${stat%% *} != Z ]] || return 1
     echo "$pid"
 }
 
