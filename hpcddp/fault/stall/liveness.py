@@ -5,7 +5,10 @@ big regex, a long pickle) cannot answer the inspector: none of its threads runs 
 until the call returns. The kernel still shows what it does: its CPU time advances. A
 stopped (SIGSTOP), dead or zombie process, or one blocked without using the CPU, is not
 busy. Only a process on the same node can read another's ``/proc/<pid>/stat``, so a
-node is a kernel and a process-id namespace, not a host name (containers share one).
+node is a kernel, a process-id namespace and a network namespace, not a host name
+(containers share one). The network namespace counts because a process that can be read
+may still be cut off: network namespaces on one kernel (containers, virtual nodes) have
+links of their own, and a rank behind a cut link is alive, computing, and lost to the job.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def this_process() -> tuple[str, int, int] | None:
     """Return this process's (node, pid, start time), or None where there is no ``/proc`` to read."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as file:
-            node = f"{file.read().strip()} {os.readlink('/proc/self/ns/pid')}"
+            node = f"{file.read().strip()} {os.readlink('/proc/self/ns/pid')} {os.readlink('/proc/self/ns/net')}"
         return node, os.getpid(), int(_stat(os.getpid())[19])
     except (OSError, IndexError, ValueError):
         return None
