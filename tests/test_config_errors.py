@@ -249,13 +249,14 @@ def test_stall_settings_from_environment_and_arguments(fresh):
     assert bootstrap_state._runtime.config.stall_timeout == 0
 
 
+def import_hpcddp_under_torch(version, then=""):
+    """Import hpcddp in a fresh interpreter whose torch says it is ``version``; run ``then`` after it."""
+    code = f"import torch; torch.__version__ = {version!r}; import hpcddp; {then}"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
 def test_an_older_torch_than_the_tested_ones_fails_at_import_naming_the_fix():
-    result = subprocess.run(
-        [sys.executable, "-c", "import torch; torch.__version__ = '2.5.1+cu121'; import hpcddp"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = import_hpcddp_under_torch("2.5.1+cu121")
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert last == (
@@ -340,12 +341,7 @@ def test_ranks_that_disagree_on_the_hierarchical_allreduce_fail_alike_instead_of
 
 
 def test_a_newer_torch_than_the_tested_ones_imports_with_one_warning_line():
-    result = subprocess.run(
-        [sys.executable, "-c", "import torch; torch.__version__ = '2.99.0+cu130'; import hpcddp; print('imported')"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = import_hpcddp_under_torch("2.99.0+cu130", then="print('imported')")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "imported"
     from hpcddp._requirements import NEWEST_TESTED_TORCH, OLDEST_TORCH

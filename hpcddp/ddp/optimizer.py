@@ -43,8 +43,8 @@ class DistributedOptimizer(OptimizerFacade):
     reentrant ``torch.utils.checkpoint``) is reduced once both accumulations are
     in: the first backward pass learns how often each parameter accumulates (and
     reduces only at its end). A gradient assigned by hand (``p.grad =
-    torch.autograd.grad(...)``) at a step that no backward pass reduced for is not
-    averaged, as in DDP; ``step()`` then warns once, naming the parameters.
+    torch.autograd.grad(...)``) to a parameter backward gave nothing since the last
+    step is not averaged, as in DDP; ``step()`` then warns once, naming the parameters.
 
     Args:
         optimizer: any ``torch.optim.Optimizer``.
