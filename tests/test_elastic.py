@@ -519,3 +519,108 @@ def test_the_driver_quotes_a_failed_ranks_error_on_one_line_of_bounded_length(ca
     (line,) = [line for line in capsys.readouterr().err.splitlines() if "failed" in line]
     assert f"rank(s) 0 on h, 1 on h, 2 on h failed ({'E' * 300}...; and 1 other message(s)): the job ends" in line
     assert len(line) < 500
+
+
+# ---- at scale: hundreds of hosts, thousands of ranks ----------------------------------------
+
+
+def test_health_checks_of_512_hosts_sharing_the_drivers_cores_fail_only_the_bad_hosts(monkeypatch):
+    from hpcddp.cli.elastic import launchers
+    from hpcddp.testing.fake_hosts import FakeHosts
+
+    names = [f"node{i:03d}" for i in range(512)]
+    bad, hung = {"node001", "node300"}, {"node007"}
+    # Each check needs 0.05 s of the driver's 8 cores: 512 at once take 3.2 s each, past the 1.5 s timeout.
+    fakes = FakeHosts(work_s=0.05, capacity=8, bad=bad, hung=hung)
+    monkeypatch.setattr(launchers, "stop_launcher", FakeHosts.stop)
+    monkeypatch.setattr(launchers.JobLauncher, "_start_check", lambda self, host: fakes.start(host))
+
+    failed = launchers.JobLauncher("mpirun", [], {}).failed_hosts(names, timeout=1.5)
+
+    assert failed == bad | hung
+    assert fakes.most_at_once <= 64  # bounded: never every host at once
+    assert fakes.started == 512 + len(hung)  # a timeout is checked once more before it fails the host
+
+
+def test_the_driver_holds_more_rank_connections_than_the_soft_open_file_limit():
+    import socket
+    import subprocess
+    import time
+
+    # The driver in a process of its own with a soft limit of 256 (the hard one left as it is).
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import resource, sys\n"
+            "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+            "from hpcddp.cli.elastic.monitor import DriverServer\n"
+            "server = DriverServer('secret', loopback_only=True)\n"
+            "server.begin_launch(0)\n"
+            "print(server.port, flush=True)\n"
+            "sys.stdin.readline()\n"
+            "print(len(server.records()), flush=True)\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    ranks = []
+    try:
+        port = server.stdout.readline()
+        for rank in range(300):
+            sock = socket.create_connection(("127.0.0.1", int(port)), timeout=10)
+            sock.sendall(f'{{"hello":"secret","rank":{rank},"size":300,"host":"h","launch":0}}\n'.encode())
+            ranks.append(sock)
+        time.sleep(2)  # the driver's thread reads them
+        server.stdin.write("\n")
+        server.stdin.flush()
+        assert int(server.stdout.readline()) == 300
+    finally:
+        for sock in ranks:
+            sock.close()
+        server.kill()
+        server.wait(timeout=30)
+
+
+def test_the_driver_says_in_one_line_when_the_ranks_cannot_fit_under_its_hard_file_limit():
+    from hpcddp.cli.elastic.monitor import DriverServer
+
+    server = DriverServer("secret", loopback_only=True)
+    try:
+        server.file_limit, server.file_hard_limit = 1024, 1024
+        assert server.room_for(512) is None
+        line = server.room_for(4096)
+        assert "4096 ranks need 4224 open files in the driver, but its limit is 1024 (hard limit 1024)" in line
+        assert "ulimit -Hn 4224" in line and "\n" not in line
+    finally:
+        server.close()
+
+
+def test_beats_keep_a_rank_seen_and_a_connection_closed_without_a_last_word_is_a_lost_rank():
+    import socket
+    import time
+
+    from hpcddp.cli.elastic.monitor import DriverServer
+
+    def wait_for(condition):
+        deadline = time.monotonic() + 10
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return condition()
+
+    server = DriverServer("secret", loopback_only=True)
+    try:
+        server.begin_launch(0)
+        rank = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        rank.sendall(b'{"hello":"secret","rank":0,"size":1,"host":"h","launch":0}\n')
+        assert wait_for(lambda: 0 in server.records())
+        greeted = server.records()[0].last_seen
+        time.sleep(0.3)
+        rank.sendall(b'{"beat":1}\n')
+        assert wait_for(lambda: server.records()[0].last_seen > greeted)
+        rank.close()  # the process died: no "done", "restart" or "error" first
+        assert wait_for(lambda: server.records()[0].ended == "lost")
+    finally:
+        server.close()

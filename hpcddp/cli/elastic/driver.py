@@ -200,6 +200,9 @@ class ElasticDriver:
         }
         command, environ = self.launcher.command(hosts, self.program, variables)
         log(f"start {launch}: {num_proc} ranks on {', '.join(map(str, hosts))}")
+        no_room = server.room_for(num_proc)
+        if no_room:
+            log(no_room)
         self._launch_environ = environ
         self._proc = proc = subprocess.Popen(command, env=environ, start_new_session=True)
         names = {h.name for h in hosts}

@@ -5,6 +5,14 @@ job must survive a node's loss: ``sbatch --no-kill``) gets them as ``--nodelist`
 is healthy when the same launcher can run ``true`` on it within a few seconds: that needs
 the node up, its launcher daemon able to start and its network to reach this host, which
 is what the job needs.
+
+Every check is a launcher process on the driver's host, so at most ``HEALTH_CONCURRENCY``
+run at once (512 mpiruns started together time out on the driver's own load, and every
+healthy host would be blacklisted), and each has ``HEALTH_TIMEOUT_S`` from its own start,
+not from the first one's. A check that times out, or whose launcher cannot even be started
+(this host out of processes or file descriptors), tells nothing about the host: it is
+tried once more after the others, and only a second timeout fails the host (a node that
+hangs must not hang the restart, so it cannot stay "unknown" for ever).
 """
 
 from __future__ import annotations
@@ -18,10 +26,13 @@ from ...fault.launcher_process import stop_launcher
 from ..launch import LaunchConfig, build_launch_command, mpirun_command
 from .hosts import Host
 
-__all__ = ["HEALTH_TIMEOUT_S", "JobLauncher"]
+__all__ = ["HEALTH_CONCURRENCY", "HEALTH_TIMEOUT_S", "JobLauncher"]
 
-#: how long a host may take to run ``true`` through the launcher before it counts as failed
+#: how long a host may take to run ``true`` through the launcher, from its own check's start
 HEALTH_TIMEOUT_S = 8.0
+#: health checks (launcher processes on the driver's host) running at once
+HEALTH_CONCURRENCY = 32
+_CHECK_POLL_S = 0.05
 
 
 class JobLauncher:
@@ -72,24 +83,51 @@ class JobLauncher:
         placement = [f"--nodelist={nodes}", f"--nodes={len(hosts)}", "--distribution=block", "--overlap"]
         return command[:1] + placement + command[1:], environ
 
-    def failed_hosts(self, hosts: Sequence[str], timeout: float = HEALTH_TIMEOUT_S) -> set[str]:
-        """Return the hosts among ``hosts`` that cannot run ``true`` through the launcher in ``timeout`` s."""
-        checks = {host: self._start_check(host) for host in hosts}
-        deadline = time.monotonic() + timeout
-        failed = set()
-        for host, proc in checks.items():
-            if proc is None:
-                failed.add(host)
-                continue
-            try:
-                code = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                # Only `true` runs: no grace, or each host still hanging adds one.
-                stop_launcher(proc, self._environ, grace_s=0.0)
-                code = -1
-            if code != 0:
-                failed.add(host)
+    def failed_hosts(
+        self, hosts: Sequence[str], timeout: float = HEALTH_TIMEOUT_S, concurrency: int = HEALTH_CONCURRENCY
+    ) -> set[str]:
+        """Return the hosts among ``hosts`` that cannot run ``true`` through the launcher (see the module's docstring).
+
+        Args:
+            hosts: the hosts to check.
+            timeout: seconds each check may take, from its own start.
+            concurrency: checks running at once.
+        """
+        failed, unknown = self._check_all(hosts, timeout, concurrency)
+        if unknown:
+            again_failed, still_unknown = self._check_all(sorted(unknown), timeout, concurrency)
+            failed |= again_failed | still_unknown
         return failed
+
+    def _check_all(self, hosts: Sequence[str], timeout: float, concurrency: int) -> tuple[set[str], set[str]]:
+        """Run the checks of ``hosts``, ``concurrency`` at a time; return (failed, unknown: timed out or not started)."""
+        waiting = list(reversed(hosts))
+        running: dict[str, tuple[subprocess.Popen, float]] = {}
+        failed: set[str] = set()
+        unknown: set[str] = set()
+        while waiting or running:
+            while waiting and len(running) < max(1, concurrency):
+                host = waiting.pop()
+                proc = self._start_check(host)
+                if proc is None:
+                    unknown.add(host)
+                else:
+                    running[host] = (proc, time.monotonic())
+            time.sleep(_CHECK_POLL_S)
+            now = time.monotonic()
+            for host, (proc, started) in list(running.items()):
+                # Looked at before the clock: a check that ended while this loop was slow passed.
+                code = proc.poll()
+                if code is None and now - started < timeout:
+                    continue
+                del running[host]
+                if code is None:
+                    # Only `true` runs: no grace, or each host still hanging adds one.
+                    stop_launcher(proc, self._environ, grace_s=0.0)
+                    unknown.add(host)
+                elif code != 0:
+                    failed.add(host)
+        return failed, unknown
 
     def _start_check(self, host: str) -> subprocess.Popen | None:
         if self.launcher == "mpirun":

@@ -3,10 +3,16 @@
 Ranks connect (``hpcddp.elastic.worker``), beat once a second and end with a last word.
 A connection that closes without one is a lost rank (its process died: the kernel closes
 its sockets at once); one that goes silent is a lost node (cut off, or down).
+
+The driver holds one connection per rank: it raises its open-file limit to the hard limit
+when it starts (the usual soft limit, 1,024, is below 4,096 ranks), and ``room_for`` says
+in one line when a start has more ranks than it can hold.
 """
 
 from __future__ import annotations
 
+import errno
+import resource
 import selectors
 import socket
 import threading
@@ -16,9 +22,25 @@ from dataclasses import dataclass, field
 from ...elastic.protocol import HostUpdate, LineReader, send_message
 from ...env.network import list_interfaces
 
-__all__ = ["DriverServer", "RankRecord"]
+__all__ = ["DriverServer", "RankRecord", "raise_open_file_limit"]
 
 _MAX_HELLO_BYTES = 4096
+#: connections that may wait to be accepted (the kernel caps it at net.core.somaxconn)
+_BACKLOG = 4096
+#: open files the driver needs besides the ranks' connections: its listener, launchers, health checks
+RESERVED_FILES = 128
+
+
+def raise_open_file_limit() -> tuple[int, int]:
+    """Raise this process's soft limit of open files to its hard limit; return (soft, hard) after it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (OSError, ValueError):  # macOS refuses an unlimited soft limit: keep what there is
+            pass
+    return soft, hard
 
 
 @dataclass
@@ -55,7 +77,8 @@ class DriverServer:
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind(("127.0.0.1" if loopback_only else "0.0.0.0", 0))
-        self._listener.listen(256)
+        self.file_limit, self.file_hard_limit = raise_open_file_limit()
+        self._listener.listen(_BACKLOG)
         self.port = self._listener.getsockname()[1]
         interfaces = list_interfaces()
         outward = [i.address for i in interfaces if not i.is_loopback]
@@ -77,6 +100,17 @@ class DriverServer:
             self._launch = launch
             self._records = {}
             self._update = None
+
+    def room_for(self, num_ranks: int) -> str | None:
+        """Return one line saying why ``num_ranks`` connections do not fit under the open-file limit, or None."""
+        need = num_ranks + RESERVED_FILES
+        if self.file_limit == resource.RLIM_INFINITY or need <= self.file_limit:
+            return None
+        return (
+            f"{num_ranks} ranks need {need} open files in the driver, but its limit is {self.file_limit} "
+            f"(hard limit {self.file_hard_limit}): ranks past it go unwatched (a lost one is seen only when the "
+            f"job ends); raise the hard limit before hpcddp run (ulimit -Hn {need}, or nofile in limits.conf)"
+        )
 
     def records(self) -> dict[int, RankRecord]:
         """Return a copy of the current start's records, by rank."""
@@ -118,7 +152,11 @@ class DriverServer:
     def _accept(self) -> None:
         try:
             sock, _ = self._listener.accept()
-        except OSError:
+        except OSError as err:
+            if err.errno in (errno.EMFILE, errno.ENFILE):
+                # The listener stays readable while the connection waits: without a pause this
+                # thread would spin (room_for has said why already).
+                self._stop.wait(0.1)
             return
         sock.setblocking(False)
         self._connections[sock] = _Connection()
@@ -146,10 +184,10 @@ class DriverServer:
                 send_message(sock, update)
             except OSError:
                 pass
-            if conn.record is not None:
-                conn.record.last_seen = now
-                if not data and conn.record.ended is None:
-                    conn.record.ended, conn.record.ended_at = "lost", now
+        if conn.record is not None:
+            conn.record.last_seen = now
+            if not data and conn.record.ended is None:
+                conn.record.ended, conn.record.ended_at = "lost", now
         # A stranger: its first line was not a rank's hello, or it sends a line longer than any hello.
         if not data or (conn.record is None and (messages or len(conn.reader.pending) > _MAX_HELLO_BYTES)):
             self._drop(sock)
