@@ -84,6 +84,7 @@ def test_timeline_of_two_ranks_shows_nested_bucket_phases_and_overlap(tmp_path, 
     num_buckets = int(result.stdout.split("buckets ")[1].split()[0])
     assert num_buckets >= 3
     spans, names = load(trace_path)
+    assert not (tmp_path / "trace.json.ranks").exists()  # the per-rank files, merged, are gone
     for rank in range(2):
         assert names[(rank, None)] == f"rank {rank}"
         assert names[(rank, 0)] == "training"
@@ -150,3 +151,70 @@ def test_unwritable_timeline_path_fails_at_init_in_one_line_per_rank(tmp_path):
         line = next(x for x in result.stdout.splitlines() if x.startswith(f"[hpcddp rank {rank}] error:"))
         assert f"timeline= (HPCDDP_TIMELINE) {str(trace_path)!r} cannot be written on rank 0" in line
     assert "Traceback" not in result.stdout
+
+
+def test_events_go_to_the_ranks_file_in_chunks_while_recording(tmp_path):
+    from hpcddp.observe import timeline
+
+    recorder = timeline.Timeline(tmp_path / "trace.json", rank=3)
+    for i in range(3 * timeline.CHUNK_EVENTS + 5):
+        recorder.span("step", i * 1e-3, i * 1e-3 + 5e-4)
+    assert len(recorder.events) < timeline.CHUNK_EVENTS  # memory holds one chunk at most
+    (pending,) = (tmp_path / "trace.json.ranks").iterdir()  # under a temporary name until the end
+    assert pending.name.startswith(".rank-3.jsonl.") and pending.name.endswith(".tmp")
+    assert len(pending.read_bytes().splitlines()) == 3 * timeline.CHUNK_EVENTS
+    assert recorder.close() is None
+    lines = (tmp_path / "trace.json.ranks" / "rank-3.jsonl").read_text().splitlines()
+    events = [json.loads(line) for line in lines]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert len(spans) == 3 * timeline.CHUNK_EVENTS + 5
+    assert all(e["dur"] == pytest.approx(500.0) for e in spans)
+    assert {"name": "process_name", "ph": "M", "pid": 3, "args": {"name": "rank 3"}} in events
+
+
+def test_merge_reads_the_files_it_can_names_missing_ranks_and_the_command_completes_it(tmp_path):
+    from click.testing import CliRunner
+
+    from hpcddp.cli import main
+    from hpcddp.observe import timeline
+    from hpcddp.observe.merge import merge_rank_files
+
+    trace = tmp_path / "trace.json"
+    elsewhere = tmp_path / "node2" / "trace.json"  # rank 1's node: its own file system
+    for rank, path in ((0, trace), (1, elsewhere), (2, trace)):
+        recorder = timeline.Timeline(path, rank)
+        recorder.span("forward", 0.0, 0.001 * (rank + 1))
+        assert recorder.close() is None
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (tmp_path / ".trace.json.tmp").symlink_to(victim)
+
+    result = merge_rank_files(trace, num_ranks=3, remove=True)
+    assert (result.merged, result.missing) == ([0, 2], [1])
+    spans, names = load(trace)
+    assert {pid for pid, _ in spans} == {0, 2} and names[(2, None)] == "rank 2"
+    assert (tmp_path / "trace.json.ranks" / "rank-0.jsonl").exists()  # kept for the merge that completes it
+
+    runner = CliRunner()
+    incomplete = runner.invoke(main, ["timeline", "merge", str(trace), "--ranks", "3"])
+    assert incomplete.exit_code == 1 and "missing rank(s) 1:" in incomplete.output
+    (tmp_path / "trace.json.ranks" / "rank-1.jsonl").write_bytes(
+        (elsewhere.parent / "trace.json.ranks" / "rank-1.jsonl").read_bytes()
+    )
+    done = runner.invoke(main, ["timeline", "merge", str(trace), "--ranks", "3"])
+    assert done.exit_code == 0, done.output
+    spans, _ = load(trace)
+    assert {pid: track[0]["dur"] for (pid, _), track in spans.items()} == {0: 1000.0, 1: 2000.0, 2: 3000.0}
+    assert not (tmp_path / "trace.json.ranks").exists()
+    assert victim.read_text() == "keep me"
+
+
+def test_a_link_planted_at_the_ranks_event_directory_is_refused(tmp_path):
+    from hpcddp.observe import timeline
+
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (tmp_path / "trace.json.ranks").symlink_to(target)
+    with pytest.raises(OSError, match="trace.json.ranks is a symbolic link, which hpcddp will not follow"):
+        timeline.Timeline(tmp_path / "trace.json", 0)
+    assert list(target.iterdir()) == []

@@ -1,4 +1,4 @@
-"""The ``hpcddp`` command: run, info, bench."""
+"""The ``hpcddp`` command: run, info, bench, timeline."""
 
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ def _register() -> None:
     from .bench_straggler import straggler
     from .info import info
     from .run import run
+    from .timeline import timeline
 
     bench.add_command(straggler)
-    for command in (run, info, bench):
+    for command in (run, info, bench, timeline):
         main.add_command(command)
 
 

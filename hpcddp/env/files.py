@@ -1,7 +1,7 @@
 """Files that appear whole or not at all, and files read or written by a fixed name.
 
 Used for checkpoints, timelines, the owner and run marker of a checkpoint directory,
-the status files of ``hpcddp run`` and elastic commits. A file is written to a private
+the status files of ``hpcddp run``, elastic commits and each rank's timeline events. A file is written to a private
 temporary file created exclusively with a random name (``mkstemp``: ``O_CREAT |
 O_EXCL``), fsynced and renamed into place, so a file or symbolic link planted at a
 predictable name is never followed or truncated (the rename replaces the link itself),
@@ -12,6 +12,7 @@ otherwise make this job read, and quote in its errors, any file it can reach.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -20,7 +21,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["create_exclusively", "open_no_follow", "probe_writable", "read_text_no_follow", "write_atomically"]
+__all__ = [
+    "PendingFile",
+    "create_exclusively",
+    "make_directory_no_follow",
+    "open_no_follow",
+    "probe_writable",
+    "read_text_no_follow",
+    "write_atomically",
+]
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 _NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS)  # some FUSE and object-store mounts
@@ -140,6 +149,86 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], None], what: str) -
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_directory(path.parent)
+
+
+class PendingFile:
+    """A file written in pieces to a private temporary name beside ``path``, renamed to ``path`` by ``commit()``.
+
+    Readers never see it half written, and a symbolic link planted at ``path`` is replaced,
+    never followed (as ``write_atomically``, for data that arrive over time).
+
+    Args:
+        path: the final name.
+        what: what the file is, for the error on a full disk ("timeline").
+    """
+
+    def __init__(self, path: Path, what: str) -> None:
+        self.path = Path(path)
+        self._what = what
+        fd, self._tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        os.fchmod(fd, 0o666 & ~_umask())
+        self._file: BinaryIO | None = os.fdopen(fd, "wb")
+
+    def write(self, data: bytes) -> None:
+        """Append ``data``.
+
+        Raises:
+            OSError: on a full disk or quota, naming ``path`` and what to do (the file is discarded).
+        """
+        assert self._file is not None, "write() after commit() or discard()"
+        try:
+            self._file.write(data)
+        except OSError as err:
+            self.discard()
+            if err.errno in _FULL:
+                raise _full_disk(err, self.path, self._what, "") from None
+            raise
+
+    def commit(self) -> None:
+        """Flush, fsync and rename the file to ``path``."""
+        assert self._file is not None, "commit() twice or after discard()"
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+            os.replace(self._tmp, self.path)
+        except BaseException as err:
+            self.discard()
+            if isinstance(err, OSError) and err.errno in _FULL:
+                raise _full_disk(err, self.path, self._what, "") from None
+            raise
+        _fsync_directory(self.path.parent)
+
+    def discard(self) -> None:
+        """Close and remove the temporary file; ``path`` is left as it was."""
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
+        Path(self._tmp).unlink(missing_ok=True)
+
+
+def make_directory_no_follow(path: Path) -> None:
+    """Create the directory ``path`` (and its parents) unless it exists; refuse a symbolic link there.
+
+    Raises:
+        OSError: ``path`` is a symbolic link or not a directory, in one line naming it and the fix.
+    """
+    if not os.path.islink(path):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:  # a file by that name: named below
+            pass
+    mode = os.lstat(path).st_mode
+    if stat.S_ISLNK(mode):
+        raise OSError(
+            errno.ELOOP,
+            f"{path} is a symbolic link, which hpcddp will not follow (it could point at any directory this job may "
+            "write): remove it",
+        )
+    if not stat.S_ISDIR(mode):
+        raise OSError(errno.ENOTDIR, f"{path} is not a directory: remove it or choose another path")
 
 
 def create_exclusively(path: Path, data: bytes, what: str) -> bool:

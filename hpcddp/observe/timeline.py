@@ -12,8 +12,14 @@ bucket has a track with one ``bucket N`` span per reduction holding ``copy-in``
 communication thread), ``allreduce`` and ``copy-out``. Buckets reduced while the
 backward span is still open are the overlap.
 
-Events are kept in memory on every rank and written by rank 0 at
-``hpcddp.shutdown()`` (or at exit): meant for runs of minutes, not days.
+Each rank writes its events as they come, in chunks of ``CHUNK_EVENTS``, to a file of its
+own beside the trace (``trace.json.ranks/rank-<r>.jsonl``, under a temporary name until
+the end); at ``hpcddp.shutdown()`` (or at exit) rank 0 merges the files into the trace,
+reading one line at a time, and removes them. No rank's memory grows with the steps, nor
+rank 0's with the ranks. A rank whose node does not see rank 0's file system writes its
+file on its own node: rank 0 merges what it can read, says which ranks are missing and
+keeps the files; copy the missing ones into ``trace.json.ranks/`` and run
+``hpcddp timeline merge trace.json``.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,14 +36,20 @@ from typing import Any
 
 import torch
 
-from ..env.files import probe_writable, write_atomically
+from ..env.files import PendingFile, make_directory_no_follow, probe_writable
+from .merge import merge_rank_files, rank_directory, rank_file
 
 __all__ = ["TRAINING_TRACK", "Timeline", "bucket_track", "current", "start", "stop"]
 
 log = logging.getLogger("hpcddp")
 
 TRAINING_TRACK = 0
+#: events a rank writes at most (a disk bound: about 130 bytes each)
 MAX_EVENTS = 2_000_000
+#: events held in memory before they are appended to the rank's file
+CHUNK_EVENTS = 4096
+#: ranks rank 0 names when their files are missing (the rest are counted)
+_NAMED_RANKS = 16
 
 
 def bucket_track(index: int) -> int:
@@ -50,12 +63,21 @@ class Timeline:
     Args:
         path: where rank 0 writes the merged trace.
         rank: this process's rank (the trace's process id).
+
+    Raises:
+        OSError: this rank cannot create its event file beside ``path``.
     """
 
     def __init__(self, path: str | os.PathLike, rank: int) -> None:
         self.path = Path(path)
         self.rank = rank
-        self.events: list[dict[str, Any]] = []
+        #: events (one JSON line each) not yet appended to the file
+        self.events: list[str] = []
+        self.num_written = 0
+        make_directory_no_follow(rank_directory(self.path))
+        self._file: PendingFile | None = PendingFile(rank_file(self.path, rank), "timeline")
+        # Spans come from the training thread, autograd's and the communication thread.
+        self._lock = threading.Lock()
         self._track_names = {TRAINING_TRACK: "training"}
         self._origin = time.perf_counter()
         self._forward_depth = 0
@@ -79,9 +101,6 @@ class Timeline:
             track: ``TRAINING_TRACK`` or ``bucket_track(i)``.
             args: details shown when the span is selected.
         """
-        if len(self.events) >= MAX_EVENTS:
-            self._dropped += 1
-            return
         event = {
             "name": name,
             "ph": "X",
@@ -92,7 +111,30 @@ class Timeline:
         }
         if args:
             event["args"] = args
-        self.events.append(event)
+        # Encoded here, on the thread that records, so that the thread that fills a chunk
+        # (perhaps the communication thread) only joins and writes it.
+        line = json.dumps(event, separators=(",", ":"))
+        with self._lock:
+            if self._file is None or self.num_written + len(self.events) >= MAX_EVENTS:
+                self._dropped += 1
+                return
+            self.events.append(line)
+            if len(self.events) >= CHUNK_EVENTS:
+                self._flush()
+
+    def _flush(self) -> None:
+        """Append the events held to the file (under ``_lock``)."""
+        if not self.events or self._file is None:
+            return
+        data = "\n".join(self.events) + "\n"
+        self.num_written += len(self.events)
+        self.events = []
+        try:
+            self._file.write(data.encode())
+        except OSError as err:
+            # A full disk must not stop training: the rest of this rank's events are lost, said once.
+            log.warning("hpcddp timeline: rank %d stops recording: %s", self.rank, err)
+            self._file = None
 
     @contextlib.contextmanager
     def measure(self, name: str, track: int = TRAINING_TRACK, **args: Any) -> Iterator[None]:
@@ -195,23 +237,74 @@ class Timeline:
             )
         return meta
 
+    def close(self) -> str | None:
+        """Write the events held and the track names, and give the file its final name.
+
+        Returns why this rank's file could not be written, or None.
+        """
+        with self._lock:
+            if self._file is None:
+                return "its disk filled or it could not write its event file"
+            self._flush()
+            if self._file is None:
+                return "its disk filled or it could not write its event file"
+            pending, self._file = self._file, None
+        try:
+            pending.write("".join(json.dumps(event) + "\n" for event in self._metadata()).encode())
+            pending.commit()
+        except OSError as err:
+            return str(err)
+        return None
+
+    def discard(self) -> None:
+        """Stop recording and remove this rank's unfinished event file."""
+        with self._lock:
+            pending, self._file, self.events = self._file, None, []
+        if pending is not None:
+            pending.discard()
+
     def write(self, comm) -> Path | None:
-        """Gather every rank's events on rank 0 and write the trace there; collective.
+        """Close every rank's event file, then merge them into the trace on rank 0; collective.
 
         Args:
             comm: the job's Communicator.
         """
         if self._dropped:
-            log.warning("hpcddp timeline: rank %d dropped %d events past %d", self.rank, self._dropped, MAX_EVENTS)
-        gathered = comm.gather_object(self._metadata() + self.events, 0)
-        self.events = []
+            log.warning(
+                "hpcddp timeline: rank %d dropped %d events (past %d, or once its file could not be written)",
+                self.rank,
+                self._dropped,
+                MAX_EVENTS,
+            )
+        problem = self.close()
+        # One small reply per rank: rank 0 must know every file is complete before it reads them.
+        problems = comm.gather_object(problem, 0) if comm.size > 1 else [problem]
         if comm.rank != 0:
             return None
-        trace = {"traceEvents": [event for events in gathered for event in events], "displayTimeUnit": "ms"}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(self.path, lambda fh: fh.write(json.dumps(trace).encode()), "timeline")
+        try:
+            result = merge_rank_files(self.path, comm.size, remove=True)
+        except (OSError, ValueError) as err:
+            log.warning("hpcddp timeline: %s could not be written: %s", self.path, err)
+            return None
+        failed = {rank: why for rank, why in enumerate(problems) if why is not None}
+        if result.missing:
+            log.warning("hpcddp timeline: %s", _describe_missing(self.path, result.missing, failed, comm.size))
         log.info("hpcddp timeline written to %s", self.path)
         return self.path
+
+
+def _describe_missing(path: Path, missing: list[int], failed: dict[int, str], num_ranks: int) -> str:
+    """One line naming the ranks whose events are not in the trace, and what to do."""
+    named = ", ".join(map(str, missing[:_NAMED_RANKS])) + (
+        f" and {len(missing) - _NAMED_RANKS} more" if len(missing) > _NAMED_RANKS else ""
+    )
+    reasons = {failed[rank] for rank in missing if rank in failed}
+    why = f" ({'; '.join(sorted(reasons)[:3])})" if reasons else ""
+    return (
+        f"{path} lacks the events of rank(s) {named}: rank 0 cannot read their files{why}, perhaps on nodes that do "
+        f"not share its file system; the files read are kept in {rank_directory(path)}: copy the missing "
+        f"rank-<r>.jsonl there and run `hpcddp timeline merge {path} --ranks {num_ranks}`"
+    )
 
 
 def _first_tensor(output) -> torch.Tensor | None:
@@ -235,8 +328,8 @@ def current() -> Timeline | None:
 def start(path: str | os.PathLike) -> Timeline:
     """Start recording a timeline to ``path`` (``init(timeline=...)`` does this); collective.
 
-    Rank 0 checks at once that it can write ``path``, so a bad path fails before
-    training rather than at shutdown.
+    Rank 0 checks at once that it can write ``path``, and every rank that it can write its
+    event file beside it, so a bad path fails before training rather than at shutdown.
 
     Args:
         path: where rank 0 writes the trace when ``stop()`` or ``hpcddp.shutdown()`` runs.
@@ -254,7 +347,22 @@ def start(path: str | os.PathLike) -> Timeline:
         raise ValueError(
             f"timeline= (HPCDDP_TIMELINE) {str(path)!r} cannot be written on rank 0: {problem}; choose a writable path"
         )
-    recorder = Timeline(path, comm.rank)
+    recorder, problem = None, None
+    try:
+        recorder = Timeline(path, comm.rank)
+    except OSError as err:
+        problem = f"rank {comm.rank}: {type(err).__name__}: {err}"
+    if comm.size > 1:
+        # Every rank writes a file beside the trace: all start, or all fail with the first reason.
+        problems = comm.gather_object(problem, 0)
+        problem = comm.broadcast_object(next((p for p in problems or () if p), None), 0)
+    if problem is not None:
+        if recorder is not None:
+            recorder.discard()
+        raise ValueError(
+            f"timeline= (HPCDDP_TIMELINE) {str(path)!r}: a rank cannot write its events beside it ({problem}); "
+            "choose a path every node can write"
+        )
     comm.barrier()
     recorder.align()
     recorder.install_module_hooks()
