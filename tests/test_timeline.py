@@ -111,13 +111,16 @@ def test_timeline_of_two_ranks_shows_nested_bucket_phases_and_overlap(tmp_path, 
 
 def test_single_process_timeline_from_init_argument(tmp_path):
     trace_path = tmp_path / "one.json"
+    (tmp_path / "one.json.ranks").mkdir()
+    (tmp_path / "one.json.ranks" / "rank-1.jsonl").write_text('{"name":"stale","ph":"X","pid":1,"tid":0}\n')
     script = tmp_path / "one.py"
     script.write_text(TRAIN.replace("{timeline_arg}", f"timeline={str(trace_path)!r}"))
     subprocess.run([sys.executable, str(script)], check=True, timeout=120, cwd=ROOT, capture_output=True)
     spans, names = load(trace_path)
     assert names[(0, None)] == "rank 0"
     check_training_track(spans[(0, 0)], reduces=False)
-    assert set(spans) == {(0, 0)}  # a world of one reduces nothing
+    assert set(spans) == {(0, 0)}  # a world of one reduces nothing, and an earlier run's rank 1 is gone
+    assert not (tmp_path / "one.json.ranks").exists()
 
 
 def test_a_link_planted_at_the_old_temporary_name_is_never_followed(tmp_path):

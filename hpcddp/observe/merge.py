@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..env.files import open_no_follow, write_atomically
 
-__all__ = ["MergeResult", "merge_rank_files", "rank_directory", "rank_file"]
+__all__ = ["MergeResult", "merge_rank_files", "rank_directory", "rank_file", "remove_rank_files"]
 
 _RANK_FILE = re.compile(r"rank-(\d+)\.jsonl")
 _READ_CHUNK = 1 << 20
@@ -92,6 +92,17 @@ def merge_rank_files(trace: str | os.PathLike, num_ranks: int | None = None, rem
         except OSError:
             pass  # files of other runs, or of ranks beyond num_ranks: left for their owner
     return result
+
+
+def remove_rank_files(trace: str | os.PathLike) -> int:
+    """Remove the per-rank files of ``trace`` an earlier run left (a merge must not take them for this run's).
+
+    Returns how many were removed.
+    """
+    found = _ranks_found(rank_directory(trace))
+    for rank in found:
+        rank_file(trace, rank).unlink(missing_ok=True)
+    return len(found)
 
 
 def _ranks_found(directory: Path) -> list[int]:

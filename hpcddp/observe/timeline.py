@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ..env.files import PendingFile, make_directory_no_follow, probe_writable
-from .merge import merge_rank_files, rank_directory, rank_file
+from .merge import merge_rank_files, rank_directory, rank_file, remove_rank_files
 
 __all__ = ["TRAINING_TRACK", "Timeline", "bucket_track", "current", "start", "stop"]
 
@@ -363,6 +363,13 @@ def start(path: str | os.PathLike) -> Timeline:
             f"timeline= (HPCDDP_TIMELINE) {str(path)!r}: a rank cannot write its events beside it ({problem}); "
             "choose a path every node can write"
         )
+    if comm.rank == 0:
+        # Files of an earlier run to the same path: a rank that cannot reach this file system
+        # now must show as missing, not with the old run's events. (This run's are still
+        # under temporary names.)
+        stale = remove_rank_files(path)
+        if stale:
+            log.info("hpcddp timeline: removed %d per-rank files of an earlier run in %s", stale, rank_directory(path))
     comm.barrier()
     recorder.align()
     recorder.install_module_hooks()
