@@ -27,15 +27,10 @@ With checks off and no timeout there is no agreement, as on any communicator.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from .base import Handle, ReduceOp
+from .base import Communicator, Handle, ReduceOp
 from .engine import Collective
-
-if TYPE_CHECKING:
-    from .mpi import MPICommunicator
 
 __all__ = ["GradientChannel"]
 
@@ -46,10 +41,10 @@ class GradientChannel:
     Collective over ``parent``, as the optimizer's constructor is.
 
     Args:
-        parent: the optimizer's communicator.
+        parent: the optimizer's communicator (an ``MPICommunicator``: ``duplicate``, ``call_for``, ``start``).
     """
 
-    def __init__(self, parent: MPICommunicator) -> None:
+    def __init__(self, parent: Communicator) -> None:
         self.parent = parent
         #: the communicator the buckets' collectives run on (its own checks off: ``open_step`` agrees)
         self.comm = parent.duplicate()
