@@ -37,7 +37,10 @@ These rules hold for every collective on the road:
    ``CollectiveMismatchError`` on every rank instead of pairing one rank's message with
    another's; a rank's error about its own arguments travels in the same message, so
    every rank raises it. ``check_collectives=False`` turns the step off (a rank's own
-   argument errors then raise on that rank alone, before anything is sent).
+   argument errors then raise on that rank alone, before anything is sent). One
+   communicator is checked another way: an optimizer's ``GradientChannel`` carries its
+   buckets alone and agrees once per step, on its parent (``channel``); its
+   collectives wait for that agreement (``Engine.gate``) and raise its error.
 5. **Completion on the runner.** A handle is completed (result or exception) by the
    runner after the operation's last MPI call; its ``on_done`` (a torch future's
    completion) runs there too, with rule 3 in force.
