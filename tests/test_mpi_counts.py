@@ -1,5 +1,6 @@
 """MPI calls per training step, counted from outside hpcddp by a PMPI library preloaded into each rank."""
 
+import os
 import re
 import shutil
 import subprocess
@@ -9,6 +10,7 @@ import pytest
 
 from hpcddp.testing import run_mpi
 
+from .cluster_jobs import require_cluster_tests, unavailable, vcluster_state
 from .conftest import ROOT
 
 
@@ -26,10 +28,11 @@ def counting_library(tmp_path_factory):
     return library
 
 
-def count_calls(num_ranks, library, tmp_path):
+def count_calls(num_ranks, library, tmp_path, hostfile=None, env=None, timeout=300):
     prefix = tmp_path / "counts"
-    env = {"LD_PRELOAD": str(library), "MPI_COUNTS_PREFIX": str(prefix)}
-    result = run_mpi(num_ranks, [sys.executable, f"{ROOT}/tests/mpi_counts_job.py"], timeout=300, env=env, cwd=ROOT)
+    env = {**(env or {}), "LD_PRELOAD": str(library), "MPI_COUNTS_PREFIX": str(prefix)}
+    job = [sys.executable, f"{ROOT}/tests/mpi_counts_job.py"]
+    result = run_mpi(num_ranks, job, timeout=timeout, env=env, cwd=ROOT, hostfile=hostfile)
     assert result.returncode == 0, result.stdout[-5000:]
     buckets, steps = map(int, re.search(r"buckets (\d+) steps (\d+)", result.stdout).groups())
     per_rank = []
@@ -40,13 +43,64 @@ def count_calls(num_ranks, library, tmp_path):
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4])
-def test_a_training_step_makes_one_data_allreduce_and_one_small_check_per_bucket(num_ranks, counting_library, tmp_path):
-    # Today every bucket's allreduce is preceded by its agreement (5 int64 MIN-reduced,
-    # engine rule 4): 2 collectives per bucket, constant in the number of ranks. The
-    # agreement is what a per-step check would replace (docs/BENCHMARKS.md, control cost).
+def test_a_training_step_makes_one_data_allreduce_per_bucket_and_one_small_check_per_step(
+    num_ranks, counting_library, tmp_path
+):
+    # The buckets run on a communicator of their own and the ranks agree once per step,
+    # before bucket 0 (hpcddp/comm/channel.py): 5 int64 MIN-reduced, whatever p. Before it,
+    # every bucket's allreduce was preceded by its own agreement: 2 collectives per bucket.
     buckets, steps, per_rank = count_calls(num_ranks, counting_library, tmp_path)
     assert buckets == 8
     for counts in per_rank:
         called = {name: calls for name, (calls, _) in counts.items() if calls}
-        assert called == {"MPI_Allreduce": buckets * steps, "MPI_Iallreduce": buckets * steps}, counts
-        assert counts["MPI_Iallreduce"][1] == buckets * steps * 5 * 8  # bytes: 5 int64 each, whatever p
+        assert called == {"MPI_Allreduce": buckets * steps, "MPI_Iallreduce": steps}, counts
+        assert counts["MPI_Iallreduce"][1] == steps * 5 * 8  # bytes: 5 int64 each, whatever p
+
+
+# Beyond one host's 2-4 ranks: 4 virtual nodes of 4 slots (network namespaces on this host,
+# slurm/testing/virtual_cluster.sh), a cluster of their own beside the multi-node tests' one.
+COUNTS_CLUSTER = {
+    "VCLUSTER_STATE": "/run/hpcddp-vcluster-counts",
+    "VCLUSTER_BRIDGE": "hpcvbr9",
+    "VCLUSTER_SUBNET": "10.213.9",
+    "VCLUSTER_NODES": "4",
+    "VCLUSTER_SLOTS": "4",
+}
+
+
+@pytest.fixture(scope="module")
+def four_nodes():
+    require_cluster_tests()
+    script = f"{ROOT}/slurm/testing/virtual_cluster.sh"
+    env = {**os.environ, **COUNTS_CLUSTER}
+    result = subprocess.run(["bash", script, "up"], env=env, capture_output=True, text=True, timeout=300)
+    try:
+        if result.returncode != 0:
+            unavailable(f"virtual_cluster.sh up failed:\n{(result.stdout + result.stderr)[-3000:]}")
+        os.environ["VCLUSTER_STATE"], saved = COUNTS_CLUSTER["VCLUSTER_STATE"], os.environ.get("VCLUSTER_STATE")
+        try:
+            _, cluster_env = vcluster_state()
+        finally:
+            if saved is None:
+                del os.environ["VCLUSTER_STATE"]
+            else:
+                os.environ["VCLUSTER_STATE"] = saved
+        yield cluster_env
+    finally:
+        subprocess.run(["bash", script, "down"], env=env, capture_output=True, timeout=120)
+
+
+@pytest.mark.parametrize("num_ranks", [8, 16])
+def test_the_counts_stay_the_same_at_8_and_16_ranks_across_virtual_nodes(
+    num_ranks, counting_library, four_nodes, tmp_path
+):
+    # Each virtual node has this host's 2 cores: 4 ranks each must not be bound to a core apiece.
+    env = {**four_nodes, "PRTE_MCA_hwloc_default_binding_policy": "none"}
+    buckets, steps, per_rank = count_calls(
+        num_ranks, counting_library, tmp_path, hostfile=four_nodes["VCLUSTER_HOSTFILE"], env=env, timeout=600
+    )
+    assert buckets == 8
+    for counts in per_rank:
+        called = {name: calls for name, (calls, _) in counts.items() if calls}
+        assert called == {"MPI_Allreduce": buckets * steps, "MPI_Iallreduce": steps}, counts
+        assert counts["MPI_Iallreduce"][1] == steps * 5 * 8

@@ -162,6 +162,9 @@ def continues_while_joined(calls: Sequence[CollectiveCall]) -> bool:
         and not any(c.error for c in active)
         and active[0].op == "allreduce"
         and active[0].reduce_op in (ReduceOp.SUM.value, ReduceOp.AVERAGE.value)
+        # A step of gradient buckets moves on a communicator of its own (``channel``) that a
+        # rank waiting in join() does not take part in.
+        and not _is_bucket(active[0])
     )
 
 
@@ -181,6 +184,12 @@ def mismatch_message(all_calls: Sequence[CollectiveCall]) -> str:
     joined = [r for r, s in enumerate(all_calls) if s.op == JOINED.op]
     calls = [s for s in all_calls if s.op != JOINED.op]
     if joined and calls and len({s.compared() for s in calls}) == 1 and not any(s.error for s in calls):
+        if _is_bucket(calls[0]):
+            return (
+                f"the gradient reduction ({calls[0].name}) cannot run while {ranks_text(joined)} "
+                f"{'has' if len(joined) == 1 else 'have'} joined with the communicator's join(): join with the "
+                "optimizer instead (hpcddp.join(optimizer), or hvd.join() with hvd.DistributedOptimizer)"
+            )
         return (
             f"{calls[0].op} cannot run while {ranks_text(joined)} {'has' if len(joined) == 1 else 'have'} joined "
             "(hvd.join): only sum and average allreduces continue until every rank joins"

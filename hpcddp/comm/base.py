@@ -300,5 +300,12 @@ class Communicator(abc.ABC):
         """
         raise NotImplementedError(f"{self.name} communicator cannot split")
 
+    def gradient_channel(self) -> Any:
+        """Return a ``GradientChannel`` for one optimizer's buckets, or None: each bucket is then agreed on here.
+
+        Collective. MPI's (``hpcddp.comm.channel``) agrees once per step instead of once per bucket.
+        """
+        return None
+
     def close(self) -> None:  # noqa: B027 - most backends have nothing to release
         """Release threads and communicators; the communicator is unusable afterwards."""

@@ -37,7 +37,10 @@ These rules hold for every collective on the road:
    ``CollectiveMismatchError`` on every rank instead of pairing one rank's message with
    another's; a rank's error about its own arguments travels in the same message, so
    every rank raises it. ``check_collectives=False`` turns the step off (a rank's own
-   argument errors then raise on that rank alone, before anything is sent).
+   argument errors then raise on that rank alone, before anything is sent). One
+   communicator is checked another way: an optimizer's ``GradientChannel`` carries its
+   buckets alone and agrees once per step, on its parent (``channel``); its
+   collectives wait for that agreement (``Engine.gate``) and raise its error.
 5. **Completion on the runner.** A handle is completed (result or exception) by the
    runner after the operation's last MPI call; its ``on_done`` (a torch future's
    completion) runs there too, with rule 3 in force.
@@ -120,11 +123,11 @@ def _describe(collective: Collective) -> oplog.Descriptor:
 
 
 class _Operation:
-    __slots__ = ("body", "call", "desc", "handle", "logged", "on_done")
+    __slots__ = ("after", "body", "call", "desc", "handle", "logged", "on_done")
 
-    def __init__(self, body, desc, call, handle, on_done, logged: bool = True) -> None:
+    def __init__(self, body, desc, call, handle, on_done, logged: bool = True, after: Handle | None = None) -> None:
         self.body, self.desc, self.call, self.handle, self.on_done = body, desc, call, handle, on_done
-        self.logged = logged
+        self.logged, self.after = logged, after
 
 
 #: what a thread waiting for a queued callback waits for (stall reports)
@@ -156,6 +159,9 @@ class Engine:
         self._items: collections.deque[_Operation] = collections.deque()
         self._runner: int | None = None
         self._closed = False
+        #: the agreement on another communicator that collectives submitted from now on wait
+        #: for, and whose error they raise without an MPI call (``hpcddp.comm.channel``)
+        self.gate: Handle | None = None
         self._thread = threading.Thread(target=self._serve, name=f"hpcddp-{name}", daemon=True)
         self._thread.start()
 
@@ -181,7 +187,7 @@ class Engine:
         """
         desc = _describe(collective)
         handle = EngineHandle(self, collective.name, desc)
-        return self._enqueue(_Operation(collective.body, desc, collective.call, handle, on_done), wake)
+        return self._enqueue(_Operation(collective.body, desc, collective.call, handle, on_done, after=self.gate), wake)
 
     def submit_callback(self, run: Callable[[], None]) -> EngineHandle:
         """Queue ``run`` (a future's callback) at this point of the order, not logged as an operation (rule 3)."""
@@ -218,10 +224,12 @@ class Engine:
         The hot path of small blocking collectives: no handle, no queue, no wake-up.
         """
         me = threading.get_ident()
+        gate = self.gate
         with self._cond:
             self.check_open(collective.name)
             nested = self._runner == me
-            claimed = not nested and self._runner is None and not self._items
+            # An agreement still running elsewhere is waited for in the queue, not holding the runner.
+            claimed = not nested and self._runner is None and not self._items and (gate is None or gate.poll())
             if claimed:
                 self._runner = me
         if not (nested or claimed):
@@ -229,6 +237,8 @@ class Engine:
         pending = _describe(collective)
         seq = self.log.start(pending, blocking=True)
         try:
+            if gate is not None:
+                gate.wait()
             if collective.call is not None and self.agreement.runs:
                 self.agreement.agree(collective.call)
             return collective.body()
@@ -308,8 +318,10 @@ class Engine:
             handle.set_exception(self._not_run(op.desc.op))
         else:
             seq = self.log.start(op.desc)
-            handle.started_at = time.perf_counter()
             try:
+                if op.after is not None:
+                    op.after.wait()  # its error is this operation's: raised alike on every rank, nothing sent
+                handle.started_at = time.perf_counter()
                 if op.call is not None and self.agreement.runs:
                     self.agreement.agree(op.call)
                 result = op.body()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import secrets
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,7 @@ from ._mpi_into import IntoOps
 from ._mpi_ops import VectorOps
 from .agreement import JOINED, JOINED_VECTOR, CollectiveCall, all_joined, continues_while_joined, describe_call
 from .base import Communicator, Handle, ReduceOp, split_ranks_error
+from .channel import GradientChannel
 from .dtypes import dtype_named
 from .engine import Collective, Engine, EngineHandle
 from .hierarchy import HIERARCHY_MIN_BYTES, hierarchy_for
@@ -76,6 +78,7 @@ class MPICommunicator(VectorOps, IntoOps, Communicator):
         self.engine = Engine(self._comm, MPI, self.log, messages=self.p2p)
         #: gloo's monitoredBarrier over this communicator's messages (``hpcddp.comm.monitored``)
         self.monitored = MonitoredBarrier(self.p2p)
+        self._duplicates: weakref.WeakSet[MPICommunicator] = weakref.WeakSet()
 
     @property
     def check_collectives(self) -> bool:  # type: ignore[override]
@@ -139,18 +142,32 @@ class MPICommunicator(VectorOps, IntoOps, Communicator):
         with oplog.waiting(self.log, "new_group"):
             return self._child(self._side.Create_group(self._side.Get_group().Incl(list(ranks))))
 
-    def _child(self, sub) -> MPICommunicator:
+    def _child(self, sub, hierarchical: bool = False) -> MPICommunicator:
         """Return a communicator over the mpi4py communicator ``sub`` (which it duplicates; ``sub`` is freed)."""
         try:
-            child = MPICommunicator(sub)
+            child = MPICommunicator(sub, hierarchical=hierarchical)
         finally:
             sub.Free()
         child.check_collectives = self.check_collectives
         return child
 
+    def duplicate(self) -> MPICommunicator:
+        """Return a communicator over the same ranks, reducing as this one does; closed with this one. Collective."""
+        call = self.call_for("", "duplicate")
+        sub = self.run(Collective("duplicate", self._comm.Dup, None, call))
+        child = self._child(sub, hierarchical=self._hierarchy is not None)
+        self._duplicates.add(child)
+        return child
+
+    def gradient_channel(self) -> GradientChannel | None:
+        """Return a communicator of its own for one optimizer's buckets, agreed once per step (``comm.channel``)."""
+        return GradientChannel(self) if self.size > 1 else None
+
     def close(self) -> None:
         if self.engine.closed:
             return
+        for child in list(self._duplicates):
+            child.close()
         self.engine.close()
         oplog.unregister(self.log)
         if self._hierarchy is not None:

@@ -33,6 +33,7 @@ COLLECTIVES = {
     "allgather_object": "every rank's picklable object to every rank",
     "gather_object": "every rank's picklable object to root",
     "split": "make a communicator over some of the ranks",
+    "duplicate": "make a communicator over the same ranks (an optimizer's gradient buckets: ``channel``)",
     "join": "stand in for a rank that ran out of data (Horovod's join)",
 }
 

@@ -16,7 +16,7 @@ import torch
 from ..comm.base import Communicator, ranks_text
 from ..comm.dtypes import dtype_name
 
-__all__ = ["check_same_parameters", "describe_difference", "next_optimizer_label"]
+__all__ = ["check_same_layout", "check_same_parameters", "describe_difference", "next_optimizer_label"]
 
 #: every parameter's (name, shape, dtype), in the order they are reduced: what the ranks compare
 ParameterList = list[tuple[str, tuple[int, ...], str]]
@@ -84,6 +84,48 @@ def check_same_parameters(comm: Communicator, named: Sequence[tuple[str, torch.T
     message = describe_difference(comm.allgather_object(parameters), what)
     if message is not None:
         raise ValueError(message)
+
+
+def check_same_layout(comm: Communicator, buckets: Sequence, compressor, what: str) -> None:
+    """Raise the same ValueError on every rank unless all ranks built the same buckets and compression.
+
+    The parameters are compared already (``check_same_parameters``); what else decides the
+    messages of a step (the bucket size limits, the wire dtype, the compression and its
+    settings) is compared here, once, because buckets on a ``GradientChannel`` are not
+    compared one by one. Costs one allgather of a 16-byte digest; a second of the layouts
+    when they differ.
+
+    Args:
+        comm: the communicator spanning the ranks.
+        buckets: the buckets just built, in launch order.
+        compressor: the compression settings (a frozen dataclass), or None.
+        what: the caller named in the message.
+    """
+    layout = [
+        (
+            bucket.buffer.numel(),
+            dtype_name(bucket.buffer.dtype),
+            None if bucket.wire is None else dtype_name(bucket.wire.dtype),
+        )
+        for bucket in buckets
+    ]
+    described = (tuple(layout), repr(compressor))
+    digest = hashlib.blake2b(repr(described).encode(), digest_size=16).digest()
+    if len(set(comm.allgather_object(digest))) == 1:
+        return
+    layouts = comm.allgather_object(described)
+    groups: dict = {}
+    for rank, entry in enumerate(layouts):
+        groups.setdefault(entry, []).append(rank)
+    parts = [
+        f"{ranks_text(ranks)}: {len(entry[0])} buckets of {[size for size, _, _ in entry[0]]} elements"
+        f" ({entry[0][0][2] or entry[0][0][1] if entry[0] else 'none'}), compression {entry[1]}"
+        for entry, ranks in groups.items()
+    ]
+    raise ValueError(
+        f"{what}: the ranks built different gradient buckets from the same parameters: {'; '.join(parts)}; "
+        "pass the same bucket_cap_mb, first_bucket_mb and compression on every rank"
+    )
 
 
 #: DistributedOptimizers made so far on each communicator

@@ -18,7 +18,9 @@ The states of one reduction (IDLE, PASS, LAUNCHED) are described in docs/archite
 ("The reducer's states"); they change only under ``_lock``.
 
 Every rank therefore launches the same buckets in the same order, each tagged with the
-optimizer's step, which the ranks compare before reducing it (``hpcddp.comm.engine``).
+optimizer's step. On MPI the buckets run on a communicator of their own and the ranks
+compare the step once, before bucket 0 (``hpcddp.comm.channel``: why that is enough);
+elsewhere they compare each bucket before reducing it (``hpcddp.comm.engine``, rule 4).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -38,7 +41,7 @@ from ..observe import timeline
 from .autograd_hooks import at_end_of_backward
 from .buckets import Bucket, adopt_grad, build_buckets, drop_unused_grads, probe_nonfinite
 from .compression import Compressor
-from .consistency import check_same_parameters, next_optimizer_label
+from .consistency import check_same_layout, check_same_parameters, next_optimizer_label
 from .control import ControlNumbers
 from .sending import BucketSender
 from .slots import GradSlot, fill_bucket, grads_outside, note_grads_present, reset_bucket_grads
@@ -110,7 +113,12 @@ class Reducer:
         self._owner = next_optimizer_label(comm)
         self._lock = threading.RLock()
         self._bucket_args = (bucket_cap_bytes, first_bucket_bytes, wire_dtype)
-        self._sender = BucketSender(comm, compressor)
+        self._compressor = compressor
+        # The buckets' own communicator, checked once per step (hpcddp.comm.channel); None: each bucket is.
+        self._channel = comm.gradient_channel() if comm.size > 1 else None
+        if self._channel is not None:
+            weakref.finalize(self, self._channel.close)
+        self._sender = BucketSender(comm if self._channel is None else self._channel.comm, compressor)
         self._record_timeline = record_timeline
         self._sync = True
         self._pass_open = False
@@ -230,6 +238,8 @@ class Reducer:
         self.close()
         cap, first, wire_dtype = self._bucket_args
         self._buckets = build_buckets([p for _, p in trainable], cap, first, wire_dtype, self._control.size)
+        if self._channel is not None:  # buckets are not compared one by one: their layout is, once
+            check_same_layout(self.comm, self._buckets, self._compressor, "DistributedOptimizer")
         self._sender.rebuild(self._buckets)
         names = {id(p): name for name, p in trainable}
         self._slots = {}
@@ -334,6 +344,8 @@ class Reducer:
         if bucket.control is not None:
             self._control.write(bucket.control, self.has_data, self._saw_new_trainable, self._local_sums)
         with collective_tag(f"bucket {index} of step {self.steps_taken}{self._owner}", self.steps_taken):
+            if index == 0 and self._channel is not None:
+                self._channel.open_step(bucket.buffer if bucket.wire is None else bucket.wire)
             self.times.bucket_submit[index] = time.perf_counter()
             self._handles.append(self._sender.start(bucket, self.num_reductions))
 

@@ -99,3 +99,58 @@ def test_two_optimizers_buckets_reached_in_another_order_on_a_rank_raise_instead
     finally:
         for optimizer in optimizers:
             optimizer.close()
+
+
+def test_different_bucket_sizes_fail_at_construction_naming_the_knobs():
+    # Buckets are not compared one by one (hpcddp/comm/channel.py): their layout is, when built.
+    net = model(hidden=32)
+    cap = 0.001 if last() else 25.0
+
+    def build():
+        return hpcddp.DistributedOptimizer(
+            torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters(), bucket_cap_mb=cap, first_bucket_mb=cap
+        )
+
+    if hpcddp.size() == 1:
+        build().close()
+        return
+    message = raises_same_everywhere(build)
+    assert message.startswith("DistributedOptimizer: the ranks built different gradient buckets"), message
+    assert "pass the same bucket_cap_mb, first_bucket_mb and compression on every rank" in message, message
+
+
+def test_a_collective_of_the_script_between_buckets_on_one_rank_and_after_them_on_another_averages_right():
+    # Rank 0 starts an allreduce of its own inside backward, after the first buckets were launched;
+    # the other ranks start it after backward. The buckets move on their own communicator, so
+    # neither the order nor the sums depend on where the script's collective falls (before, the
+    # ranks compared it with a bucket and raised CollectiveMismatchError).
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(16, 16, dtype=torch.float64) for _ in range(4)])
+    optimizer = hpcddp.DistributedOptimizer(
+        torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters(), bucket_cap_mb=0.001, first_bucket_mb=0.001
+    )
+    assert len(optimizer.buckets) == 4
+    x = torch.randn(8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(hpcddp.rank()))
+    try:
+        net(x).square().sum().backward()  # the first pass launches nothing early
+        optimizer.zero_grad()
+        counted = []
+
+        def collective_inside_backward(grad):
+            # Started, not waited for: a blocking one would wait for ranks that start it after backward.
+            counted.append(hpcddp.allreduce_async(torch.ones(3, dtype=torch.float64), op="sum"))
+            return grad
+
+        local = torch.autograd.grad(net(x).square().sum(), list(net.parameters()))
+        hidden = net[:1](x)
+        if hpcddp.rank() == 0:
+            hidden.register_hook(collective_inside_backward)  # after the last layers' buckets were launched
+        net[1:](hidden).square().sum().backward()
+        if hpcddp.rank() != 0:
+            collective_inside_backward(None)
+        assert counted[0].wait().tolist() == [float(hpcddp.size())] * 3
+        for param, mine in zip(net.parameters(), local):
+            expected = hpcddp.allreduce(mine, op="sum") / hpcddp.size()
+            torch.testing.assert_close(param.grad, expected, rtol=1e-12, atol=1e-12)
+    finally:
+        optimizer.close()

@@ -1,0 +1,74 @@
+"""One optimizer's gradient buckets on a communicator of their own, agreed once per step instead of once per bucket.
+
+Every collective first agrees with the other ranks on what it is about to run (engine
+rule 4): one latency-bound collective (2 log2(p) hops) per operation. For a model of 25
+buckets that was 25 agreements per step, the step's largest fixed cost at 512 ranks
+(docs/BENCHMARKS.md, "Control cost per step"). A ``GradientChannel`` keeps the
+guarantee (two ranks never pair different data; a mismatch is an error on every rank)
+with one agreement per step:
+
+- **No other collective can pair with a bucket.** The channel is a duplicate of the
+  optimizer's communicator that carries this optimizer's buckets and nothing else: the
+  script's collectives, the torch backend's and another optimizer's buckets run on
+  other communicators, so the order of a bucket relative to them does not matter.
+- **Buckets pair with the same bucket of the same step.** Every rank launches them
+  strictly in index order (``hpcddp.ddp.reducer``), with a layout (each bucket's
+  size and dtype, the compression) the ranks compared when the buckets were built.
+- **The step is agreed before any bucket moves.** ``open_step`` runs, on the parent
+  communicator at bucket 0's place in its order, the agreement that bucket 0 ran
+  before: step, optimizer, shape, dtype. The channel's collectives of that step wait
+  for it; if it fails (a rank skipped a backward pass, is a step ahead, called
+  another collective instead, or the ranks reached two optimizers in another order),
+  every rank raises its error for every bucket of the step without an MPI call, so
+  the channel stays in step.
+
+With checks off and no timeout there is no agreement, as on any communicator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Communicator, Handle, ReduceOp
+from .engine import Collective
+
+__all__ = ["GradientChannel"]
+
+
+class GradientChannel:
+    """A duplicate of ``parent`` for one optimizer's gradient buckets; each step agreed once, on ``parent``.
+
+    Collective over ``parent``, as the optimizer's constructor is.
+
+    Args:
+        parent: the optimizer's communicator (an ``MPICommunicator``: ``duplicate``, ``call_for``, ``start``).
+    """
+
+    def __init__(self, parent: Communicator) -> None:
+        self.parent = parent
+        #: the communicator the buckets' collectives run on (its own checks off: ``open_step`` agrees)
+        self.comm = parent.duplicate()
+        self.comm.check_collectives = False
+
+    def open_step(self, bucket: torch.Tensor) -> Handle | None:
+        """Agree on this step's reduction on the parent; the channel's collectives submitted from now on wait for it.
+
+        Call it inside the ``collective_tag`` of bucket 0 (its name and step are what the
+        ranks compare). Returns the agreement's handle, or None when the parent runs no
+        agreements (checks off, no timeout).
+
+        Args:
+            bucket: bucket 0's tensor as sent (shape and dtype are compared).
+        """
+        call = self.parent.call_for(None, "allreduce", bucket, reduce_op=ReduceOp.SUM)
+        gate = None if call is None else self.parent.start(Collective("allreduce", _nothing, bucket, call))
+        self.comm.engine.gate = gate
+        return gate
+
+    def close(self) -> None:
+        """Stop the channel's communication thread and free its communicator."""
+        self.comm.close()
+
+
+def _nothing() -> None:
+    return None
