@@ -264,7 +264,17 @@ torch.cuda.get_device_properties = lambda i: types.SimpleNamespace(
     uuid=devices[i][0], pci_domain_id=0, pci_bus_id=devices[i][1], pci_device_id=0)
 torch.cuda.set_device = lambda device: None
 hpcddp.init()
-print(f"rank {rank}: backend {hpcddp.backend()} device {hpcddp.device()}", flush=True)
+chosen = hpcddp.backend()
+# The tutorials' line after hpcddp.init(): torch's default group must be the MPI one asked for.
+import torch.distributed as dist
+dist.init_process_group("mpi")
+t = torch.ones(1)
+dist.all_reduce(t)
+# hpcddp's own collectives then run on the script's group (a fake GPU holds no tensor: use the CPU).
+hpcddp.runtime.state.communicator().device = torch.device("cpu")
+t += hpcddp.allreduce(torch.ones(1), op="sum")
+print(f"rank {rank}: backend {chosen} device {hpcddp.device()} torch {dist.get_backend()} sum {t.item()} "
+      f"then {hpcddp.backend()}", flush=True)
 hpcddp.shutdown()
 """
 
@@ -277,15 +287,20 @@ hpcddp.shutdown()
             [[("MIG-1", 0x3B)], [("MIG-2", 0x3B)]],
             ["rank 0: backend mpi device cuda:0", "rank 1: backend mpi device cuda:0"],
         ),
+        # One GPU each: hpcddp picks nccl, yet the script's init_process_group("mpi") gets an MPI group.
+        (
+            [[("GPU-a", 1)], [("GPU-b", 2)]],
+            ["rank 0: backend nccl device cuda:0", "rank 1: backend nccl device cuda:0"],
+        ),
     ],
-    ids=["rank-without-cuda", "mig-slices-of-one-gpu"],
+    ids=["rank-without-cuda", "mig-slices-of-one-gpu", "gpu-each-then-mpi-group"],
 )
 def test_ranks_agree_on_one_backend_under_mpirun(tmp_path, devices, expected):
     script = f"DEVICES = {devices!r}\n" + FAKE_INVENTORY
     result = run_script(2, script, tmp_path, timeout=240, env={"HPCDDP_DIST_TIMEOUT": "20"}, cwd=ROOT)
     assert not result.timed_out and result.returncode == 0, result.stdout
     found = sorted(line for line in result.stdout.splitlines() if re.match(r"rank \d: backend", line))
-    assert found == expected, result.stdout
+    assert found == [f"{line} torch mpi sum 4.0 then mpi" for line in expected], result.stdout
 
 
 # -- slurm/train.sh's GPU binding -------------------------------------------------------
