@@ -112,11 +112,21 @@ def gpu_index(me: int, node_peers: Sequence[NodePeer]) -> int | None:
         me: this rank's position in ``node_peers``.
         node_peers: every rank of the node, in local-rank order.
     """
-    mine = node_peers[me].gpus
-    if not mine:
-        return None
-    turn = sum(1 for peer in node_peers[:me] if peer.gpus == mine)
-    return turn % len(mine)
+    return _gpu_indices(node_peers)[me]
+
+
+def _gpu_indices(node_peers: Sequence[NodePeer]) -> list[int | None]:
+    """Every local rank's ``gpu_index``, in one pass over the node."""
+    taken: dict[tuple[GPU, ...], int] = {}
+    indices: list[int | None] = []
+    for peer in node_peers:
+        if not peer.gpus:
+            indices.append(None)
+            continue
+        turn = taken.get(peer.gpus, 0)
+        taken[peer.gpus] = turn + 1
+        indices.append(turn % len(peer.gpus))
+    return indices
 
 
 @dataclass(frozen=True)
@@ -149,15 +159,13 @@ def place_rank(rank: int, me: int, node_peers: Sequence[NodePeer]) -> RankDevice
         me: this rank's position in ``node_peers``.
         node_peers: every rank of the node, in local-rank order (the same list on each).
     """
-    chosen = []
-    for position, peer in enumerate(node_peers):
-        index = gpu_index(position, node_peers)
-        chosen.append(None if index is None else peer.gpus[index])
+    indices = _gpu_indices(node_peers)
+    chosen = [None if index is None else peer.gpus[index] for peer, index in zip(node_peers, indices)]
     mine = chosen[me]
     others = [gpu for position, gpu in enumerate(chosen) if position != me and gpu is not None]
     return RankDevice(
         rank=rank,
-        index=gpu_index(me, node_peers),
+        index=indices[me],
         shares_gpu=mine is not None and any(gpu.uuid == mine.uuid for gpu in others),
         shares_pci_address=mine is not None and any(gpu.pci_bus_id == mine.pci_bus_id for gpu in others),
         node_ranks=len(node_peers),
