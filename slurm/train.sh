@@ -25,7 +25,8 @@
 # A requeued run appends to the same log instead of truncating it.
 #SBATCH --open-mode=append
 #SBATCH --output=hpcddp-%j.out
-# On GPU clusters, one GPU per rank (or pass --gpus-per-task=1 to sbatch, or set GPUS_PER_TASK):
+# On GPU clusters, one GPU per rank (or pass --gpus-per-task=1 to sbatch, or set GPUS_PER_TASK); every
+# rank sees its node's GPUs and local rank i takes cuda:i (GPU_BIND below):
 ##SBATCH --gpus-per-task=1
 set -euo pipefail
 
@@ -43,9 +44,22 @@ MIN_NP=${MIN_NP:-}
 # back once it passes a health check again).
 MAX_NP=${MAX_NP:-}
 HOST_DISCOVERY_SCRIPT=${HOST_DISCOVERY_SCRIPT:-}
-# GPUs bound to each rank by srun (each rank then sees its own GPU as cuda:0); empty: none, or
-# what sbatch --gpus-per-task gave the job.
+# GPUs per rank that srun allocates; empty: none, or what sbatch --gpus-per-task gave the job.
 GPUS_PER_TASK=${GPUS_PER_TASK:-${SLURM_GPUS_PER_TASK:-}}
+# How a node's ranks see its GPUs. node: every rank sees all the GPUs of its node and local rank i
+# takes cuda:i, as under torchrun, so unchanged torchrun and Horovod scripts
+# (torch.cuda.set_device(LOCAL_RANK), set_device(hvd.local_rank())) work and NCCL sees the peer GPUs
+# (NVLink/P2P). task: srun binds each rank to its own GPUs, seen as cuda:0 (--gpus-per-task's own
+# default; set_device(LOCAL_RANK) then fails with "invalid device ordinal" on local ranks >= 1).
+GPU_BIND=${GPU_BIND:-node}
+if [[ $GPU_BIND != node && $GPU_BIND != task ]]; then
+    echo "GPU_BIND must be node or task, got '$GPU_BIND'" >&2
+    exit 2
+fi
+if [[ $GPU_BIND == task && (${LAUNCHER:-srun} != srun || -z $GPUS_PER_TASK || -n ${MIN_NP:-}) ]]; then
+    echo "GPU_BIND=task needs LAUNCHER=srun and GPUS_PER_TASK (or sbatch --gpus-per-task), without MIN_NP: only srun binds GPUs per task" >&2
+    exit 2
+fi
 
 # Slurm's record of this job, read once: the original script's path and the run's marker come
 # from it. scontrol's multi-line form, because a Comment may hold spaces; empty where there is
@@ -209,6 +223,17 @@ if [[ ${SLURM_JOB_NUM_NODES:-1} == 1 ]]; then
     fi
 fi
 
+# Say which GPU binding the ranks get (Slurm's SLURM_GPUS_ON_NODE: the GPUs this job has on this node).
+if [[ $GPU_BIND == task ]]; then
+    echo "hpcddp: GPU binding task: srun gives each rank its own $GPUS_PER_TASK GPU(s), seen from cuda:0 on;" \
+        "scripts that call torch.cuda.set_device(LOCAL_RANK) fail on local ranks >= 1"
+elif [[ -n $GPUS_PER_TASK || -n ${SLURM_GPUS_ON_NODE:-} ]]; then
+    echo "hpcddp: GPU binding node: every rank sees its node's ${SLURM_GPUS_ON_NODE:-allocated} GPUs" \
+        "(${GPUS_PER_TASK:-?} per rank) and local rank i uses cuda:i (LOCAL_RANK), as under torchrun"
+else
+    echo "hpcddp: GPU binding none: no GPUs requested (sbatch --gpus-per-task=1 or GPUS_PER_TASK=1 asks for them)"
+fi
+
 if [[ -n $MIN_NP ]]; then
     # hpcddp run supervises the job inside the allocation: a lost node's ranks start again on the
     # nodes left, from the last commit, with srun/mpirun set up as below (hpcddp/cli/launch.py).
@@ -238,9 +263,13 @@ case $LAUNCHER in
         # --mpi=pmix: ranks connect into one MPI world (pmi2 would give singletons with Open MPI 5).
         # --cpus-per-task: since Slurm 22.05 srun no longer inherits it from sbatch.
         # --kill-on-bad-exit: one failed rank ends the step instead of leaving the rest hanging.
+        # --gpus-per-task alone binds per task; --gpu-bind=none keeps the GPUs per rank but lets
+        # every rank see all of its node's (GPU_BIND above).
         gpu_args=()
-        if [[ -n $GPUS_PER_TASK ]]; then
-            gpu_args=(--gpus-per-task="$GPUS_PER_TASK")
+        if [[ -n $GPUS_PER_TASK && $GPU_BIND == node ]]; then
+            gpu_args=(--gpus-per-task="$GPUS_PER_TASK" --gpu-bind=none)
+        elif [[ -n $GPUS_PER_TASK ]]; then
+            gpu_args=(--gpus-per-task="$GPUS_PER_TASK" --gpu-bind=per_task:"$GPUS_PER_TASK")
         fi
         exec srun --mpi=pmix --cpus-per-task="$cpus_per_task" "${gpu_args[@]}" --kill-on-bad-exit=1 "$PYTHON" "$@"
         ;;

@@ -15,7 +15,7 @@ from hpcddp.env import RankLayout, detect_environment
 from hpcddp.env.mpi import check_launcher_agrees
 from hpcddp.env.settings import read_settings
 from hpcddp.runtime import state as bootstrap_state
-from hpcddp.runtime.device import NodePeer, select_device, set_cpu_threads
+from hpcddp.runtime.device import NodePeer, set_cpu_threads
 from hpcddp.testing import run_script
 
 from .conftest import ROOT
@@ -62,30 +62,6 @@ def test_nccl_without_cuda(fresh):
     with pytest.raises(RuntimeError) as error:
         hpcddp.init(backend="nccl")
     assert one_line(error) == "backend='nccl' needs CUDA, but torch sees no GPU: use backend='mpi' or 'gloo'"
-
-
-def test_more_ranks_on_a_node_than_gpus(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    layout = RankLayout(rank=1, world_size=2, local_rank=1, local_size=2, node_rank=0, num_nodes=1)
-    with pytest.raises(RuntimeError) as error:
-        select_device(layout, allow_gpu_sharing=False, node_peers=[peer("GPU-a"), peer("GPU-a")])
-    assert one_line(error) == (
-        "2 ranks on this node but only 1 GPUs: start at most 1 ranks per node, or pass init(allow_gpu_sharing=True)"
-    )
-    # One GPU per task (each rank sees a different GPU as cuda:0) is fine, as is sharing on request.
-    assert select_device(layout, False, [peer("GPU-a"), peer("GPU-b")]) == torch.device("cuda", 0)
-    assert select_device(layout, True) == torch.device("cuda", 0)
-    # Without MPI the peers are unknown: a per-process CUDA_VISIBLE_DEVICES means one GPU per task.
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    with pytest.raises(RuntimeError, match="2 ranks on this node but only 1 GPUs"):
-        select_device(layout, False, None)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    assert select_device(layout, False, None) == torch.device("cuda", 0)
-
-
-def peer(*gpus, cpus=(0,)):
-    return NodePeer(tuple(gpus), frozenset(cpus))
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,6 +22,9 @@ __all__ = ["TorchDistCommunicator"]
 
 # Far more than can be in flight at once (one per bucket), so a dropped Work is long done.
 _KEPT_WORKS = 1024
+
+
+log = logging.getLogger("hpcddp")
 
 
 class TorchDistCommunicator(TorchDistOps, Communicator):
@@ -42,6 +46,10 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
         rank: with ``join``, this process's rank in the default group to come.
         size: with ``join``, that group's size.
         join: makes the default group when hpcddp needs it before the script made it.
+        adopt_backend: ``backend`` was hpcddp.init()'s "auto" choice: a default group the
+            script made with another backend (``init_process_group("mpi")`` after
+            ``hpcddp.init()``) is used as the script made it, and this communicator takes
+            its name, instead of an error.
     """
 
     _groups_made = 0
@@ -55,6 +63,7 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
         rank: int | None = None,
         size: int | None = None,
         join: Callable[[], None] | None = None,
+        adopt_backend: bool = False,
     ) -> None:
         if join is None:
             if not dist.is_initialized():
@@ -65,6 +74,7 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
         super().__init__(rank, size)
         self._group = group
         self._join = join
+        self._adopt_backend = adopt_backend
         self.name = backend
         self.device = device
         self._recent_works: collections.deque = collections.deque(maxlen=_KEPT_WORKS)
@@ -100,6 +110,15 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
             )
         made = str(dist.get_backend())
         if self.name not in {part.rpartition(":")[2] for part in made.replace(",", " ").split()}:
+            if self._adopt_backend:
+                log.warning(
+                    "hpcddp: the script made torch.distributed's default group with %r: hpcddp's collectives run on "
+                    "it too (backend 'auto' had chosen %r)",
+                    made,
+                    self.name,
+                )
+                self.name = made
+                return
             raise RuntimeError(
                 f"the default process group is {made!r} but hpcddp.init() chose {self.name!r} for {self.device}: "
                 f"use one backend for both (init_process_group({self.name!r}), or hpcddp.init(backend=...) "

@@ -79,7 +79,7 @@ def read_settings(environ: Mapping[str, str]) -> dict[str, Any]:
     (seconds), HPCDDP_STALL_ACTION ``stall_action``, HPCDDP_DIST_TIMEOUT
     ``dist_timeout`` (seconds), HPCDDP_HIERARCHICAL_ALLREDUCE ``hierarchical_allreduce``
     (0, 1 or auto), HPCDDP_TIMELINE ``timeline`` (a path), HPCDDP_CHECK_COLLECTIVES
-    ``check_collectives`` (0 or 1); an explicit
+    ``check_collectives`` (0 or 1), HPCDDP_GPU_SHARING ``allow_gpu_sharing`` (0 or 1); an explicit
     ``init()`` argument wins over any of them. HPCDDP_RESUME is only checked here.
 
     Args:
@@ -120,6 +120,9 @@ def read_settings(environ: Mapping[str, str]) -> dict[str, Any]:
     checks = environ.get("HPCDDP_CHECK_COLLECTIVES", "").strip().lower()
     if checks:
         settings["check_collectives"] = _switch("HPCDDP_CHECK_COLLECTIVES", checks)
+    sharing = environ.get("HPCDDP_GPU_SHARING", "").strip().lower()
+    if sharing:
+        settings["allow_gpu_sharing"] = _switch("HPCDDP_GPU_SHARING", sharing)
     timeline = environ.get("HPCDDP_TIMELINE", "").strip()
     if timeline:
         settings["timeline"] = timeline

@@ -7,25 +7,42 @@ the timeline).
 
 from __future__ import annotations
 
+import array
 import functools
+import logging
 
 import torch
 
 from ..comm.base import Communicator
 from ..comm.waits import share_cores
 from ..env import ClusterEnvironment, RankLayout, detect_environment
+from ..env.gpus import gpus_bound_per_task
 from .config import InitConfig
-from .device import NodePeer, describe_self, ranks_outnumber_cores, select_device, set_cpu_threads
+from .device import (
+    JobDevices,
+    NodePeer,
+    RankDevice,
+    assumed_node_peers,
+    check_gpu_sharing,
+    choose_backend,
+    describe_self,
+    place_rank,
+    ranks_outnumber_cores,
+    set_cpu_threads,
+)
 from .exports import export_layout, export_rendezvous
 from .state import Runtime
 
 __all__ = ["start"]
 
+log = logging.getLogger("hpcddp")
+
 
 def start(config: InitConfig) -> Runtime:
     """Find this rank, pick its device and backend, make its communicator and set its threads.
 
-    Collective over the launcher's ranks (they gather each node's devices).
+    Collective over the launcher's ranks (they gather each node's devices and agree on
+    the backend with one small allreduce).
 
     Args:
         config: the settings ``hpcddp.init()`` resolved from its arguments and the environment.
@@ -33,49 +50,76 @@ def start(config: InitConfig) -> Runtime:
     environment = detect_environment()
     layout = environment.layout()
     mpi_comm = environment.mpi_comm
-    # Every rank gathers (a collective), so that ranks seeing different GPU counts cannot hang.
-    node_peers = None if mpi_comm is None else _gather_node_peers(mpi_comm)
-    device = select_device(layout, config.allow_gpu_sharing, node_peers)
+    if mpi_comm is not None:
+        # Every rank gathers (a collective), so that ranks seeing different GPU counts cannot hang.
+        me, node_peers = _gather_node_peers(mpi_comm)
+    else:
+        me = layout.local_rank
+        node_peers = assumed_node_peers(describe_self(), layout, gpus_bound_per_task(environment.environ))
+    placed = place_rank(layout.rank, me, node_peers)
+    job = _agree(mpi_comm, placed, layout.world_size)
+    check_gpu_sharing(job, placed, config.allow_gpu_sharing)
+    chosen, reason = choose_backend(config.backend, job, mpi_launched=mpi_comm is not None)
+    _check_mpi_launcher(chosen, environment, layout)
+    if reason is not None and layout.rank == 0:
+        log.warning("%s", reason)
+    device = placed.device
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    chosen = _choose_backend(config.backend, environment, layout, device)
     export_layout(environment, layout)
     export_rendezvous(environment.rendezvous(config.interface))
-    comm = _create_communicator(chosen, environment, layout, device, config)
+    comm = _create_communicator(
+        chosen, environment, layout, device, config, lazy=config.backend == "auto" and chosen == "nccl"
+    )
     comm.check_collectives = config.check_collectives
-    threads = set_cpu_threads(layout, config.num_threads, node_peers)
-    share_cores(ranks_outnumber_cores(layout, node_peers))
+    threads = set_cpu_threads(layout, config.num_threads, node_peers if mpi_comm is not None else None)
+    share_cores(ranks_outnumber_cores(layout, node_peers if mpi_comm is not None else None))
     return Runtime(config, environment, layout, device, comm, threads)
 
 
-def _gather_node_peers(mpi_comm) -> list[NodePeer]:
+def _gather_node_peers(mpi_comm) -> tuple[int, list[NodePeer]]:
+    """This rank's position among its node's ranks, and what each of them sees (in local-rank order)."""
     from ..env.mpi_import import import_mpi
 
-    node = mpi_comm.Split_type(import_mpi().COMM_TYPE_SHARED)
+    node = mpi_comm.Split_type(import_mpi().COMM_TYPE_SHARED, key=mpi_comm.Get_rank())
     try:
-        return node.allgather(describe_self())
+        return node.Get_rank(), node.allgather(describe_self())
     finally:
         node.Free()
 
 
-def _choose_backend(requested: str, environment: ClusterEnvironment, layout: RankLayout, device) -> str:
-    if requested == "nccl" and device.type != "cuda":
-        raise RuntimeError("backend='nccl' needs CUDA, but torch sees no GPU: use backend='mpi' or 'gloo'")
-    if requested == "mpi" and environment.mpi_comm is None and layout.world_size > 1:
+def _agree(mpi_comm, placed: RankDevice, world_size: int) -> JobDevices:
+    """One allreduce of four numbers: every rank then knows who lacks a GPU or shares one, and decides alike.
+
+    Without MPI the ranks cannot be asked before the backend exists: the decision is this rank's own.
+    """
+    numbers = array.array("q", JobDevices.as_numbers(placed, world_size))
+    if mpi_comm is not None:
+        from ..env.mpi_import import import_mpi
+
+        MPI = import_mpi()  # noqa: N806 - mpi4py's name
+        mpi_comm.Allreduce(MPI.IN_PLACE, [numbers, MPI.INT64_T], op=MPI.MIN)
+    return JobDevices.from_numbers(numbers, world_size)
+
+
+def _check_mpi_launcher(chosen: str, environment: ClusterEnvironment, layout: RankLayout) -> None:
+    if chosen == "mpi" and environment.mpi_comm is None and layout.world_size > 1:
         raise RuntimeError(
             f"backend='mpi' needs ranks started by an MPI launcher, but this job was started by "
             f"{environment.name}: launch with mpirun or srun --mpi=pmix, or use backend='gloo'"
         )
-    if requested != "auto":
-        return requested
-    if device.type == "cuda":
-        return "nccl"
-    if environment.mpi_comm is not None:
-        return "mpi"
-    return "local" if layout.world_size == 1 else "gloo"
 
 
-def _create_communicator(name: str, environment, layout: RankLayout, device, config: InitConfig) -> Communicator:
+def _create_communicator(
+    name: str, environment, layout: RankLayout, device, config: InitConfig, *, lazy: bool = False
+) -> Communicator:
+    """Make the communicator for backend ``name``.
+
+    ``lazy``: nccl that "auto" chose. torch.distributed's default group is then made at
+    hpcddp's first collective, not here, so that a script's own
+    ``init_process_group("mpi")`` after ``hpcddp.init()`` makes the group it asked for
+    (hpcddp's collectives then run on that group), as under torchrun.
+    """
     if name == "local":
         from ..comm.local import LocalCommunicator
 
@@ -101,7 +145,22 @@ def _create_communicator(name: str, environment, layout: RankLayout, device, con
         join = functools.partial(
             join_through_env, name, layout.rank, layout.world_size, timeout_s=config.dist_timeout, device=device
         )
-        return TorchDistCommunicator(name, device, rank=layout.rank, size=layout.world_size, join=join)
+        return TorchDistCommunicator(
+            name, device, rank=layout.rank, size=layout.world_size, join=join, adopt_backend=lazy
+        )
+    if lazy:
+        join = functools.partial(
+            join_process_group,
+            name,
+            layout.rank,
+            layout.world_size,
+            timeout_s=config.dist_timeout,
+            device=device,
+            mpi_comm=environment.mpi_comm,
+        )
+        return TorchDistCommunicator(
+            name, device, rank=layout.rank, size=layout.world_size, join=join, adopt_backend=True
+        )
     join_process_group(
         name,
         layout.rank,

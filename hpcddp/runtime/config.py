@@ -27,7 +27,9 @@ class InitConfig:
     """torch intra-op threads for this rank; None derives them from the CPUs it may use."""
 
     allow_gpu_sharing: bool = False
-    """Let more ranks than GPUs share a node's GPUs instead of failing."""
+    """Let more ranks than GPUs share a node's GPUs (or MIG slices) instead of failing. NCCL takes
+    one rank per GPU, so backend "auto" then picks mpi (or gloo without an MPI launcher) and
+    says so in one line. Environment: HPCDDP_GPU_SHARING (0 or 1)."""
 
     stall_timeout: float = 60.0
     """Seconds a collective may wait for the other ranks before the stall inspector
@@ -90,6 +92,8 @@ class InitConfig:
             raise ValueError(
                 f"hierarchical_allreduce must be True, False or 'auto', got {self.hierarchical_allreduce!r}"
             )
+        if not isinstance(self.allow_gpu_sharing, bool):
+            raise ValueError(f"allow_gpu_sharing must be True or False, got {self.allow_gpu_sharing!r}")
         if not isinstance(self.check_collectives, bool):
             raise ValueError(f"check_collectives must be True or False, got {self.check_collectives!r}")
         if self.stall_action not in STALL_ACTIONS:

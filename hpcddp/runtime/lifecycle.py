@@ -29,7 +29,7 @@ def init(
     backend: str = "auto",
     *,
     num_threads: int | None = None,
-    allow_gpu_sharing: bool = False,
+    allow_gpu_sharing: bool | None = None,
     interface: str | None = None,
     stall_timeout: float | None = None,
     stall_abort_after: float | None = None,
@@ -49,7 +49,8 @@ def init(
             with "auto", HPCDDP_BACKEND decides when set.
         num_threads: torch intra-op threads for this rank; derived from the CPUs the
             rank may use when None (and left alone when OMP_NUM_THREADS is set).
-        allow_gpu_sharing: allow more ranks on a node than it has GPUs.
+        allow_gpu_sharing: allow more ranks on a node than it has GPUs (backend "auto"
+            then picks mpi: NCCL takes one rank per GPU). Default HPCDDP_GPU_SHARING, else False.
         interface: the network interface that connects the nodes (e.g. "ib0"):
             rank 0 publishes its address for torch.distributed's rendezvous and
             gloo/NCCL use it. Default HPCDDP_IFACE, else one every node shares a
@@ -84,6 +85,7 @@ def init(
     if state.is_initialized():
         return
     explicit = {
+        "allow_gpu_sharing": allow_gpu_sharing,
         "interface": interface,
         "stall_timeout": stall_timeout,
         "stall_abort_after": stall_abort_after,
@@ -94,13 +96,13 @@ def init(
         "check_collectives": check_collectives,
     }
     try:
-        _init(backend, num_threads, allow_gpu_sharing, explicit)
+        _init(backend, num_threads, explicit)
     except (ValueError, RuntimeError, ImportError) as err:
         mark_configuration_error(err)
         raise
 
 
-def _init(backend, num_threads, allow_gpu_sharing, explicit) -> None:
+def _init(backend, num_threads, explicit) -> None:
     settings = read_settings(os.environ)
     from_environment = settings.pop("backend", None)
     if from_environment is not None and backend == "auto":
@@ -108,7 +110,7 @@ def _init(backend, num_threads, allow_gpu_sharing, explicit) -> None:
     elif from_environment is not None and from_environment != backend:
         log.warning("hpcddp: HPCDDP_BACKEND=%s ignored: the script passed init(backend=%r)", from_environment, backend)
     settings.update({k: v for k, v in explicit.items() if v is not None})
-    config = InitConfig(backend=backend, num_threads=num_threads, allow_gpu_sharing=allow_gpu_sharing, **settings)
+    config = InitConfig(backend=backend, num_threads=num_threads, **settings)
     runtime = bootstrap.start(config)
     layout, mpi_comm = runtime.layout, runtime.environment.mpi_comm
     if layout.world_size > 1:

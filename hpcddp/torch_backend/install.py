@@ -26,6 +26,9 @@
 - ``monitored_barrier``: torch's refuses every backend but gloo by name; for hpcddp's
   groups the wrapper calls the group's own (gloo's protocol and messages), and any
   other group still gets torch's.
+- ``device_id=``: ``init_process_group("hpcddp", device_id=torch.device("cuda", i))`` is
+  accepted; the group is not bound to the device (torch ignores ``device_id`` for its own MPI
+  backend too), since hpcddp's groups take tensors on any device.
 - ``batch_isend_irecv``: from torch 2.14 on it asks every ``ProcessGroup`` subclass for
   its C++ backend to see whether it coalesces ("No backend type associated with device
   type cpu" for a group written in Python, which has none); for hpcddp's groups the
@@ -201,6 +204,12 @@ def _see_timeout(helper):
         previous = getattr(_making, "timeout", None)
         arguments = signature.bind_partial(*args, **kwargs).arguments
         refuse_placeholder_store(arguments.get("backend"), arguments.get("group_size"))
+        if str(arguments.get("backend")).lower() in (BACKEND_NAME, "mpi") and "device_id" in kwargs:
+            # torch binds a group to device_id by asking its C++ backend for that device, which a
+            # group written in Python has none of ("No backend type associated with device type
+            # cuda"); hpcddp's groups take tensors on any device, so, as torch does for its own
+            # MPI backend, the device is not bound (issue 34).
+            kwargs["device_id"] = None
         _making.timeout = arguments.get("timeout")
         try:
             return helper(*args, **kwargs)
