@@ -52,3 +52,33 @@ def test_compression_allocates_a_wire_buffer():
     params = [torch.nn.Parameter(torch.randn(8))]
     (bucket,) = build_buckets(params, 25 * MB, MB, wire_dtype=torch.float16)
     assert bucket.wire.dtype == torch.float16 and bucket.wire.numel() == bucket.buffer.numel()
+
+
+def test_views_keep_the_strides_of_channels_last_parameters():
+    # As DDP's bucket views: fused CUDA optimizers (AdamW(fused=True)) need grad and param of one layout.
+    conv = torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+    linear = torch.nn.Linear(4, 5)
+    params = [conv.weight, conv.bias, linear.weight]
+    (bucket,) = build_buckets(params, 25 * MB, 25 * MB)
+    for param, view in zip(bucket.params, bucket.views):
+        assert (view.shape, view.stride()) == (param.shape, param.stride())
+        assert view.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr()
+    # Each view covers its own block of the buffer, in its layout: writing the parameter's values shows them there.
+    offset = 0
+    for param, view in zip(bucket.params, bucket.views):
+        view.copy_(torch.arange(param.numel(), dtype=view.dtype).view(param.shape))
+        block = bucket.buffer[offset : offset + param.numel()]
+        torch.testing.assert_close(block, view.permute(*_memory_order(view)).reshape(-1))
+        offset += param.numel()
+
+
+def test_a_parameter_with_gaps_gets_a_contiguous_view():
+    base = torch.zeros(4, 6)
+    param = torch.nn.Parameter(base[:, ::2])  # strides (6, 2): not dense
+    (bucket,) = build_buckets([param], 25 * MB, 25 * MB)
+    assert bucket.views[0].shape == param.shape and bucket.views[0].is_contiguous()
+
+
+def _memory_order(tensor):
+    """Dims from outermost to innermost in memory."""
+    return sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d))

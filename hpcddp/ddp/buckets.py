@@ -7,7 +7,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Bucket", "adopt_grad", "assign_buckets", "build_buckets", "drop_unused_grads", "probe_nonfinite"]
+__all__ = [
+    "Bucket",
+    "adopt_grad",
+    "assign_buckets",
+    "build_buckets",
+    "drop_unused_grads",
+    "grad_view",
+    "has_dense_strides",
+    "probe_nonfinite",
+]
 
 MB = 1024 * 1024
 #: gradient elements of a bucket that probe_nonfinite reads
@@ -86,9 +95,9 @@ def build_buckets(
 ) -> list[Bucket]:
     """Assign ``params`` to buckets and allocate each bucket's flat gradient buffer.
 
-    Each parameter gets a view into its bucket's buffer, shaped like the parameter;
-    the optimizer makes ``param.grad`` that view, so backward accumulates straight
-    into the buffer and no copy is needed before the allreduce.
+    Each parameter gets a view into its bucket's buffer, shaped like the parameter and
+    with its strides (``grad_view``); the optimizer makes ``param.grad`` that view, so
+    backward accumulates straight into the buffer and no copy is needed before the allreduce.
 
     Args:
         params: parameters in registration order.
@@ -107,7 +116,7 @@ def build_buckets(
         buffer = torch.zeros(total + len(chosen) + extra, dtype=first.dtype, device=first.device)
         views, offset = [], 0
         for param in chosen:
-            views.append(buffer[offset : offset + param.numel()].view_as(param))
+            views.append(grad_view(buffer, offset, param))
             offset += param.numel()
         wire = None
         if wire_dtype is not None and wire_dtype != first.dtype and first.dtype.is_floating_point:
@@ -126,6 +135,33 @@ def build_buckets(
             )
         )
     return buckets
+
+
+def grad_view(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
+    """Return the gradient view of ``param`` at ``offset`` of the flat ``buffer``, laid out as ``param`` is.
+
+    Args:
+        buffer: the bucket's flat buffer (storage offset 0).
+        offset: where the parameter's elements start in it.
+        param: the parameter (a dense layout keeps its strides; another is viewed contiguous).
+    """
+    # As DDP's bucket views (reducer.cpp, initialize_bucket_views): a channels_last parameter
+    # gets a channels_last gradient, because fused optimizers (AdamW(fused=True) on CUDA)
+    # require param and grad of one layout; CPU kernels do not check it.
+    if has_dense_strides(param):
+        return buffer.as_strided(param.shape, param.stride(), buffer.storage_offset() + offset)
+    return buffer[offset : offset + param.numel()].view(param.shape)
+
+
+def has_dense_strides(tensor: torch.Tensor) -> bool:
+    """Return True when ``tensor``'s elements fill a block of memory without gaps or overlap, in any dim order."""
+    expected = 1
+    dims = sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size != 1)
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def adopt_grad(param: torch.nn.Parameter, view: torch.Tensor) -> None:
