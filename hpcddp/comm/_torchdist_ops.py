@@ -13,7 +13,7 @@ import torch.distributed as dist
 from . import oplog
 from .agreement import agreement_vector, describe_call, disagrees, mismatch_error
 from .base import Handle, ReduceOp, alltoall_splits, as_splits, even_splits, splits_error
-from .reduction import check_average, to_torch
+from .reduction import check_average
 
 __all__ = ["TorchDistOps", "WorkHandle", "explain_timeout"]
 
@@ -102,12 +102,12 @@ class TorchDistOps:
         is_root = self.rank == root
         # Backends may use a non-root's buffer as scratch: reduce a copy there.
         staged = self._on_device(tensor) if is_root else tensor.detach().to(self.device, copy=True).contiguous()
-        work = dist.reduce(staged, dst=dst, op=to_torch(op), group=self.group, async_op=True)
+        work = dist.reduce(staged, dst=dst, op=self._torch_op(op), group=self.group, async_op=True)
 
         def finish(out: torch.Tensor) -> torch.Tensor:
             if not is_root:
                 return tensor
-            if op is ReduceOp.AVERAGE:
+            if self._divides_after(op):
                 out.div_(self.size)
             return out if out is tensor else tensor.copy_(out)
 
@@ -180,10 +180,10 @@ class TorchDistOps:
         self._verify(check, "reducescatter", tensor, reduce_op=op, splits=splits, error=error)
         # gloo has no reduce_scatter and NCCL's wants equal pieces: reduce all, keep this rank's rows.
         full = tensor.detach().to(self.device, copy=True).contiguous()
-        work = dist.all_reduce(full, op=to_torch(op), group=self.group, async_op=True)
+        work = dist.all_reduce(full, op=self._torch_op(op), group=self.group, async_op=True)
         start = sum(splits[: self.rank])
         handle = WorkHandle(self._track(work, "reducescatter", full), full, "reducescatter")
-        if op is ReduceOp.AVERAGE:
+        if self._divides_after(op):
             handle.then(lambda out: out.div_(self.size))
         return handle.then(lambda out: out.narrow(0, start, splits[self.rank]).clone().to(tensor.device))
 

@@ -122,6 +122,16 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
         self._recent_works.append(work)
         return work
 
+    def _torch_op(self, op: ReduceOp):
+        """Return the ``dist.ReduceOp`` to send ``op`` as: NCCL averages inside the collective itself."""
+        # Dividing after the sum happens only in wait(): on nccl the Work completes with the
+        # kernel, so a caller that polls an in-place average would read the sum (issue 34, item 8).
+        return dist.ReduceOp.AVG if self.name == "nccl" and op is ReduceOp.AVERAGE else to_torch(op)
+
+    def _divides_after(self, op: ReduceOp) -> bool:
+        """True when an average travels as a sum that ``wait()`` divides (gloo has no AVG)."""
+        return op is ReduceOp.AVERAGE and self.name != "nccl"
+
     def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.device == self.device and tensor.is_contiguous():
             return tensor
@@ -134,9 +144,9 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
         if self.size == 1:
             handle = completed(staged, "allreduce")
         else:
-            work = dist.all_reduce(staged, op=to_torch(op), group=self.group, async_op=True)
+            work = dist.all_reduce(staged, op=self._torch_op(op), group=self.group, async_op=True)
             handle = WorkHandle(self._track(work, "allreduce", staged), staged, "allreduce")
-        if op is ReduceOp.AVERAGE:
+        if self._divides_after(op):
             handle.then(lambda out: out.div_(self.size))
         return handle.then(lambda out: out if out is tensor else tensor.copy_(out))
 

@@ -1,0 +1,67 @@
+"""The CUDA-only branches' rules, checked on the CPU with fakes (the GPU suite, tests/gpu, runs them on CUDA)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hpcddp.comm.base import ReduceOp
+from hpcddp.comm.torchdist import TorchDistCommunicator
+
+
+class _QueuedWork:
+    """An NCCL Work as seen from the host: its future is complete once the kernel is queued."""
+
+    def __init__(self):
+        self.future = torch.futures.Future()
+        self.future.set_result(None)
+
+    def get_future(self):
+        return self.future
+
+    def is_completed(self):
+        return True
+
+    def wait(self, timeout=None):
+        return True
+
+
+@pytest.fixture
+def nccl_like(monkeypatch, tmp_path):
+    """A TorchDistCommunicator named nccl, of 2 ranks whose all_reduce is NCCL's arithmetic on equal tensors."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    sent_ops = []
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        sent_ops.append(op)
+        if op == dist.ReduceOp.SUM:
+            tensor.mul_(2)  # two ranks holding the same values
+        elif op != dist.ReduceOp.AVG:
+            raise AssertionError(f"unexpected op {op}")
+        return _QueuedWork()
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    comm = TorchDistCommunicator("nccl", torch.device("cpu"))
+    comm.size = 2
+    try:
+        yield comm, sent_ops
+    finally:
+        comm.close()
+        dist.destroy_process_group()
+
+
+def test_an_nccl_average_is_complete_when_its_handle_is(nccl_like):
+    comm, sent_ops = nccl_like
+    tensor = torch.full((4,), 3.0)
+    handle = comm.allreduce_async_(tensor, ReduceOp.AVERAGE)
+    assert handle.poll()
+    # Read without wait(), as a script that polls an in-place average does.
+    torch.testing.assert_close(tensor, torch.full((4,), 3.0))
+    torch.testing.assert_close(handle.wait(), torch.full((4,), 3.0))
+    assert sent_ops == [dist.ReduceOp.AVG]
+
+
+def test_an_nccl_reducescatter_average_is_not_divided_twice(nccl_like):
+    comm, _ = nccl_like
+    out = comm.reducescatter_async(torch.arange(4.0), ReduceOp.AVERAGE).wait()
+    torch.testing.assert_close(out, torch.arange(2.0))
