@@ -65,3 +65,58 @@ def test_an_nccl_reducescatter_average_is_not_divided_twice(nccl_like):
     comm, _ = nccl_like
     out = comm.reducescatter_async(torch.arange(4.0), ReduceOp.AVERAGE).wait()
     torch.testing.assert_close(out, torch.arange(2.0))
+
+
+class _FakeGpuCompletion:
+    """Stands in for the CUDA events of ``hpcddp.comm._cuda_events.GpuCompletion``: the test says when kernels ran."""
+
+    ran_at: float | None = None
+
+    def __init__(self, work, tensors):
+        self.work = work
+
+    def query(self):
+        return self.ran_at is not None
+
+    @property
+    def completed_at(self):
+        return self.ran_at
+
+    def completion_time(self):
+        return self.ran_at
+
+
+def test_the_stall_inspector_sees_an_nccl_collective_running_until_its_kernel_ran(nccl_like, monkeypatch):
+    import hpcddp.comm.torchdist as torchdist
+
+    comm, _ = nccl_like
+    monkeypatch.setattr(torchdist, "is_cuda_tensor", lambda tensor: True)
+    monkeypatch.setattr(torchdist, "GpuCompletion", _FakeGpuCompletion)
+    handle = comm.allreduce_async_(torch.ones(4), ReduceOp.SUM)
+    # The Work's future is complete (queued), the kernel has not run: the collective is still running.
+    running, _ = comm.log.running()
+    assert running is not None and running.op == "allreduce"
+    assert handle.completed_at is None
+    _FakeGpuCompletion.ran_at = 123.0
+    try:
+        assert comm.log.running()[0] is None
+        assert handle.completed_at == 123.0
+    finally:
+        _FakeGpuCompletion.ran_at = None
+
+
+def test_reduction_times_read_a_bucket_end_known_only_after_wait_when_asked():
+    from hpcddp.comm.base import Handle
+    from hpcddp.ddp.buckets import build_buckets
+    from hpcddp.ddp.timing import ReductionTimes
+
+    class KernelsStillRunning(Handle):
+        def completion_time(self):  # what the CUDA event says once the host waits for it
+            return 42.0
+
+    (bucket,) = build_buckets([torch.nn.Parameter(torch.zeros(3))], 1 << 20, 1 << 20)
+    times = ReductionTimes()
+    times.launched(0, 1)
+    handle = KernelsStillRunning("allreduce")
+    times.done(bucket, handle, copy_out_start=7.0, recorder=None, step=0)
+    assert times.bucket_done == [42.0]
