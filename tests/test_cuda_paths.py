@@ -120,3 +120,15 @@ def test_reduction_times_read_a_bucket_end_known_only_after_wait_when_asked():
     handle = KernelsStillRunning("allreduce")
     times.done(bucket, handle, copy_out_start=7.0, recorder=None, step=0)
     assert times.bucket_done == [42.0]
+
+
+def test_async_averaging_refuses_nccl_in_one_line_naming_the_fix():
+    from hpcddp.collectives.async_averaging import AsyncModelAverager
+
+    class NcclOfTwo:
+        name, rank, size = "nccl", 0, 2
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match=r"cannot run on the nccl backend .*backend='mpi'") as caught:
+        AsyncModelAverager(model, torch.optim.SGD(model.parameters(), lr=0.1), communicator=NcclOfTwo())
+    assert "\n" not in str(caught.value)
