@@ -82,3 +82,32 @@ def test_a_parameter_with_gaps_gets_a_contiguous_view():
 def _memory_order(tensor):
     """Dims from outermost to innermost in memory."""
     return sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d))
+
+
+def test_used_flags_are_written_as_ones_and_zeros():
+    from hpcddp.ddp.buckets import write_used_flags
+
+    used = torch.full((6,), 7.0)
+    for flags in (
+        [True] * 6,
+        [False] * 6,
+        [True, False, True, True, False, True],
+        [False, True, True, False, False, True],
+    ):
+        write_used_flags(used, flags)
+        assert used.tolist() == [float(f) for f in flags]
+
+
+def test_unused_gradients_of_several_buckets_go_back_to_none():
+    from hpcddp.ddp.buckets import drop_unused_grads
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 4, 5)]
+    buckets = build_buckets(params, bucket_cap_bytes=1, first_bucket_bytes=1)
+    assert len(buckets) == 3
+    for bucket in buckets:
+        for param, view in zip(bucket.params, bucket.views):
+            param.grad = view
+        bucket.used.fill_(2)  # summed over two ranks
+    buckets[1].used.fill_(0)
+    drop_unused_grads(buckets)
+    assert [p.grad is None for p in params] == [p is buckets[1].params[0] for p in params]

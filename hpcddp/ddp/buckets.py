@@ -16,6 +16,7 @@ __all__ = [
     "grad_view",
     "has_dense_strides",
     "probe_nonfinite",
+    "write_used_flags",
 ]
 
 MB = 1024 * 1024
@@ -176,21 +177,51 @@ def adopt_grad(param: torch.nn.Parameter, view: torch.Tensor) -> None:
     param.grad = view
 
 
-def drop_unused_grads(bucket: Bucket) -> None:
-    """Set ``grad`` back to None for the bucket's parameters whose reduced counter is 0.
+def drop_unused_grads(buckets: Sequence[Bucket]) -> None:
+    """Set ``grad`` back to None for the buckets' parameters whose reduced counter is 0.
 
     The counter (``Bucket.used``) is 0 only when no rank used the parameter and no rank had
     a gradient for it before the reduction's first pass: every rank decides alike.
+
+    Args:
+        buckets: the reduced buckets (their counters are read in one transfer: on a GPU
+            one host sync per step, not one per bucket).
     """
     # As DDP, which leaves a parameter no rank used as it was: None stays None (so optimizers
     # skip it instead of applying momentum or weight decay to a zero gradient), and a gradient
     # that was there (zeros from zero_grad(set_to_none=False), the average of an earlier backward
     # pass) stays, averaged with the other ranks' (equal) values like any gradient.
-    if bool((bucket.used != 0).all()):
+    if not buckets:
         return
-    for param, used in zip(bucket.params, bucket.used.tolist()):
-        if used == 0:
-            param.grad = None
+    flags = torch.cat([bucket.used for bucket in buckets]).tolist()
+    at = 0
+    for bucket in buckets:
+        for param, used in zip(bucket.params, flags[at : at + len(bucket.params)]):
+            if used == 0:
+                param.grad = None
+        at += len(bucket.params)
+
+
+def write_used_flags(used: torch.Tensor, flags: Sequence[bool]) -> None:
+    """Write ``flags`` (one per parameter) into a bucket's ``used`` counters, 1 or 0, without a host sync.
+
+    Args:
+        used: the bucket's counters (``Bucket.used``).
+        flags: whether each parameter was used or had a gradient.
+    """
+    # A copy from a host list (torch.tensor(flags)) into GPU memory waits for the device at
+    # every bucket; fills of runs of ones are queued like any kernel (issue 34, item 11).
+    if all(flags):
+        used.fill_(1)
+        return
+    used.zero_()
+    start = None
+    for index, flag in enumerate([*flags, False]):
+        if flag and start is None:
+            start = index
+        elif not flag and start is not None:
+            used[start:index].fill_(1)
+            start = None
 
 
 def probe_nonfinite(grads: torch.Tensor) -> torch.Tensor:
