@@ -132,3 +132,16 @@ def test_async_averaging_refuses_nccl_in_one_line_naming_the_fix():
     with pytest.raises(RuntimeError, match=r"cannot run on the nccl backend .*backend='mpi'") as caught:
         AsyncModelAverager(model, torch.optim.SGD(model.parameters(), lr=0.1), communicator=NcclOfTwo())
     assert "\n" not in str(caught.value)
+
+
+def test_the_allreduce_benchmark_waits_for_the_gpu_after_each_hpcddp_allreduce(monkeypatch):
+    from hpcddp.bench.allreduce import _synchronized
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("synchronize", device)))
+    on_gpu = _synchronized(lambda: calls.append("allreduce"), torch.device("cuda", 0))
+    on_gpu()
+    assert calls == ["allreduce", ("synchronize", torch.device("cuda", 0))]
+    on_cpu = _synchronized(lambda: calls.append("cpu allreduce"), torch.device("cpu"))
+    on_cpu()
+    assert calls[-1] == "cpu allreduce"
