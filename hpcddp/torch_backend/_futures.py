@@ -65,8 +65,8 @@ class OrderedFuture(torch.futures.Future):
     """
 
     def __init__(self, handle=None, devices: list[torch.device] | None = None) -> None:
+        super().__init__(devices=list(devices) if devices else None)
         self._devices = list(devices or [])
-        super().__init__(devices=self._devices or None)
         self.handle = handle
 
     def wait(self) -> Any:

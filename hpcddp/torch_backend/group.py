@@ -175,7 +175,7 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
         self._comm.engine.check_open(event[0] or collective.name)
         within = getattr(self._within_coalesced, "active", False)
         profiled = begin(f"{self._backend_name}:{event[0]}", event[1]) if event[0] and not within else None
-        future = OrderedFuture(devices=cuda_devices((event[1], result)))
+        future = OrderedFuture(devices=cuda_devices((event[1], result, collective.tensor)))
 
         def complete(handle) -> None:
             if handle._error is not None:
