@@ -52,3 +52,62 @@ def test_compression_allocates_a_wire_buffer():
     params = [torch.nn.Parameter(torch.randn(8))]
     (bucket,) = build_buckets(params, 25 * MB, MB, wire_dtype=torch.float16)
     assert bucket.wire.dtype == torch.float16 and bucket.wire.numel() == bucket.buffer.numel()
+
+
+def test_views_keep_the_strides_of_channels_last_parameters():
+    # As DDP's bucket views: fused CUDA optimizers (AdamW(fused=True)) need grad and param of one layout.
+    conv = torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+    linear = torch.nn.Linear(4, 5)
+    params = [conv.weight, conv.bias, linear.weight]
+    (bucket,) = build_buckets(params, 25 * MB, 25 * MB)
+    for param, view in zip(bucket.params, bucket.views):
+        assert (view.shape, view.stride()) == (param.shape, param.stride())
+        assert view.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr()
+    # Each view covers its own block of the buffer, in its layout: writing the parameter's values shows them there.
+    offset = 0
+    for param, view in zip(bucket.params, bucket.views):
+        view.copy_(torch.arange(param.numel(), dtype=view.dtype).view(param.shape))
+        block = bucket.buffer[offset : offset + param.numel()]
+        torch.testing.assert_close(block, view.permute(*_memory_order(view)).reshape(-1))
+        offset += param.numel()
+
+
+def test_a_parameter_with_gaps_gets_a_contiguous_view():
+    base = torch.zeros(4, 6)
+    param = torch.nn.Parameter(base[:, ::2])  # strides (6, 2): not dense
+    (bucket,) = build_buckets([param], 25 * MB, 25 * MB)
+    assert bucket.views[0].shape == param.shape and bucket.views[0].is_contiguous()
+
+
+def _memory_order(tensor):
+    """Dims from outermost to innermost in memory."""
+    return sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d))
+
+
+def test_used_flags_are_written_as_ones_and_zeros():
+    from hpcddp.ddp.buckets import write_used_flags
+
+    used = torch.full((6,), 7.0)
+    for flags in (
+        [True] * 6,
+        [False] * 6,
+        [True, False, True, True, False, True],
+        [False, True, True, False, False, True],
+    ):
+        write_used_flags(used, flags)
+        assert used.tolist() == [float(f) for f in flags]
+
+
+def test_unused_gradients_of_several_buckets_go_back_to_none():
+    from hpcddp.ddp.buckets import drop_unused_grads
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 4, 5)]
+    buckets = build_buckets(params, bucket_cap_bytes=1, first_bucket_bytes=1)
+    assert len(buckets) == 3
+    for bucket in buckets:
+        for param, view in zip(bucket.params, bucket.views):
+            param.grad = view
+        bucket.used.fill_(2)  # summed over two ranks
+    buckets[1].used.fill_(0)
+    drop_unused_grads(buckets)
+    assert [p.grad is None for p in params] == [p is buckets[1].params[0] for p in params]

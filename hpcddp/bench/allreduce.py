@@ -115,6 +115,22 @@ def _buffer(count: int, device: torch.device) -> torch.Tensor:
     return torch.zeros(count, dtype=torch.float32, device=device)
 
 
+def _synchronized(once: Callable[[], None], device: torch.device | None) -> Callable[[], None]:
+    """Return ``once`` followed, on a GPU, by waiting for the device, as the torch path does.
+
+    On nccl a collective returns once its kernel is queued: timed without this, the hpcddp
+    path measured how fast kernels are queued, not reduced (issue 34, item 7).
+    """
+    if device is None or torch.device(device).type != "cuda":
+        return once
+
+    def once_and_wait() -> None:
+        once()
+        torch.cuda.synchronize(device)
+
+    return once_and_wait
+
+
 def _runner(
     path: str, count: int, shared: torch.Tensor, out_of_place: bool = False, group: _Group | None = None
 ) -> tuple[Callable[[], None], Callable[[], torch.Tensor]]:
@@ -133,7 +149,9 @@ def _runner(
         from ..comm.base import ReduceOp
 
         sub = group.hpcddp
-        return (lambda: sub.allreduce_(shared, ReduceOp.SUM)), (lambda: shared)
+        return _synchronized(lambda: sub.allreduce_(shared, ReduceOp.SUM), getattr(sub, "device", None)), (
+            lambda: shared
+        )
     if path == "hpcddp":
         tensor = shared if hpcddp.device().type == "cpu" else _buffer(count, hpcddp.device())
         if out_of_place:
@@ -142,8 +160,8 @@ def _runner(
             def once():
                 result[0] = hpcddp.allreduce(tensor, op="sum")
 
-            return once, (lambda: result[0])
-        return (lambda: hpcddp.allreduce_(tensor, op="sum")), (lambda: tensor)
+            return _synchronized(once, tensor.device), (lambda: result[0])
+        return _synchronized(lambda: hpcddp.allreduce_(tensor, op="sum"), tensor.device), (lambda: tensor)
     if path == "mpi4py":
         MPI = import_mpi()
         comm = group.mpi if group is not None and group.mpi is not None else _mpi_comm()

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..ddp.step_counters import keep_step_counters_on_cpu_
 from ..env.files import probe_writable, write_atomically
 from .checksum import UNVERIFIED, save_with_checksum, verify_checksum
 from .identity import check_directory_run
@@ -346,7 +347,7 @@ def _load_intact(path: Path, map_location: Any, weights_only: bool) -> tuple[Any
     if verdict is not None and verdict != UNVERIFIED:
         return None, verdict
     try:
-        state = torch.load(path, map_location=map_location, weights_only=weights_only)
+        state = keep_step_counters_on_cpu_(torch.load(path, map_location=map_location, weights_only=weights_only))
     except Exception as err:
         if verdict is None:  # intact bytes that do not load: not damage, the caller's problem
             raise

@@ -23,7 +23,9 @@ The rules, written once here (every other module follows them by calling this on
    their own (split from the job's at construction, closed by ``close()``): a round is
    posted at a different point of each rank's script, so on a shared communicator it
    would meet the script's own collectives (an evaluation's allreduce, the rounds of a
-   second averager) in a different order on each rank.
+   second averager) in a different order on each rank. NCCL orders collectives across
+   all communicators of a GPU, so on nccl even a communicator of their own can deadlock:
+   the averager refuses nccl and names the mpi backend instead.
 3. **The lock.** The pre-step hook takes the averager's lock and the post-step hook
    releases it after the averaging update; ``pause()``, ``resume()`` and ``close()`` take
    it too. So an optimizer step and an averaging update never touch a tensor at once,
@@ -122,6 +124,15 @@ class AsyncModelAverager:
         #: asynchronous rounds applied (after a ``pause()``, the same number on every rank)
         self.num_rounds = 0
         self._comm = job_communicator(communicator)
+        if self._comm.name == "nccl" and self._comm.size > 1:
+            # NCCL requires one order of collectives across all communicators of a GPU; rounds
+            # posted at rank-dependent steps meet the script's collectives on the default group
+            # in a different order on each rank, which can deadlock (issue 34, item 10).
+            raise RuntimeError(
+                "AsyncModelAverager cannot run on the nccl backend (its rounds at rank-dependent steps can deadlock "
+                "with the script's NCCL collectives): start hpcddp with backend='mpi' (hpcddp.init(backend='mpi') or "
+                "HPCDDP_BACKEND=mpi), or use hpcddp.PeriodicModelAverager, which averages at the same steps everywhere"
+            )
         self._model, self._optimizer = model, optimizer
         self._optimizer_params = _count_params(optimizer)
         named = _averaged(model)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..ddp.consistency import check_same_parameters
+from ..ddp.step_counters import keep_step_counters_on_cpu_
 from ..runtime.state import communicator, device
 
 __all__ = ["broadcast_optimizer_state", "broadcast_parameters"]
@@ -62,6 +63,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     payload = comm.broadcast_object(payload, root_rank)
     if comm.rank != root_rank:
         state: dict[str, Any] = torch.load(io.BytesIO(payload), map_location=device(), weights_only=False)
+        keep_step_counters_on_cpu_(state)
         optimizer.load_state_dict(state)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -16,8 +18,10 @@ __all__ = [
     "layout_error",
     "mpi_buffer",
     "result_buffer",
+    "result_buffer_async",
     "row_bytes",
     "staged",
+    "staged_async",
     "write_back",
 ]
 
@@ -33,10 +37,33 @@ def bytes_view(tensor: torch.Tensor) -> np.ndarray:
 
 
 def staged(tensor: torch.Tensor) -> torch.Tensor:
-    """Return ``tensor`` itself when MPI can use its memory (CPU, contiguous), else a contiguous CPU copy."""
+    """Return ``tensor`` itself when MPI can use its memory (CPU, contiguous), else a contiguous CPU copy.
+
+    A GPU tensor is copied into pinned memory (DMA at full speed; pageable memory takes a
+    bounce through a driver buffer), waiting for the copy.
+    """
     if tensor.device.type == "cpu" and tensor.is_contiguous():
         return tensor.detach() if tensor.requires_grad else tensor
+    if tensor.is_cuda:
+        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor.detach())
     return tensor.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
+
+
+def staged_async(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """Return (``staged(tensor)``, None), or for a GPU tensor (a pinned host copy still in flight, its event).
+
+    The copy is queued on the caller's current stream, after the kernels that wrote the
+    tensor, and the caller goes on at once (backward keeps computing while a bucket is
+    copied out): whoever reads the host copy calls ``event.synchronize()`` first, on the
+    thread that runs the collective (issue 34, item 11).
+    """
+    if not tensor.is_cuda:
+        return staged(tensor), None
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor.detach(), non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(tensor.device))
+    return host, ready
 
 
 def write_back(tensor: torch.Tensor):
@@ -87,6 +114,16 @@ def result_buffer(tensor: torch.Tensor):
     buffer = staged(tensor)
     same_memory = buffer.data_ptr() == tensor.data_ptr() and buffer.device == tensor.device
     return buffer, None if same_memory else write_back(tensor)
+
+
+def result_buffer_async(tensor: torch.Tensor):
+    """``result_buffer`` with the staging copy of a GPU tensor in flight: (buffer, write, event or None).
+
+    Call ``event.synchronize()`` before MPI reads the buffer (``staged_async``).
+    """
+    buffer, ready = staged_async(tensor)
+    same_memory = buffer.data_ptr() == tensor.data_ptr() and buffer.device == tensor.device
+    return buffer, None if same_memory else write_back(tensor), ready
 
 
 def for_each_piece(spec) -> list:

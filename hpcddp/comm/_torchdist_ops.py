@@ -11,26 +11,52 @@ import torch
 import torch.distributed as dist
 
 from . import oplog
+from ._cuda_events import GpuCompletion
 from .agreement import agreement_vector, describe_call, disagrees, mismatch_error
 from .base import Handle, ReduceOp, alltoall_splits, as_splits, even_splits, splits_error
-from .reduction import check_average, to_torch
+from .reduction import check_average
 
 __all__ = ["TorchDistOps", "WorkHandle", "explain_timeout"]
 
 
 class WorkHandle(Handle):
-    """A Handle over a torch.distributed Work; waiting on it yields ``result``."""
+    """A Handle over a torch.distributed Work; waiting on it yields ``result``.
 
-    def __init__(self, work, result: Any, name: str) -> None:
+    Args:
+        work: the Work.
+        result: what ``wait()`` returns (before the ``then`` finishers).
+        name: the collective, for messages.
+        completion: on nccl, its ``GpuCompletion``: when the kernels ran, which the Work's
+            future does not tell (it completes once they are queued).
+    """
+
+    def __init__(self, work, result: Any, name: str, completion: GpuCompletion | None = None) -> None:
+        self._gpu = completion
         super().__init__(name)
         self._work = work
         self._pending_result = result
+        if completion is not None:
+            return
         # Stamp the completion when the backend reaches it, not when someone waits
         # (the timeline's allreduce spans would otherwise last until step()).
         try:
             work.get_future().add_done_callback(self._stamp_completion)
         except (AttributeError, RuntimeError):  # a backend without futures: stamped at wait()
             pass
+
+    @property
+    def completed_at(self) -> float | None:  # type: ignore[override]
+        """perf_counter() when the backend completed the operation (on a GPU: when its kernels ran)."""
+        return self._gpu.completed_at if self._gpu is not None else self._completed_at
+
+    @completed_at.setter
+    def completed_at(self, value: float | None) -> None:
+        self._completed_at = value
+
+    def completion_time(self) -> float | None:
+        if self._gpu is not None:
+            return self._gpu.completion_time()
+        return super().completion_time()
 
     def _stamp_completion(self, _future) -> None:
         if self.completed_at is None:
@@ -91,7 +117,9 @@ class TorchDistOps:
         call = describe_call(op, tensor, error=error, name=check, **fields)
         vector = torch.tensor(agreement_vector(call), dtype=torch.int64, device=self.device)
         # Tracked, so that the stall inspector sees a rank that never joins the agreement (one that exited).
-        self._track(dist.all_reduce(vector, op=dist.ReduceOp.MIN, group=self.group, async_op=True), "agreement").wait()
+        work = dist.all_reduce(vector, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+        self._track(work, "agreement", vector)
+        work.wait()
         if disagrees(vector.tolist()):
             raise mismatch_error(self.allgather_object(call))
 
@@ -102,16 +130,16 @@ class TorchDistOps:
         is_root = self.rank == root
         # Backends may use a non-root's buffer as scratch: reduce a copy there.
         staged = self._on_device(tensor) if is_root else tensor.detach().to(self.device, copy=True).contiguous()
-        work = dist.reduce(staged, dst=dst, op=to_torch(op), group=self.group, async_op=True)
+        work = dist.reduce(staged, dst=dst, op=self._torch_op(op), group=self.group, async_op=True)
 
         def finish(out: torch.Tensor) -> torch.Tensor:
             if not is_root:
                 return tensor
-            if op is ReduceOp.AVERAGE:
+            if self._divides_after(op):
                 out.div_(self.size)
             return out if out is tensor else tensor.copy_(out)
 
-        return WorkHandle(self._track(work, "reduce", staged), staged, "reduce").then(finish)
+        return self._handle(work, "reduce", staged, staged).then(finish)
 
     def gather_async(self, tensor: torch.Tensor, root: int, *, check: str | None = None) -> Handle:
         dst = self._global(root)
@@ -123,7 +151,7 @@ class TorchDistOps:
         padded = self._padded(source, max(rows))
         pieces = [torch.empty_like(padded) for _ in rows] if self.rank == root else None
         work = dist.gather(padded, pieces, dst=dst, group=self.group, async_op=True)
-        handle = WorkHandle(self._track(work, "gather", padded), pieces, "gather")
+        handle = self._handle(work, "gather", padded, pieces)
         return handle.then(
             lambda out: None if out is None else torch.cat([p[:n] for p, n in zip(out, rows)]).to(tensor.device)
         )
@@ -167,7 +195,7 @@ class TorchDistOps:
                 raise ValueError(f"scatter: {error}: pass an out tensor the size of chunks[{self.rank}]")
             return out.copy_(res[: out.numel()].reshape(out.shape))
 
-        return WorkHandle(self._track(work, "scatter", received), received, "scatter").then(finish)
+        return self._handle(work, "scatter", received, received).then(finish)
 
     def reducescatter_async(
         self, tensor: torch.Tensor, op: ReduceOp, splits: list[int] | None = None, *, check: str | None = None
@@ -180,10 +208,10 @@ class TorchDistOps:
         self._verify(check, "reducescatter", tensor, reduce_op=op, splits=splits, error=error)
         # gloo has no reduce_scatter and NCCL's wants equal pieces: reduce all, keep this rank's rows.
         full = tensor.detach().to(self.device, copy=True).contiguous()
-        work = dist.all_reduce(full, op=to_torch(op), group=self.group, async_op=True)
+        work = dist.all_reduce(full, op=self._torch_op(op), group=self.group, async_op=True)
         start = sum(splits[: self.rank])
-        handle = WorkHandle(self._track(work, "reducescatter", full), full, "reducescatter")
-        if op is ReduceOp.AVERAGE:
+        handle = self._handle(work, "reducescatter", full, full)
+        if self._divides_after(op):
             handle.then(lambda out: out.div_(self.size))
         return handle.then(lambda out: out.narrow(0, start, splits[self.rank]).clone().to(tensor.device))
 
@@ -204,7 +232,7 @@ class TorchDistOps:
         work = dist.all_to_all_single(
             out, source, output_split_sizes=received_rows, input_split_sizes=splits, group=self.group, async_op=True
         )
-        handle = WorkHandle(self._track(work, "alltoall", source), out, "alltoall")
+        handle = self._handle(work, "alltoall", source, out)
         return handle.then(lambda res: (res.to(tensor.device), received.cpu()))
 
     def send_async(self, tensor: torch.Tensor, dest: int, tag: int = 0) -> Handle:

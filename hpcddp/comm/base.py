@@ -60,6 +60,14 @@ class Handle:
         self._done.set()
         self._run_completion_hooks()
 
+    def completion_time(self) -> float | None:
+        """Return ``completed_at``, waiting for the device first where the backend knows it only then.
+
+        For measurements read after ``wait()``: on nccl, ``wait()`` returns once the caller's
+        stream waits for the collective, before its kernels ran.
+        """
+        return self.completed_at
+
     def on_completion(self, hook: Callable[[], None]) -> None:
         """Call ``hook()`` once when the operation completes, in the completing thread (at once if it has).
 

@@ -20,6 +20,7 @@ from ._mpi_buffers import (
     for_each_piece,
     mpi_buffer,
     result_buffer,
+    result_buffer_async,
     row_bytes,
     staged,
 )
@@ -191,9 +192,15 @@ class MPICommunicator(VectorOps, IntoOps, Communicator):
     def allreduce_body(self, tensor: torch.Tensor, op: ReduceOp) -> Callable[[], torch.Tensor]:
         """Return the runner's work for an in-place allreduce of ``tensor``: reduce, divide, copy back."""
         check_reducible(tensor.dtype, op)
-        (buffer, write), reduce, size = result_buffer(tensor), mpi_op(self._MPI, tensor.dtype, op), self.size
+        (buffer, write, ready), reduce, size = (
+            result_buffer_async(tensor),
+            mpi_op(self._MPI, tensor.dtype, op),
+            self.size,
+        )
 
         def body() -> torch.Tensor:
+            if ready is not None:  # a GPU tensor's copy to host, queued by the caller
+                ready.synchronize()
             self.reduce_in_place(buffer, reduce)
             divide_average_(buffer, op, size)
             if write is not None:

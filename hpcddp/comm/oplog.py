@@ -210,6 +210,20 @@ class OperationLog:
         self._running: dict[int, tuple[Descriptor, float, int]] = {}
         self._p2p: dict[int, tuple[str, int, int, float]] = {}
         self._p2p_tokens = itertools.count(1)
+        self._refreshers: list = []
+
+    def add_refresher(self, refresh) -> None:
+        """Call ``refresh()`` before each look at the running operations.
+
+        For a backend that learns of completions only when asked: nccl's Work futures
+        complete when the kernel is queued, so its communicator finishes an operation once
+        a CUDA event says the kernel ran (``hpcddp.comm.torchdist``).
+        """
+        self._refreshers.append(refresh)
+
+    def _refresh(self) -> None:
+        for refresh in self._refreshers:
+            refresh()
 
     def start(self, pending: Descriptor, blocking: bool = False) -> int:
         """Number ``pending`` as the next operation of this communicator, mark it running, return its number.
@@ -258,6 +272,7 @@ class OperationLog:
 
     def running(self) -> tuple[Descriptor | None, float]:
         """Return the oldest running operation (numbered) and for how many seconds it has run."""
+        self._refresh()
         with self._lock:
             if not self._running:
                 return None, 0.0
@@ -267,6 +282,7 @@ class OperationLog:
 
     def status(self) -> dict:
         """A picklable snapshot for the inspector (descriptors numbered)."""
+        self._refresh()
         now = time.monotonic()
         with self._lock:
             running = sorted((seq, d, now - t, b) for seq, (d, t, b) in self._running.items())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import oplog
+from ._cuda_events import GpuCompletion, is_cuda_tensor
 from ._torchdist_ops import TorchDistOps, WorkHandle, explain_timeout
 from .base import Communicator, Handle, ReduceOp, completed, split_ranks_error
 from .dtypes import dtype_name
@@ -78,11 +80,16 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
         self.name = backend
         self.device = device
         self._recent_works: collections.deque = collections.deque(maxlen=_KEPT_WORKS)
+        # nccl's collectives in launch order, until their kernels ran (NCCL runs them in that order)
+        self._gpu_running: collections.deque = collections.deque()
+        self._gpu_lock = threading.Lock()
         members = tuple(range(self.size)) if group is None else tuple(dist.get_process_group_ranks(group))
         # Groups are made in the same order on every member: their count names them alike.
         TorchDistCommunicator._groups_made += 1
         self.log = oplog.OperationLog(f"{backend}:{TorchDistCommunicator._groups_made}:{members}", members)
         oplog.register(self.log)
+        if backend == "nccl":
+            self.log.add_refresher(self._finish_gpu_work)
 
     @property
     def group(self):
@@ -125,12 +132,32 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
                 "or HPCDDP_BACKEND naming the script's)"
             )
 
-    def _track(self, work, name: str, tensor: torch.Tensor | None = None):
-        """Record ``work`` for the stall inspector until it completes, and keep it (see ``_keep``)."""
+    def _track(self, work, name: str, tensor: torch.Tensor | None = None) -> GpuCompletion | None:
+        """Record ``work`` for the stall inspector until it completes, and keep it (see ``_keep``).
+
+        Returns its ``GpuCompletion`` on nccl with CUDA tensors (whose Work's future completes
+        when the kernel is queued, not when it ran), else None.
+        """
         shape, dtype = (None, None) if tensor is None else (tensor.shape, dtype_name(tensor.dtype))
         seq = self.log.start(oplog.describe(name, shape, dtype))
+        self._keep(work)
+        if self.name == "nccl" and is_cuda_tensor(tensor):
+            completion = GpuCompletion(work, tensor)
+            self._gpu_running.append((seq, completion))
+            self._finish_gpu_work()
+            return completion
         work.get_future().add_done_callback(lambda _future: self.log.finish(seq))
-        return self._keep(work)
+        return None
+
+    def _finish_gpu_work(self) -> None:
+        """Mark the collectives whose kernels ran as finished in the log (called at each launch and by the inspector)."""
+        with self._gpu_lock:
+            while self._gpu_running and self._gpu_running[0][1].query():
+                self.log.finish(self._gpu_running.popleft()[0])
+
+    def _handle(self, work, name: str, tensor: torch.Tensor, result: Any) -> WorkHandle:
+        """Return a WorkHandle over ``work`` that yields ``result``, tracked as ``_track`` does."""
+        return WorkHandle(work, result, name, completion=self._track(work, name, tensor))
 
     def _keep(self, work):
         # gloo's worker thread may drop the last reference to a Work, whose destructor
@@ -140,6 +167,16 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
         # this object dies, makes the main thread the one to destroy them.
         self._recent_works.append(work)
         return work
+
+    def _torch_op(self, op: ReduceOp):
+        """Return the ``dist.ReduceOp`` to send ``op`` as: NCCL averages inside the collective itself."""
+        # Dividing after the sum happens only in wait(): on nccl the Work completes with the
+        # kernel, so a caller that polls an in-place average would read the sum (issue 34, item 8).
+        return dist.ReduceOp.AVG if self.name == "nccl" and op is ReduceOp.AVERAGE else to_torch(op)
+
+    def _divides_after(self, op: ReduceOp) -> bool:
+        """True when an average travels as a sum that ``wait()`` divides (gloo has no AVG)."""
+        return op is ReduceOp.AVERAGE and self.name != "nccl"
 
     def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.device == self.device and tensor.is_contiguous():
@@ -153,9 +190,9 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
         if self.size == 1:
             handle = completed(staged, "allreduce")
         else:
-            work = dist.all_reduce(staged, op=to_torch(op), group=self.group, async_op=True)
-            handle = WorkHandle(self._track(work, "allreduce", staged), staged, "allreduce")
-        if op is ReduceOp.AVERAGE:
+            work = dist.all_reduce(staged, op=self._torch_op(op), group=self.group, async_op=True)
+            handle = self._handle(work, "allreduce", staged, staged)
+        if self._divides_after(op):
             handle.then(lambda out: out.div_(self.size))
         return handle.then(lambda out: out if out is tensor else tensor.copy_(out))
 
@@ -163,7 +200,7 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
         self._verify(check, "broadcast", tensor, root=root)
         staged = self._on_device(tensor)
         work = dist.broadcast(staged, src=self._global(root), group=self.group, async_op=True)
-        handle = WorkHandle(self._track(work, "broadcast", staged), staged, "broadcast")
+        handle = self._handle(work, "broadcast", staged, staged)
         return handle.then(lambda out: out if out is tensor else tensor.copy_(out))
 
     def allgather_async(self, tensor: torch.Tensor, *, check: str | None = None) -> Handle:
@@ -177,7 +214,7 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
         padded = self._padded(source, max(rows))
         pieces = [torch.empty_like(padded) for _ in rows]
         work = dist.all_gather(pieces, padded, group=self.group, async_op=True)
-        handle = WorkHandle(self._track(work, "allgather", padded), pieces, "allgather")
+        handle = self._handle(work, "allgather", padded, pieces)
         return handle.then(lambda out: torch.cat([p[:n] for p, n in zip(out, rows)]).to(tensor.device))
 
     @contextlib.contextmanager

@@ -7,7 +7,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Bucket", "adopt_grad", "assign_buckets", "build_buckets", "drop_unused_grads", "probe_nonfinite"]
+__all__ = [
+    "Bucket",
+    "adopt_grad",
+    "assign_buckets",
+    "build_buckets",
+    "drop_unused_grads",
+    "grad_view",
+    "has_dense_strides",
+    "probe_nonfinite",
+    "write_used_flags",
+]
 
 MB = 1024 * 1024
 #: gradient elements of a bucket that probe_nonfinite reads
@@ -86,9 +96,9 @@ def build_buckets(
 ) -> list[Bucket]:
     """Assign ``params`` to buckets and allocate each bucket's flat gradient buffer.
 
-    Each parameter gets a view into its bucket's buffer, shaped like the parameter;
-    the optimizer makes ``param.grad`` that view, so backward accumulates straight
-    into the buffer and no copy is needed before the allreduce.
+    Each parameter gets a view into its bucket's buffer, shaped like the parameter and
+    with its strides (``grad_view``); the optimizer makes ``param.grad`` that view, so
+    backward accumulates straight into the buffer and no copy is needed before the allreduce.
 
     Args:
         params: parameters in registration order.
@@ -107,7 +117,7 @@ def build_buckets(
         buffer = torch.zeros(total + len(chosen) + extra, dtype=first.dtype, device=first.device)
         views, offset = [], 0
         for param in chosen:
-            views.append(buffer[offset : offset + param.numel()].view_as(param))
+            views.append(grad_view(buffer, offset, param))
             offset += param.numel()
         wire = None
         if wire_dtype is not None and wire_dtype != first.dtype and first.dtype.is_floating_point:
@@ -128,6 +138,33 @@ def build_buckets(
     return buckets
 
 
+def grad_view(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
+    """Return the gradient view of ``param`` at ``offset`` of the flat ``buffer``, laid out as ``param`` is.
+
+    Args:
+        buffer: the bucket's flat buffer (storage offset 0).
+        offset: where the parameter's elements start in it.
+        param: the parameter (a dense layout keeps its strides; another is viewed contiguous).
+    """
+    # As DDP's bucket views (reducer.cpp, initialize_bucket_views): a channels_last parameter
+    # gets a channels_last gradient, because fused optimizers (AdamW(fused=True) on CUDA)
+    # require param and grad of one layout; CPU kernels do not check it.
+    if has_dense_strides(param):
+        return buffer.as_strided(param.shape, param.stride(), buffer.storage_offset() + offset)
+    return buffer[offset : offset + param.numel()].view(param.shape)
+
+
+def has_dense_strides(tensor: torch.Tensor) -> bool:
+    """Return True when ``tensor``'s elements fill a block of memory without gaps or overlap, in any dim order."""
+    expected = 1
+    dims = sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size != 1)
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def adopt_grad(param: torch.nn.Parameter, view: torch.Tensor) -> None:
     """Make ``param.grad`` the bucket view, moving any gradient autograd put elsewhere (None: zeros)."""
     grad = param.grad
@@ -140,21 +177,51 @@ def adopt_grad(param: torch.nn.Parameter, view: torch.Tensor) -> None:
     param.grad = view
 
 
-def drop_unused_grads(bucket: Bucket) -> None:
-    """Set ``grad`` back to None for the bucket's parameters whose reduced counter is 0.
+def drop_unused_grads(buckets: Sequence[Bucket]) -> None:
+    """Set ``grad`` back to None for the buckets' parameters whose reduced counter is 0.
 
     The counter (``Bucket.used``) is 0 only when no rank used the parameter and no rank had
     a gradient for it before the reduction's first pass: every rank decides alike.
+
+    Args:
+        buckets: the reduced buckets (their counters are read in one transfer: on a GPU
+            one host sync per step, not one per bucket).
     """
     # As DDP, which leaves a parameter no rank used as it was: None stays None (so optimizers
     # skip it instead of applying momentum or weight decay to a zero gradient), and a gradient
     # that was there (zeros from zero_grad(set_to_none=False), the average of an earlier backward
     # pass) stays, averaged with the other ranks' (equal) values like any gradient.
-    if bool((bucket.used != 0).all()):
+    if not buckets:
         return
-    for param, used in zip(bucket.params, bucket.used.tolist()):
-        if used == 0:
-            param.grad = None
+    flags = torch.cat([bucket.used for bucket in buckets]).tolist()
+    at = 0
+    for bucket in buckets:
+        for param, used in zip(bucket.params, flags[at : at + len(bucket.params)]):
+            if used == 0:
+                param.grad = None
+        at += len(bucket.params)
+
+
+def write_used_flags(used: torch.Tensor, flags: Sequence[bool]) -> None:
+    """Write ``flags`` (one per parameter) into a bucket's ``used`` counters, 1 or 0, without a host sync.
+
+    Args:
+        used: the bucket's counters (``Bucket.used``).
+        flags: whether each parameter was used or had a gradient.
+    """
+    # A copy from a host list (torch.tensor(flags)) into GPU memory waits for the device at
+    # every bucket; fills of runs of ones are queued like any kernel (issue 34, item 11).
+    if all(flags):
+        used.fill_(1)
+        return
+    used.zero_()
+    start = None
+    for index, flag in enumerate([*flags, False]):
+        if flag and start is None:
+            start = index
+        elif not flag and start is not None:
+            used[start:index].fill_(1)
+            start = None
 
 
 def probe_nonfinite(grads: torch.Tensor) -> torch.Tensor:

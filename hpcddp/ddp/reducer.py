@@ -370,8 +370,7 @@ class Reducer:
             self._sender.keep_unapplied(self._buckets)
         self._postscale()
         if not self.zero_unused:
-            for bucket in self._buckets:
-                drop_unused_grads(bucket)
+            drop_unused_grads(self._buckets)
         self.num_reductions += 1
         self._reset_reduction()
         if changed:

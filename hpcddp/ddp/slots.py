@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .buckets import Bucket, adopt_grad
+from .buckets import Bucket, adopt_grad, write_used_flags
 
 __all__ = ["GradSlot", "fill_bucket", "grads_outside", "note_grads_present", "reset_bucket_grads"]
 
@@ -141,7 +141,7 @@ def fill_bucket(bucket: Bucket, slots: Sequence[GradSlot], divide_by: float | No
         else:
             for view in unscaled:
                 view.div_(divide_by)
-    bucket.used.copy_(torch.tensor(used, dtype=bucket.used.dtype))
+    write_used_flags(bucket.used, used)
 
 
 def reset_bucket_grads(bucket: Bucket, set_to_none: bool) -> None:

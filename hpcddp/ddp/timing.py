@@ -13,14 +13,34 @@ __all__ = ["ReductionTimes"]
 
 @dataclass
 class ReductionTimes:
-    """perf_counter timestamps of the last reduction, for overlap checks and timelines."""
+    """perf_counter timestamps of the last reduction, for overlap checks and timelines.
+
+    On nccl a bucket's end is known from a CUDA event only once its kernels ran, after
+    ``wait()`` returned: it is read when ``bucket_done`` is, waiting for those events then,
+    so that the reduction itself adds no host synchronisation.
+    """
 
     backward_start: float = 0.0
     backward_end: float = 0.0
     bucket_launch: list[float] = field(default_factory=list)
     #: when each bucket's buffer went to the backend (after predivide and compression)
     bucket_submit: list[float] = field(default_factory=list)
-    bucket_done: list[float] = field(default_factory=list)
+    _done: list[float] = field(default_factory=list, repr=False)
+    #: bucket index -> (its handle, when its copy-out began), for ends not yet known
+    _unresolved: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def bucket_done(self) -> list[float]:
+        """When each bucket's reduction finished in the backend (on a GPU: when its kernels ran)."""
+        for index, (handle, copy_out_start) in list(self._unresolved.items()):
+            self._done[index] = handle.completion_time() or copy_out_start
+            del self._unresolved[index]
+        return self._done
+
+    @bucket_done.setter
+    def bucket_done(self, value: list[float]) -> None:
+        self._done = value
+        self._unresolved = {}
 
     def launched(self, index: int, num_buckets: int) -> None:
         """Note that bucket ``index`` of ``num_buckets`` is being launched now."""
@@ -41,7 +61,11 @@ class ReductionTimes:
             step: the reduction's number (the timeline's step).
         """
         # When the backend finished it, not when we looked: that shows the overlap.
-        self.bucket_done[bucket.index] = handle.completed_at or copy_out_start
+        if handle.completed_at is not None:
+            self._done[bucket.index] = handle.completed_at
+        else:
+            self._done[bucket.index] = copy_out_start
+            self._unresolved[bucket.index] = (handle, copy_out_start)
         if recorder is not None:
             recorder.bucket_reduction(
                 bucket.index,

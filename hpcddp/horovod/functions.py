@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ..ddp.step_counters import keep_step_counters_on_cpu_
 from ..runtime.state import device
 from .process_sets import communicator_of, global_process_set, set_rank
 from .vector_ops import broadcast_async_
@@ -71,7 +72,7 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=glob
         payload = buffer.getvalue()
     payload = broadcast_object(payload, root_rank, process_set=process_set)
     if comm.rank != set_rank(process_set, root_rank):
-        state = torch.load(io.BytesIO(payload), map_location=device(), weights_only=False)
+        state = keep_step_counters_on_cpu_(torch.load(io.BytesIO(payload), map_location=device(), weights_only=False))
         optimizer.load_state_dict(state)
 
 

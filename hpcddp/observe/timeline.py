@@ -166,7 +166,8 @@ class Timeline:
         if track not in self._track_names:
             self._track_names[track] = f"bucket {index} ({args.get('mib', '?')} MiB)"
         started = handle.started_at or submitted
-        completed = handle.completed_at or copy_out[0]
+        # On nccl this waits for the bucket's kernels (a host sync per bucket while a timeline is recorded).
+        completed = handle.completion_time() or copy_out[0]
         self.span(f"bucket {index}", launched, copy_out[1], track, **args)
         self.span("copy-in", launched, submitted, track)
         if handle.started_at is not None:

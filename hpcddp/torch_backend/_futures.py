@@ -16,6 +16,14 @@ callback may wait for a work submitted later without waiting for itself.
 
 Callbacks that torch attaches in C++ (DDP's reducer) keep torch's behaviour: they run
 when the future completes, on the runner.
+
+With CUDA tensors the future is a CUDA future (``devices=``), as NCCL's are: completing it
+records an event on the completing thread's current stream, and ``wait()`` makes the
+waiter's current stream wait for that event. A callback's kernels run on the runner's
+stream, and DDP reads the hook's result on its own (a side stream under AMP or a user's
+``torch.cuda.stream``): without the events it could read gradients not yet averaged
+(issue 34, item 9). A callback here first makes the runner's stream wait for its parent's
+events, and its result future records the runner's stream again for the next reader.
 """
 
 from __future__ import annotations
@@ -28,7 +36,21 @@ import torch
 
 log = logging.getLogger("hpcddp")
 
-__all__ = ["OrderedFuture"]
+__all__ = ["OrderedFuture", "cuda_devices"]
+
+
+def cuda_devices(tensors) -> list[torch.device]:
+    """Return the CUDA devices of ``tensors`` (a tensor, or nested lists of them), in order of first use."""
+    found: list[torch.device] = []
+    stack = [tensors]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if item.is_cuda and item.device not in found:
+                found.append(item.device)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(reversed(item))
+    return found
 
 
 class OrderedFuture(torch.futures.Future):
@@ -38,10 +60,13 @@ class OrderedFuture(torch.futures.Future):
         handle: the engine handle (``hpcddp.comm.engine.EngineHandle``) whose
             completion precedes this future's; may be set after construction, before
             the future is handed out.
+        devices: the CUDA devices of its tensors (a stream-safe CUDA future); None or
+            empty: a CPU future.
     """
 
-    def __init__(self, handle=None) -> None:
-        super().__init__()
+    def __init__(self, handle=None, devices: list[torch.device] | None = None) -> None:
+        super().__init__(devices=list(devices) if devices else None)
+        self._devices = list(devices or [])
         self.handle = handle
 
     def wait(self) -> Any:
@@ -50,11 +75,14 @@ class OrderedFuture(torch.futures.Future):
         return super().wait()
 
     def then(self, callback: Callable[[torch.futures.Future], Any]) -> OrderedFuture:
-        result = OrderedFuture()
+        result = OrderedFuture(devices=self._devices)
 
         def run() -> None:
             try:
-                value = callback(self._settled())
+                settled = self._settled()
+                if self._devices:  # the runner's stream waits for the producer's event
+                    torch.futures.Future.wait(settled)
+                value = callback(settled)
             except Exception as err:  # noqa: BLE001 - delivered through the returned future
                 # torch hands a callback's error to the waiter as a RuntimeError
                 wrapped = RuntimeError(f"{type(err).__name__}: {err}")

@@ -31,7 +31,7 @@ from ..comm.p2p import describe_tensors as describe
 from ..comm.reduction import from_torch
 from ._compile import run_eagerly_under_compile
 from ._exchange import ExchangeCollectives, like
-from ._futures import OrderedFuture
+from ._futures import OrderedFuture, cuda_devices
 from ._p2p import PointToPoint
 from ._profiling import begin, end_when_done, wait_ended
 
@@ -175,7 +175,7 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
         self._comm.engine.check_open(event[0] or collective.name)
         within = getattr(self._within_coalesced, "active", False)
         profiled = begin(f"{self._backend_name}:{event[0]}", event[1]) if event[0] and not within else None
-        future = OrderedFuture()
+        future = OrderedFuture(devices=cuda_devices((event[1], result, collective.tensor)))
 
         def complete(handle) -> None:
             if handle._error is not None:

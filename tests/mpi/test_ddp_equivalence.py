@@ -291,3 +291,51 @@ def test_ranks_that_joined_keep_the_same_unused_gradients_and_optimizer_state_as
     for other in hpcddp.allgather_object(mine):
         for a, b in zip(mine, other):
             assert torch.equal(a, b)
+
+
+class ConvNet(torch.nn.Module):
+    """Two convolutions, made channels_last as a GPU script does for tensor cores."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = F.relu(self.conv2(F.relu(self.conv1(x))))
+        return self.head(h.mean(dim=(2, 3)))
+
+
+@pytest.mark.parametrize("powersgd", [False, True])
+def test_channels_last_model_keeps_gradient_strides_and_matches_ddp(gloo, powersgd):
+    def make():
+        torch.manual_seed(7)
+        return ConvNet().to(memory_format=torch.channels_last)
+
+    generator = torch.Generator().manual_seed(200 + hpcddp.rank())
+    data = [
+        (torch.randn(4, 3, 6, 6, generator=generator).to(memory_format=torch.channels_last), torch.randint(0, 4, (4,)))
+        for _ in range(4)
+    ]
+    # PowerSGD compresses a channels_last matrix in its memory order (columns permuted): only the layout is checked.
+    kwargs = {"compression": hpcddp.PowerSGD(start_powerSGD_iter=1)} if powersgd else {}
+    reference = make()
+    ddp = DDP(reference)
+    ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    model = make()
+    optimizer = hpcddp.DistributedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), model.named_parameters(), **kwargs
+    )
+    for x, y in data:
+        ddp_opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        ddp_opt.step()
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        for name, param in model.named_parameters():
+            assert param.grad.stride() == param.stride(), name
+    optimizer.close()
+    if not powersgd:
+        assert_same(reference, model)

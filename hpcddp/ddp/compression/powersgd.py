@@ -84,7 +84,9 @@ class _Matrix:
     def __init__(self, view: torch.Tensor, rank: int, p_at: int, q_at: int, p_all: torch.Tensor, q_all: torch.Tensor):
         rows = view.shape[0]
         cols = view.numel() // rows
-        self.grad = view.view(rows, cols)
+        # A channels_last view keeps its rows (dim 0 outermost) but not its columns' order: the
+        # matrix is each row's memory, the same column permutation on every rank.
+        self.grad = view.view(rows, cols) if view.is_contiguous() else view.as_strided((rows, cols), (cols, 1))
         self.p = p_all[p_at : p_at + rows * rank].view(rows, rank)
         self.q = q_all[q_at : q_at + cols * rank].view(cols, rank)
         #: M while a reduction runs, the error E between reductions (the codec's dtype)
