@@ -106,3 +106,23 @@ def test_a_link_planted_at_the_run_marker_fails_on_every_rank(tmp_path, monkeypa
     with pytest.raises(RuntimeError, match=r"\.hpcddp-run is a symbolic link, which hpcddp will not follow") as e:
         hpcddp.save_checkpoint(directory, {"step": 1})
     assert "the-secret-contents" not in str(e.value) and secret.read_text() == "the-secret-contents"
+
+
+def test_rng_streams_are_gathered_to_the_writer_only_and_every_rank_resumes_its_own(tmp_path):
+    torch.manual_seed(100 + hpcddp.rank())
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    own = torch.get_rng_state()
+    state = hpcddp.training_state(model, optimizer, epoch=0, batch_in_epoch=0, step=3)
+    everyone = hpcddp.allgather_object(own)  # the reference: plain allgather of each rank's stream
+    others = [r for r in range(hpcddp.size()) if r != hpcddp.rank()]
+    if hpcddp.rank() == 0:
+        for r in range(hpcddp.size()):
+            torch.testing.assert_close(state["rng"][r]["torch"], everyone[r], rtol=0, atol=0)
+    else:
+        assert [state["rng"][r] for r in others] == [None] * len(others)
+    assert state["world_size"] == hpcddp.size()
+    hpcddp.save_checkpoint(shared_dir(tmp_path), state)
+    expected = torch.rand(3)  # what this rank draws next
+    hpcddp.restore_training_state(hpcddp.load_checkpoint(shared_dir(tmp_path)), model, optimizer)
+    torch.testing.assert_close(torch.rand(3), expected, rtol=0, atol=0)
