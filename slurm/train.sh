@@ -221,6 +221,15 @@ if [[ ${SLURM_JOB_NUM_NODES:-1} == 1 ]]; then
         MASTER_PORT=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
         export MASTER_PORT
     fi
+elif command -v scontrol >/dev/null; then
+    # Tasks that srun starts without MPI rendezvous at the first node's NodeAddr (no DNS needed):
+    # looked up here once for the job, not by each task (4,096 tasks: 4,096 requests to slurmctld).
+    # `scontrol show hostnames` expands the list locally.
+    first_node=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | head -n 1) || first_node=
+    if [[ -n $first_node ]] && node_line=$(scontrol show node -o "$first_node" 2>/dev/null) &&
+        [[ $node_line =~ NodeAddr=([^[:space:]]+) ]]; then
+        export HPCDDP_SLURM_NODE_ADDR="$first_node=${BASH_REMATCH[1]}"
+    fi
 fi
 
 # Say which GPU binding the ranks get (Slurm's SLURM_GPUS_ON_NODE: the GPUs this job has on this node).

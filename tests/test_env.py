@@ -1,5 +1,6 @@
 """Launch-environment detection with patched environments (no MPI started)."""
 
+import subprocess
 from dataclasses import astuple
 
 import pytest
@@ -71,6 +72,21 @@ def test_srun_singletons_use_slurm_variables(monkeypatch):
     rendezvous = env.rendezvous()
     assert rendezvous.address == "10.9.0.7" and 15000 <= rendezvous.port < 30000
     assert SlurmEnvironment(slurm_step(SLURM_PROCID="0")).rendezvous() == rendezvous
+
+
+def test_srun_singletons_take_the_address_the_batch_script_looked_up_without_asking_slurm(monkeypatch):
+    asked = []
+
+    def scontrol(command, **kwargs):
+        asked.append(command)
+        return subprocess.CompletedProcess(command, 1, "", "no such node")
+
+    monkeypatch.setattr("hpcddp.env.slurm.subprocess.run", scontrol)
+    env = SlurmEnvironment(slurm_step(HPCDDP_SLURM_NODE_ADDR="gpu07=10.9.0.7"))
+    assert env.rendezvous().address == "10.9.0.7" and asked == []
+    # Looked up for another node (a step on part of the job): this task asks scontrol itself.
+    other = SlurmEnvironment(slurm_step(HPCDDP_SLURM_NODE_ADDR="gpu01=10.9.0.1"))
+    assert other.rendezvous().address == "gpu07" and asked[0][:3] == ["scontrol", "show", "node"]
 
 
 def test_batch_script_without_srun_is_a_single_process():

@@ -1,7 +1,9 @@
 """Checkpoints that survive preemption and exact resume.
 
 - ``store``: ``save_checkpoint`` (atomic, on rank 0), ``load_checkpoint`` (collective:
-  the newest step every rank can read), ``check_checkpoint_dir``;
+  the newest intact step, read on rank 0), ``check_checkpoint_dir``;
+- ``reading``: a checkpoint read once per job, checked once, its bytes shared with
+  every rank (once per node on MPI);
 - ``resume``: what an exact resume needs (``training_state``), and restoring it;
 - ``identity``: which run a checkpoint belongs to, and whether this job may resume it
   (HPCDDP_RUN_ID, HPCDDP_RESUME);

@@ -9,19 +9,16 @@ footer), so a checkpoint stays an ordinary ``.pt`` file.
 from __future__ import annotations
 
 import hashlib
-import os
 import struct
-from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 
-__all__ = ["UNVERIFIED", "save_with_checksum", "verify_checksum"]
+__all__ = ["UNVERIFIED", "checksum_problem", "save_with_checksum"]
 
 _MAGIC = b"HPCDDPck"
 _FOOTER = struct.Struct("<8s32sQ")
-_CHUNK = 1 << 22
-#: verify_checksum's answer for a file without a footer (written before checksums existed)
+#: checksum_problem's answer for a file without a footer (written before checksums existed)
 UNVERIFIED = "no checksum"
 
 
@@ -60,32 +57,21 @@ def save_with_checksum(obj: Any, fh: BinaryIO) -> None:
     fh.write(_FOOTER.pack(_MAGIC, writer.hash.digest(), writer.size))
 
 
-def verify_checksum(path: str | os.PathLike) -> str | None:
-    """Return None if ``path``'s checksum matches, ``UNVERIFIED`` without one, else what is wrong.
+def checksum_problem(data) -> str | None:
+    """Return None if the checksum footer of a checkpoint's bytes matches, ``UNVERIFIED`` without one, else what is wrong.
 
     Args:
-        path: a checkpoint file.
+        data: the whole file's bytes (a bytes-like object; a numpy array of uint8).
     """
-    path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        if size < _FOOTER.size:
-            return UNVERIFIED
-        fh.seek(size - _FOOTER.size)
-        magic, digest, length = _FOOTER.unpack(fh.read(_FOOTER.size))
-        if magic != _MAGIC:
-            return UNVERIFIED
-        if length != size - _FOOTER.size:
-            return f"its footer records {length} bytes of data, the file holds {size - _FOOTER.size}"
-        fh.seek(0)
-        actual = hashlib.sha256()
-        remaining = length
-        while remaining:
-            chunk = fh.read(min(_CHUNK, remaining))
-            if not chunk:
-                return "it ended while its checksum was being computed"
-            actual.update(chunk)
-            remaining -= len(chunk)
-    if actual.digest() != digest:
+    data = memoryview(data).cast("B")
+    size = len(data)
+    if size < _FOOTER.size:
+        return UNVERIFIED
+    magic, digest, length = _FOOTER.unpack(data[size - _FOOTER.size :])
+    if magic != _MAGIC:
+        return UNVERIFIED
+    if length != size - _FOOTER.size:
+        return f"its footer records {length} bytes of data, the file holds {size - _FOOTER.size}"
+    if hashlib.sha256(data[:length]).digest() != digest:
         return "its SHA-256 checksum does not match its contents (flipped or overwritten bytes)"
     return None

@@ -155,8 +155,10 @@ def training_state(
 ) -> dict[str, Any]:
     """Capture everything an exact resume needs; call it on every rank at a step boundary.
 
-    Each rank's RNG states (python, numpy, torch CPU and CUDA) are gathered, so
-    ranks that draw different random numbers resume with their own streams. The run
+    Each rank's RNG states (python, numpy, torch CPU and CUDA) are gathered to rank 0,
+    which ``save_checkpoint`` writes, so ranks that draw different random numbers
+    resume with their own streams; on the other ranks ``state["rng"]`` holds their
+    own streams only (None in the others' places). The run
     (HPCDDP_RUN_ID) and the number of ranks are recorded: ``restore_training_state``
     resumes only this run's checkpoints at this size unless told otherwise.
 
@@ -168,14 +170,17 @@ def training_state(
         step: optimizer steps done so far (names the checkpoint file).
         extra: anything else to keep (ints, floats, strings, tensors, lists, dicts).
     """
-    from ..runtime.state import is_initialized, size
-
+    rank, size = rank_and_size()
     rng = _rng_state()
     rng_per_rank = [rng]
-    if is_initialized() and size() > 1:
-        from ..collectives.tensors import allgather_object
+    if size > 1:
+        from ..runtime.state import communicator
 
-        rng_per_rank = allgather_object(rng)
+        # Only the writer (rank 0, save_checkpoint) needs every rank's streams: gathering them
+        # to every rank moved p x 14 KiB to each (57 MiB per rank at 4,096 ranks).
+        rng_per_rank = communicator().gather_object(rng, 0)
+        if rng_per_rank is None:
+            rng_per_rank = [rng if r == rank else None for r in range(size)]
     return {
         "format": _FORMAT,
         "model": model.state_dict(),
@@ -183,7 +188,7 @@ def training_state(
         "epoch": epoch,
         "batch_in_epoch": batch_in_epoch,
         "step": step,
-        "world_size": len(rng_per_rank),
+        "world_size": size,
         "run_id": this_run(),
         "rng": rng_per_rank,
         "extra": dict(extra or {}),

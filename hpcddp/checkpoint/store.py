@@ -12,7 +12,8 @@ temporary file in the same directory, fsyncs it and renames it into place, so a 
 killed mid-write leaves at most a temporary file that ``load_checkpoint`` ignores.
 Every file ends with a SHA-256 checksum of its contents: ``load_checkpoint`` skips a
 file whose bytes changed since (or that lost its end), with a warning naming it, and
-loads the newest intact one instead.
+loads the newest intact one instead. It reads the file once per job, on rank 0, and
+shares the bytes with the other ranks (``hpcddp.checkpoint.reading``).
 """
 
 from __future__ import annotations
@@ -23,14 +24,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from ..ddp.step_counters import keep_step_counters_on_cpu_
 from ..env.files import probe_writable, write_atomically
-from .checksum import UNVERIFIED, save_with_checksum, verify_checksum
+from .checksum import save_with_checksum
 from .identity import check_directory_run
 from .loadable import check_loadable
 from .owner import check_not_owned_by_another_job, claim
+from .reading import load_newest, load_one
 from .resume import rank_and_size
 
 __all__ = [
@@ -197,16 +196,15 @@ def load_checkpoint(
     map_location: Any = None,
     weights_only: bool = True,
 ) -> dict[str, Any] | None:
-    """Load the newest checkpoint every rank can read intact; return None when there is none.
+    """Load the newest intact checkpoint; return None when there is none.
 
-    Every rank reads the file itself, so the directory must be visible to all ranks
-    (a shared filesystem on several nodes). A file whose checksum does not match
-    (flipped bytes, a torn write) or that does not load is skipped with a warning
-    naming it, and the next older one is tried. Given a directory after
-    ``hpcddp.init()``, it is a collective (call it on every rank): the ranks agree on
-    one step (the newest that every rank lists, no newer than any rank's newest intact
-    one) and all load it, so that replicas never resume from
-    different steps; a rank that cannot load that step fails on every rank.
+    Given a directory after ``hpcddp.init()``, it is a collective (call it on every
+    rank): rank 0 lists the directory and reads the newest checkpoint once, checks it,
+    and shares its bytes with every rank (``hpcddp.checkpoint.reading``: held once per
+    node on MPI), so every rank resumes from the same step, and ranks on nodes that do
+    not see the directory resume too. A file whose checksum does not match (flipped
+    bytes, a torn write) or that does not load is skipped on every rank with a warning
+    naming it, and the next older one is tried.
 
     Args:
         dir_or_path: a checkpoint directory (newest ``checkpoint-<step>.pt`` wins)
@@ -217,46 +215,36 @@ def load_checkpoint(
 
     Raises:
         ValueError: when the given file, or every checkpoint in the directory, is
-            damaged, or when the ranks see different checkpoints and one cannot load
-            the agreed step (on every rank).
+            damaged (on every rank).
     """
     path = Path(dir_or_path)
     if map_location is None:
         from ..runtime.state import device, is_initialized
 
         map_location = device() if is_initialized() else "cpu"
-    if not path.is_dir():
+    # A rank that does not see the directory (another node's filesystem) still takes part.
+    if not path.is_dir() and (path.exists() or path.suffix == ".pt"):
         if not path.exists():
-            if path.suffix == ".pt":
-                raise FileNotFoundError(f"checkpoint {path} does not exist: pass a checkpoint file or directory")
-            if rank_and_size()[1] > 1:
-                _agree_on_step(path, None, [])  # the others may see the directory: they must hear of this rank
-            return None
-        state, problem = _load_intact(path, map_location, weights_only)
+            raise FileNotFoundError(f"checkpoint {path} does not exist: pass a checkpoint file or directory")
+        state, problem = load_one(path, map_location, weights_only)
         if problem is not None:
             raise ValueError(f"checkpoint {path} is damaged: {problem}")
         return state
-    found = find_checkpoints(path)
     rank, size = rank_and_size()
+    found = None
     if rank == 0:
-        try:
-            owned = check_not_owned_by_another_job(path)
-        except OSError as err:  # a link planted at the owner file: saving here would be refused
-            log.warning("hpcddp: loading from %s without checking its owner: %s", path, err)
-            owned = None
-        if owned is not None:
-            # Reading disturbs nobody (an evaluation beside training); saving here would be refused.
-            log.warning("hpcddp: loading from %s, which another job still writes: %s", path, owned)
-    skipped = []
-    newest, state = None, None
-    for candidate in reversed(found):
-        state, problem = _load_intact(candidate, map_location, weights_only)
-        if problem is None:
-            newest = candidate
-            break
-        skipped.append(f"{candidate.name} ({problem})")
-        log.warning("hpcddp rank %d: skipping damaged checkpoint %s: %s", rank, candidate, problem)
-    chosen = _agree_on_step(path, newest, found) if size > 1 else newest
+        found = find_checkpoints(path)
+        if path.is_dir():
+            _warn_if_another_job_writes(path)
+    comm = None
+    if size > 1:
+        from ..runtime.state import communicator
+
+        comm = communicator()
+    from ..comm.oplog import patient_collectives
+
+    with patient_collectives():  # reading and hashing large files takes as long as it takes
+        chosen, state, skipped = load_newest(comm, path, found, map_location, weights_only)
     if chosen is None:
         if skipped:
             raise ValueError(
@@ -264,94 +252,17 @@ def load_checkpoint(
                 "restore one from a backup, or move them away to start afresh"
             )
         return None
-    if chosen != newest or skipped:
+    if skipped:
         log.warning("hpcddp rank %d: loading the older checkpoint %s", rank, chosen)
-    problem = None
-    if chosen != newest:
-        state = None
-        try:
-            state, problem = _load_intact(chosen, map_location, weights_only)
-        except Exception as err:  # told to every rank below
-            problem = f"{type(err).__name__}: {err}"
-    if size > 1:
-        _raise_if_any_failed(chosen, problem)
     return state
 
 
-def _step_of(path: Path) -> int:
-    return int(_NAME.fullmatch(path.name).group(1))
-
-
-def _agree_on_step(directory: Path, newest: Path | None, found: list[Path]) -> Path | None:
-    """The checkpoint every rank loads: the newest step that every rank lists and none found damaged.
-
-    Args:
-        directory: the checkpoint directory (as this rank names it).
-        newest: this rank's newest intact checkpoint, or None.
-        found: every checkpoint this rank lists.
-    """
-    from ..collectives.tensors import allgather_object
-    from ..comm.oplog import patient_collectives
-
-    mine = None if newest is None else _step_of(newest)
-    with patient_collectives():  # reading and hashing large files takes as long as it takes
-        views = allgather_object((mine, [_step_of(p) for p in found]))
-    newest_steps = [step for step, _ in views]
-    if all(step is None for step in newest_steps):
-        return None
-    seen = max(step for step in newest_steps if step is not None)
-    if any(step is None for step in newest_steps):
-        blind = [r for r, step in enumerate(newest_steps) if step is None]
-        raise ValueError(
-            f"rank(s) {blind} find no intact checkpoint in {directory}, while rank {newest_steps.index(seen)} "
-            f"finds step {seen}: checkpoint_dir must be one directory shared by every node (a shared "
-            "filesystem), or remove the checkpoints to start afresh"
-        )
-    everywhere = set.intersection(*(set(listed) for _, listed in views))
-    candidates = [step for step in everywhere if step <= min(newest_steps)]
-    if not candidates:
-        raise ValueError(
-            f"the ranks find no checkpoint in {directory} that every rank has intact (newest intact per rank: "
-            f"{newest_steps}): checkpoint_dir must be one directory shared by every node"
-        )
-    chosen = max(candidates)
-    if len(set(newest_steps)) > 1 and rank_and_size()[0] == 0:
-        log.warning(
-            "hpcddp: the ranks' newest intact checkpoints in %s are steps %s: every rank loads step %d",
-            directory,
-            sorted(set(newest_steps)),
-            chosen,
-        )
-    return directory / _checkpoint_name(chosen)
-
-
-def _raise_if_any_failed(chosen: Path, problem: str | None) -> None:
-    from ..collectives.tensors import allgather_object
-    from ..comm.oplog import patient_collectives
-
-    with patient_collectives():
-        problems = allgather_object(problem)
-    failed = [(r, p) for r, p in enumerate(problems) if p is not None]
-    if failed:
-        named = "; ".join(f"rank {r}: {p}" for r, p in failed)
-        raise ValueError(
-            f"the ranks agreed to resume from {chosen}, but not every rank can load it ({named}): "
-            "replicas must start from one step; restore the file, or remove newer checkpoints that not "
-            "every node sees"
-        )
-
-
-def _load_intact(path: Path, map_location: Any, weights_only: bool) -> tuple[Any, str | None]:
-    """Return (state, None), or (None, what is wrong) for a damaged file."""
-    verdict = verify_checksum(path)
-    if verdict is not None and verdict != UNVERIFIED:
-        return None, verdict
+def _warn_if_another_job_writes(path: Path) -> None:
     try:
-        state = keep_step_counters_on_cpu_(torch.load(path, map_location=map_location, weights_only=weights_only))
-    except Exception as err:
-        if verdict is None:  # intact bytes that do not load: not damage, the caller's problem
-            raise
-        # Without a checksum (written before hpcddp had them) a torn file shows only here.
-        return None, f"it has no checksum and does not load: {type(err).__name__}: {err}"
-    log.debug("hpcddp: loaded checkpoint %s", path)
-    return state, None
+        owned = check_not_owned_by_another_job(path)
+    except OSError as err:  # a link planted at the owner file: saving here would be refused
+        log.warning("hpcddp: loading from %s without checking its owner: %s", path, err)
+        return
+    if owned is not None:
+        # Reading disturbs nobody (an evaluation beside training); saving here would be refused.
+        log.warning("hpcddp: loading from %s, which another job still writes: %s", path, owned)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .reduction import ReduceOp, parse_op
+from .shared_bytes import PrivateBytes
 
 __all__ = [
     "Communicator",
@@ -244,6 +245,19 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def barrier(self) -> None:
         """Block until every rank has reached the barrier."""
+
+    def share_bytes(self, nbytes: int, root: int) -> PrivateBytes:
+        """Return a buffer of ``nbytes`` bytes that ``root`` fills and its ``share()`` copies to every rank.
+
+        Collective, as are the buffer's ``share()`` and ``close()`` (or the end of its
+        ``with`` block); see ``hpcddp.comm.shared_bytes``. Backends that can share
+        memory hold the bytes once per node.
+
+        Args:
+            nbytes: the buffer's size, the same on every rank.
+            root: the rank that fills it.
+        """
+        return PrivateBytes(self, nbytes, root)
 
     def reduce_async_(self, tensor: torch.Tensor, op: ReduceOp, root: int, *, check: str | None = None) -> Handle:
         """Start reducing ``tensor`` onto ``root``: root's tensor becomes the reduction, the others' stay."""

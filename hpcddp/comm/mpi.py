@@ -35,6 +35,7 @@ from .hierarchy import HIERARCHY_MIN_BYTES, hierarchy_for
 from .monitored import MonitoredBarrier
 from .p2p import PointToPoint, describe_tensors
 from .reduction import check_reducible, divide_average_, mpi_op
+from .shared_bytes import NodeSharedBytes
 from .waits import wait_for_request
 
 __all__ = ["MPICommunicator"]
@@ -68,6 +69,7 @@ class MPICommunicator(VectorOps, IntoOps, Communicator):
         self._side = self._comm.Dup()  # for barrier_now, beside the collectives' communicator
         super().__init__(self._comm.Get_rank(), self._comm.Get_size())
         self._hierarchy = hierarchy_for(self._comm, MPI, hierarchical)
+        self._node = None  # the ranks of this node, made on first use (node_comm)
         world = MPI.COMM_WORLD.Get_group()
         #: this communicator's ranks as ranks of the whole job
         self.global_ranks = tuple(self._comm.Get_group().Translate_ranks(list(range(self.size)), world))
@@ -173,6 +175,8 @@ class MPICommunicator(VectorOps, IntoOps, Communicator):
         oplog.unregister(self.log)
         if self._hierarchy is not None:
             self._hierarchy.free()
+        if self._node is not None:
+            self._node.Free()
         self._side.Free()
         if not self.engine.failed:  # else its abandoned agreement still refers to it (engine rule 9)
             self._comm.Free()
@@ -347,6 +351,22 @@ class MPICommunicator(VectorOps, IntoOps, Communicator):
             return min(range(self.size), key=lambda r: (waited[r], -r))
 
         return self.run(Collective("join", body))
+
+    # -- bytes shared within nodes ---------------------------------------------------------------
+    def share_bytes(self, nbytes: int, root: int) -> NodeSharedBytes:
+        """Return a buffer of ``nbytes`` bytes held once per node (shared memory) that ``root`` fills."""
+        self._check_root(root)
+        return NodeSharedBytes(self, nbytes, root)
+
+    def node_comm(self):
+        """Return the mpi4py communicator of this rank's node (shared memory); on the runner, collective at first."""
+        if self._node is None:
+            self._node = self._comm.Split_type(self._MPI.COMM_TYPE_SHARED, key=self.rank)
+        return self._node
+
+    def plan_shared_bytes(self, body: Callable[[], Any], root: int) -> Collective:
+        """Return one step of ``NodeSharedBytes`` (``body``, its MPI calls) as a collective in this communicator's order."""
+        return Collective("share_bytes", body, None, self.call_for("", "share_bytes", root=root))
 
     # -- point-to-point -------------------------------------------------------------------------
     def send_async(self, tensor: torch.Tensor, dest: int, tag: int = 0) -> Handle:

@@ -42,9 +42,16 @@ def import_mpi():
     When more ranks share this node than it has cores, Open MPI is told to yield
     while it waits: busy-polling ranks otherwise steal the cores the working ranks
     need (an allreduce ran 5x slower in an oversubscribed Slurm allocation).
+
+    Open MPI's one-sided UCX component is left out unless the user names the
+    components (OMPI_MCA_osc): hpcddp's only windows are shared memory within a node
+    (``hpcddp.comm.shared_bytes``, osc/sm), and where UCX finds no device the pip
+    wheel's component prints "Error: OSC UCX component priority set inside component
+    query failed" at every process's first window, though osc/sm then works.
     """
     if _local_ranks_hint(os.environ) > (os.cpu_count() or 1):
         os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    os.environ.setdefault("OMPI_MCA_osc", "^ucx")
     try:
         from mpi4py import MPI
     except ImportError:

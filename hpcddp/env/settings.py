@@ -146,6 +146,19 @@ def read_run_id(environ: Mapping[str, str]) -> str | None:
     return environ.get("HPCDDP_RUN_ID", "").strip() or None
 
 
+def read_slurm_node_address(environ: Mapping[str, str]) -> tuple[str, str] | None:
+    """Return (node, address) from HPCDDP_SLURM_NODE_ADDR ("node=address"), or None when unset or malformed.
+
+    slurm/train.sh looks up the job's first node's NodeAddr once (``scontrol show node``)
+    and hands it to every task this way, so that srun's tasks do not each ask slurmctld.
+
+    Args:
+        environ: the environment to read.
+    """
+    node, _, address = environ.get("HPCDDP_SLURM_NODE_ADDR", "").strip().partition("=")
+    return (node, address) if node and address else None
+
+
 def read_resume_policy(environ: Mapping[str, str]) -> str | None:
     """Return HPCDDP_RESUME (one of ``RESUME_POLICIES``), or None when unset.
 

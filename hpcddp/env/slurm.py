@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 from .base import ClusterEnvironment, RankLayout, Rendezvous, read_int
 from .network import interface_towards, list_interfaces
+from .settings import read_slurm_node_address
 
 __all__ = ["SlurmEnvironment", "expand_nodelist", "expand_tasks_per_node", "node_address"]
 
@@ -71,7 +72,9 @@ class SlurmEnvironment(ClusterEnvironment):
     def rendezvous(self, interface: str | None = None) -> Rendezvous:
         """The first node's address (Slurm's NodeAddr: no DNS needed) and a port from the job id.
 
-        Every task derives the same answer without talking to the others.
+        Every task derives the same answer without talking to the others. The address
+        comes from HPCDDP_SLURM_NODE_ADDR, which slurm/train.sh looks up once per job,
+        else from ``scontrol show node`` in every task (one slurmctld request per task).
         """
         env = self.environ
         address = env.get("MASTER_ADDR")
@@ -81,7 +84,7 @@ class SlurmEnvironment(ClusterEnvironment):
             if first is None or self.layout().num_nodes == 1:
                 address = "127.0.0.1"
             else:
-                address = node_address(first)
+                address = node_address(first, read_slurm_node_address(env))
         port = read_int(env, "MASTER_PORT")
         if port is None:
             # The job id spreads concurrent jobs on one node over 15000-30000.
@@ -92,12 +95,19 @@ class SlurmEnvironment(ClusterEnvironment):
         return Rendezvous(address, port, chosen.name if chosen else None, bool(interface))
 
 
-def node_address(node: str) -> str:
+def node_address(node: str, known: tuple[str, str] | None = None) -> str:
     """Return Slurm's NodeAddr for ``node`` (``scontrol show node``), or ``node`` itself.
 
     Slurm reaches its nodes by NodeAddr, so that address works where the node's
     name is not in DNS.
+
+    Args:
+        node: the node's name.
+        known: a (node, address) the batch script looked up already: no request to
+            slurmctld when it names ``node``.
     """
+    if known is not None and known[0] == node:
+        return known[1]
     try:
         out = subprocess.run(
             ["scontrol", "show", "node", "-o", node], capture_output=True, text=True, timeout=15

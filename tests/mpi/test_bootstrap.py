@@ -8,14 +8,17 @@ nodes the job must span and HPCDDP_BACKEND which backend hpcddp must use.
 
 import ipaddress
 import os
+import pickle
 import socket
 
+import pytest
 import torch
 from mpi4py import MPI
 
 import hpcddp
 import hpcddp.horovod as hvd
-from hpcddp.env.network import list_interfaces
+from hpcddp.env.mpi import MPIEnvironment
+from hpcddp.env.network import Interface, list_interfaces
 
 
 def reference_layout():
@@ -86,6 +89,59 @@ def test_rendezvous_is_an_address_of_rank_0_that_every_rank_reaches_without_dns(
     assert os.environ["NCCL_SOCKET_IFNAME"] == interface
     mine = next(i for i in list_interfaces() if i.name == interface)
     assert address in mine.network or address == ipaddress.IPv4Address(mine.address)
+
+
+class CountingComm:
+    """COMM_WORLD, counting the pickled bytes its object collectives bring this rank from the others."""
+
+    def __init__(self):
+        self.comm, self.received = MPI.COMM_WORLD, 0
+
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
+
+    def _count(self, objects, sender_of):
+        self.received += sum(len(pickle.dumps(x, pickle.HIGHEST_PROTOCOL)) for r, x in sender_of(objects))
+
+    def allgather(self, obj):
+        out = self.comm.allgather(obj)
+        self._count(out, lambda xs: ((r, x) for r, x in enumerate(xs) if r != self.comm.Get_rank()))
+        return out
+
+    def gather(self, obj, root=0):
+        out = self.comm.gather(obj, root=root)
+        if out is not None:
+            self._count(out, lambda xs: ((r, x) for r, x in enumerate(xs) if r != root))
+        return out
+
+    def bcast(self, obj, root=0):
+        out = self.comm.bcast(obj, root=root)
+        if self.comm.Get_rank() != root:
+            self._count([out], enumerate)
+        return out
+
+
+def test_only_rank_0_receives_the_ranks_interfaces():
+    comm = CountingComm()
+    environment = MPIEnvironment({}, comm=comm)
+    rendezvous = environment.rendezvous()
+    assert len(set(MPI.COMM_WORLD.allgather((rendezvous.address, rendezvous.port)))) == 1
+    one_rank = len(pickle.dumps((environment.layout().node_rank, socket.gethostname(), list_interfaces())))
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        assert comm.received >= (MPI.COMM_WORLD.Get_size() - 1) * one_rank * 0.9
+    else:  # the decision only: (address, port, no error)
+        assert comm.received < one_rank, f"rank received {comm.received} bytes; one rank's interfaces are {one_rank}"
+
+
+def test_a_named_interface_missing_on_one_rank_fails_on_every_rank_naming_it(monkeypatch):
+    named = "hpcddp-test0"
+    if MPI.COMM_WORLD.Get_rank() != 1:  # every rank but 1 has it
+        fake = Interface(named, "192.0.2.1", "255.255.255.0")
+        monkeypatch.setattr("hpcddp.env.mpi.list_interfaces", lambda: [*list_interfaces(), fake])
+    with pytest.raises(
+        ValueError, match=rf"interface '{named}' \(HPCDDP_IFACE or init\(interface=\)\) does not exist on rank 1 \("
+    ):
+        MPIEnvironment({}, comm=MPI.COMM_WORLD).rendezvous(named)
 
 
 def test_init_twice_is_a_no_op():

@@ -1,5 +1,6 @@
-"""Checkpoint integrity on every rank: all ranks skip a damaged file and load the same intact one;
-an unwritable directory fails on every rank when the PreemptionHandler is entered."""
+"""Checkpoint integrity on every rank: all ranks skip a damaged file and load the same intact one,
+which rank 0 reads once for the job; an unwritable directory fails on every rank when the
+PreemptionHandler is entered."""
 
 from pathlib import Path
 
@@ -51,22 +52,46 @@ def node_views(tmp_path, steps, torn=True):
     return directory
 
 
-def test_ranks_that_see_different_newest_checkpoints_all_resume_from_one_step(tmp_path):
-    state = hpcddp.load_checkpoint(node_views(tmp_path, [3, 7]))
-    assert hpcddp.allgather_object(state["step"]) == [3] * hpcddp.size()
-    torch.testing.assert_close(state["w"], torch.full((4,), 3.0), rtol=0, atol=0)
+def test_every_rank_resumes_from_what_rank_0_reads_whatever_the_others_see(tmp_path):
+    state = hpcddp.load_checkpoint(node_views(tmp_path, [3, 7]))  # rank 1's newest is torn, rank 0's intact
+    assert hpcddp.allgather_object(state["step"]) == [7] * hpcddp.size()
+    torch.testing.assert_close(state["w"], torch.full((4,), 7.0), rtol=0, atol=0)
 
 
-def test_a_rank_that_cannot_load_the_agreed_step_fails_on_every_rank(tmp_path):
-    directory = node_views(tmp_path, [7])  # rank 1 has only the torn one
-    with pytest.raises(ValueError, match=r"rank\(s\) \[1\] find no intact checkpoint"):
-        hpcddp.load_checkpoint(directory)
+def test_ranks_on_nodes_that_cannot_see_the_directory_resume(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # tmp_path differs per rank: "ckpt" is rank 0's directory, unseen by the others
+    hpcddp.save_checkpoint("ckpt", {"step": 5, "w": torch.arange(6.0)})
+    assert Path("ckpt").is_dir() == (hpcddp.rank() == 0)
+    state = hpcddp.load_checkpoint("ckpt", map_location="cpu")
+    assert hpcddp.allgather_object(state["step"]) == [5] * hpcddp.size()
+    torch.testing.assert_close(state["w"], torch.arange(6.0), rtol=0, atol=0)
 
 
-def test_ranks_that_list_different_steps_load_the_newest_every_rank_has(tmp_path):
+def test_rank_0s_listing_decides_the_step(tmp_path):
     steps = [10, 20] if hpcddp.rank() == 0 else [10, 15]  # e.g. a stale directory listing on one node
     state = hpcddp.load_checkpoint(node_views(tmp_path, steps, torn=False))
-    assert hpcddp.allgather_object(state["step"]) == [10] * hpcddp.size()
+    assert hpcddp.allgather_object(state["step"]) == [20] * hpcddp.size()
+
+
+def _read_bytes() -> int:
+    """Bytes this process passed through read() and its kin so far (Linux's rchar)."""
+    with open("/proc/self/io") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("rchar:"))
+
+
+def test_the_checkpoint_is_read_once_per_job(tmp_path):
+    directory = shared_dir(tmp_path) / "once"
+    hpcddp.save_checkpoint(directory, {"step": 1, "w": torch.zeros(16)})
+    hpcddp.load_checkpoint(directory)  # whatever a first load imports is read here, not below
+    hpcddp.save_checkpoint(directory, {"step": 2, "w": torch.arange(2_000_000, dtype=torch.float32)})
+    size = (directory / "checkpoint-000002.pt").stat().st_size
+    hpcddp.barrier()
+    before = _read_bytes()
+    state = hpcddp.load_checkpoint(directory)
+    read = hpcddp.allgather_object(_read_bytes() - before)
+    torch.testing.assert_close(state["w"], torch.arange(2_000_000, dtype=torch.float32), rtol=0, atol=0)
+    # Each rank read it twice before (checksum, then torch.load): 2x per rank.
+    assert sum(read) <= 1.2 * size, f"ranks read {read} bytes of a {size}-byte checkpoint"
 
 
 def test_a_link_planted_at_the_run_marker_fails_on_every_rank(tmp_path, monkeypatch):
@@ -81,3 +106,23 @@ def test_a_link_planted_at_the_run_marker_fails_on_every_rank(tmp_path, monkeypa
     with pytest.raises(RuntimeError, match=r"\.hpcddp-run is a symbolic link, which hpcddp will not follow") as e:
         hpcddp.save_checkpoint(directory, {"step": 1})
     assert "the-secret-contents" not in str(e.value) and secret.read_text() == "the-secret-contents"
+
+
+def test_rng_streams_are_gathered_to_the_writer_only_and_every_rank_resumes_its_own(tmp_path):
+    torch.manual_seed(100 + hpcddp.rank())
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    own = torch.get_rng_state()
+    state = hpcddp.training_state(model, optimizer, epoch=0, batch_in_epoch=0, step=3)
+    everyone = hpcddp.allgather_object(own)  # the reference: plain allgather of each rank's stream
+    others = [r for r in range(hpcddp.size()) if r != hpcddp.rank()]
+    if hpcddp.rank() == 0:
+        for r in range(hpcddp.size()):
+            torch.testing.assert_close(state["rng"][r]["torch"], everyone[r], rtol=0, atol=0)
+    else:
+        assert [state["rng"][r] for r in others] == [None] * len(others)
+    assert state["world_size"] == hpcddp.size()
+    hpcddp.save_checkpoint(shared_dir(tmp_path), state)
+    expected = torch.rand(3)  # what this rank draws next
+    hpcddp.restore_training_state(hpcddp.load_checkpoint(shared_dir(tmp_path)), model, optimizer)
+    torch.testing.assert_close(torch.rand(3), expected, rtol=0, atol=0)

@@ -1,0 +1,116 @@
+"""Bytes that one rank fills and every rank reads: a buffer per rank, or one per node over MPI.
+
+    with comm.share_bytes(nbytes, root=0) as shared:   # collective
+        if comm.rank == 0:
+            fill(shared.array)                        # e.g. read a file into it
+        shared.share()                                # collective: root's bytes everywhere
+        use(shared.array)                             # read-only on every rank
+
+On MPI the buffer is one shared-memory window per node (``MPI_Win_allocate_shared`` on
+the node's ranks): root's node holds root's bytes, the first rank of each other node
+receives them (one ``MPI_Bcast`` between nodes, in pieces MPI can count) and the
+node's other ranks read that memory, so a node holds the bytes once, not once per
+rank. Other backends give each rank its own buffer and broadcast into it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..env.mpi_import import import_mpi
+from ._mpi_buffers import MESSAGE_PIECE_BYTES, for_each_piece
+
+__all__ = ["NodeSharedBytes", "PrivateBytes"]
+
+
+class PrivateBytes:
+    """``nbytes`` bytes on every rank, filled by broadcasts of root's (any communicator).
+
+    Args:
+        comm: the ``Communicator`` (None: a world of one).
+        nbytes: the buffer's size, the same on every rank.
+        root: the rank that fills ``array`` before ``share()``.
+    """
+
+    def __init__(self, comm, nbytes: int, root: int) -> None:
+        self._comm, self._root = comm, root
+        #: the bytes (uint8); root writes them before ``share()``, every rank reads them after
+        self.array = np.empty(nbytes, dtype=np.uint8)
+
+    def share(self) -> None:
+        """Copy root's ``array`` into every rank's (collective)."""
+        if self._comm is None or self._comm.size == 1:
+            return
+        # In pieces: a GPU backend stages each piece on the device, not the whole buffer.
+        for start in range(0, len(self.array), MESSAGE_PIECE_BYTES):
+            piece = torch.from_numpy(self.array[start : start + MESSAGE_PIECE_BYTES])
+            self._comm.broadcast_async_(piece, self._root).wait()
+
+    def close(self) -> None:
+        """Release the buffer (collective where the backend shares memory)."""
+        self.array = np.empty(0, dtype=np.uint8)
+
+    def __enter__(self) -> PrivateBytes:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class NodeSharedBytes(PrivateBytes):
+    """``nbytes`` bytes held once per node in MPI shared memory; made by ``MPICommunicator.share_bytes``.
+
+    Args:
+        comm: the ``MPICommunicator``; its runner makes every MPI call, in its order.
+        nbytes: the buffer's size, the same on every rank.
+        root: the rank that fills ``array`` before ``share()``.
+    """
+
+    def __init__(self, comm, nbytes: int, root: int) -> None:
+        self._comm, self._root, self._MPI = comm, root, import_mpi()
+        self._window = self._across = None
+        self.array = comm.run(comm.plan_shared_bytes(lambda: self._open(nbytes), root))
+
+    def _open(self, nbytes: int) -> np.ndarray:
+        """Make the node's window and the communicator between nodes; on the runner."""
+        MPI, comm, rank, root = self._MPI, self._comm.mpi_comm, self._comm.rank, self._root
+        node = self._comm.node_comm()
+        # The rank that holds the node's bytes: root on its node, the node's first rank elsewhere.
+        holder = node.allreduce(node.Get_rank() if rank == root else node.Get_size(), op=MPI.MIN)
+        holder = holder if holder < node.Get_size() else 0
+        holds = node.Get_rank() == holder
+        # Root first (key -1), so that it is rank 0 of the holders' communicator.
+        across = comm.Split(0 if holds else MPI.UNDEFINED, -1 if rank == root else rank)
+        self._across = None if across == MPI.COMM_NULL else across
+        self._window = MPI.Win.Allocate_shared(nbytes if holds else 0, 1, comm=node)
+        self._window.Fence()
+        if nbytes == 0:
+            return np.empty(0, dtype=np.uint8)
+        memory, _ = self._window.Shared_query(holder)
+        return np.frombuffer(memory, dtype=np.uint8, count=nbytes)
+
+    def share(self) -> None:
+        """Copy root's bytes into every node's buffer (collective)."""
+
+        def body() -> None:
+            if self._across is not None and self._across.Get_size() > 1:
+                for piece in for_each_piece(self.array):
+                    self._across.Bcast(piece, root=0)
+            self._window.Fence()  # the holder's writes are visible to its node from here on
+
+        self._comm.run(self._comm.plan_shared_bytes(body, self._root))
+
+    def close(self) -> None:
+        """Release the window and the communicator between nodes (collective); ``array`` is gone after."""
+        if self._window is None:
+            return
+        window, across, self._window, self._across = self._window, self._across, None, None
+        self.array = np.empty(0, dtype=np.uint8)
+
+        def body() -> None:
+            window.Free()
+            if across is not None:
+                across.Free()
+
+        self._comm.run(self._comm.plan_shared_bytes(body, self._root))
