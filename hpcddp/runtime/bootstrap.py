@@ -148,20 +148,8 @@ def _create_communicator(
         return TorchDistCommunicator(
             name, device, rank=layout.rank, size=layout.world_size, join=join, adopt_backend=lazy
         )
-    if lazy:
-        join = functools.partial(
-            join_process_group,
-            name,
-            layout.rank,
-            layout.world_size,
-            timeout_s=config.dist_timeout,
-            device=device,
-            mpi_comm=environment.mpi_comm,
-        )
-        return TorchDistCommunicator(
-            name, device, rank=layout.rank, size=layout.world_size, join=join, adopt_backend=True
-        )
-    join_process_group(
+    join = functools.partial(
+        join_process_group,
         name,
         layout.rank,
         layout.world_size,
@@ -169,4 +157,9 @@ def _create_communicator(
         device=device,
         mpi_comm=environment.mpi_comm,
     )
+    if lazy:
+        return TorchDistCommunicator(
+            name, device, rank=layout.rank, size=layout.world_size, join=join, adopt_backend=True
+        )
+    join()
     return TorchDistCommunicator(name, device)
