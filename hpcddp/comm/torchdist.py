@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -69,9 +70,11 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
         self.device = device
         self._recent_works: collections.deque = collections.deque(maxlen=_KEPT_WORKS)
         members = tuple(range(self.size)) if group is None else tuple(dist.get_process_group_ranks(group))
-        # Groups are made in the same order on every member: their count names them alike.
+        # Groups are made in the same order on every member: their count names them alike. The
+        # members go in as a digest: the key travels in every stall-inspector reply (constant size).
         TorchDistCommunicator._groups_made += 1
-        self.log = oplog.OperationLog(f"{backend}:{TorchDistCommunicator._groups_made}:{members}", members)
+        digest = hashlib.blake2b(repr(members).encode(), digest_size=6).hexdigest()
+        self.log = oplog.OperationLog(f"{backend}:{TorchDistCommunicator._groups_made}:{digest}", members)
         oplog.register(self.log)
 
     @property

@@ -37,12 +37,29 @@ from . import liveness
 from .report import exit_reason, explain_stall
 from .verdict import Exit, judge, longest_wait, stable, stuck_operations
 
-__all__ = ["StallInspector"]
+__all__ = ["StallInspector", "reply_status"]
 
 log = logging.getLogger("hpcddp")
 
 _ALARM, _QUERY, _REPLY, _BYE, _CHECK, _CHECKED = 71, 72, 73, 74, 75, 76
 _STALE = object()
+
+
+def reply_status(rank: int) -> dict:
+    """This rank's ``oplog.rank_status`` as sent to rank 0: of constant size, whatever the number of ranks.
+
+    A communicator's members go only with its first member's reply (rank 0 is the first
+    of the job's); the others send its key and size (``verdict`` counts, it does not walk
+    member lists).
+
+    Args:
+        rank: this rank.
+    """
+    status = oplog.rank_status(rank)
+    for comm in status["comms"].values():
+        if comm["members"][0] != rank:
+            del comm["members"]
+    return status
 
 
 class StallInspector:
@@ -163,7 +180,7 @@ class StallInspector:
                 continue
             self._unanswered_since = None
             if episode is not None:  # None only acknowledges an alarm
-                self._send((episode, oplog.rank_status(self.rank)), 0, _REPLY)
+                self._send((episode, reply_status(self.rank)), 0, _REPLY)
         if 0 in self._exits:
             # Rank 0 left: judge alone whether an operation here needs it.
             mine = {self.rank: oplog.rank_status(self.rank)}
