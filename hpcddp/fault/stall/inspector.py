@@ -45,18 +45,26 @@ _ALARM, _QUERY, _REPLY, _BYE, _CHECK, _CHECKED = 71, 72, 73, 74, 75, 76
 _STALE = object()
 
 
+#: finished operations per communicator a rank's reply names (rank 0 receives p replies every tick)
+REPLY_HISTORY = 8
+
+
 def reply_status(rank: int) -> dict:
     """This rank's ``oplog.rank_status`` as sent to rank 0: of constant size, whatever the number of ranks.
 
     A communicator's members go only with its first member's reply (rank 0 is the first
     of the job's); the others send its key and size (``verdict`` counts, it does not walk
-    member lists).
+    member lists). Of its finished operations, the last ``REPLY_HISTORY``: a report needs
+    a rank's last one, and the one others wait in if this rank is past it (a rank gets
+    past an operation the others still wait in only through operations that complete
+    early on some ranks, such as a broadcast's root).
 
     Args:
         rank: this rank.
     """
     status = oplog.rank_status(rank)
     for comm in status["comms"].values():
+        comm["recent"] = comm["recent"][-REPLY_HISTORY:]
         if comm["members"][0] != rank:
             del comm["members"]
     return status
