@@ -106,6 +106,8 @@ def append_no_follow(path: Path, data: bytes, what: str) -> None:
     fd = open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     try:
         os.write(fd, data)
+        # On the server before a crash of this node: a record lost with the node is what readers look for.
+        os.fsync(fd)
     except OSError as err:
         if err.errno in _FULL:
             raise _full_disk(err, path, what, "") from None
