@@ -4,8 +4,9 @@ As Horovod's stall check, but without per-tensor negotiation. Each rank's thread
 every ``min(1 s, timeout / 4)`` and reads its own operation logs; nothing is sent while
 no operation has waited ``timeout`` seconds. Then the waiting rank alarms rank 0, and
 rank 0 asks every rank for its status over a communicator of its own (point-to-point,
-so that ranks blocked in a collective still answer from this thread), judges
-(``verdict``) and reports (``report``). A rank that does not answer is asked about
+so that ranks blocked in a collective still answer from this thread; each reply is of
+constant size, ``reply_status``), judges (``verdict``, visiting each rank once) and
+reports (``report``). A rank that does not answer is asked about
 once more, of its kernel: a rank on its node reads whether its process uses the CPU
 (``liveness``), since a rank that holds the GIL in one long C call cannot answer from
 Python, yet is only slow.

@@ -52,7 +52,7 @@ class _Index:
     """What the verdict compares, gathered in one pass over every rank's status and exit.
 
     Replies carry no member lists (only a communicator's first member sends its members,
-    see ``StallInspector``), so an operation is completable when as many ranks reached it
+    see ``inspector.reply_status``), so an operation is completable when as many ranks reached it
     as the communicator has members: each member is visited once, whatever the number
     of waiting ranks.
     """
