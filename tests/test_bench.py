@@ -107,6 +107,7 @@ def test_workload_rejects_unknown_models():
         (["straggler", "--variants", "sync,hogwild"], "--variants must list names among sync, local-sgd, async"),
         (["straggler", "--factor", "0.5"], "--factor"),
         (["straggler", "--target", "1.5"], "--target"),
+        (["inspector", "--ranks", "1"], "must be comma-separated rank counts >= 2"),
     ],
 )
 def test_cli_rejects_bad_arguments_without_a_traceback(args, message):
@@ -216,3 +217,13 @@ def test_straggler_config_names_the_bad_field(field, value, message):
 
     with pytest.raises(ValueError, match=message):
         StragglerConfig(**{field: value})
+
+
+def test_inspector_simulation_names_the_late_rank_with_replies_that_do_not_grow_with_ranks():
+    result = CliRunner().invoke(main, ["bench", "inspector", "--ranks", "8,64"])
+    assert result.exit_code == 0, result.output
+    rows = [line.split() for line in result.output.splitlines()[1:]]
+    assert [int(row[0]) for row in rows] == [8, 64]
+    assert all(row[-2] == "slow," for row in rows)
+    # A reply is one rank's status: its size must not depend on how many ranks the job has.
+    assert int(rows[0][2]) == int(rows[1][2])

@@ -194,17 +194,29 @@ def test_ranks_that_never_finish_fail_the_job_even_when_the_launcher_says_0(tmp_
     # was killed (no finished mark), and it exits 0.
     fake_launcher = (
         "import os; d = os.environ['HPCDDP_RUN_STATUS']; "
-        "[open(f'{d}/{r}.started', 'w').write('vnode9') for r in (0, 1)]; open(f'{d}/0.finished', 'w')"
+        "open(f'{d}/vnode9.ranks', 'a').write('started 0 vnode9\\nstarted 1 vnode9\\nfinished 0\\n')"
     )
     monkeypatch.chdir(tmp_path)
     assert supervise([sys.executable, "-c", fake_launcher], os.environ) == 1
     err = capsys.readouterr().err
     assert "exited 0, but rank(s) 1 on vnode9 never finished: they were killed" in err, err
     assert not list(tmp_path.iterdir())  # the status directory is gone
-    finished = (
-        "import os; d = os.environ['HPCDDP_RUN_STATUS']; open(f'{d}/0.started', 'w'); open(f'{d}/0.finished', 'w')"
-    )
+    finished = "import os; d = os.environ['HPCDDP_RUN_STATUS']; open(f'{d}/vnode9.ranks', 'a').write('started 0 vnode9\\nfinished 0\\n')"
     assert supervise([sys.executable, "-c", finished], os.environ) == 0
+
+
+def test_run_status_is_one_file_per_node_whatever_its_number_of_ranks():
+    # 3 ranks on this node: after every rank has started, the status directory holds this node's file only.
+    script = (
+        "import os, socket, hpcddp, torch; hpcddp.init(); hpcddp.allreduce(torch.ones(1)); "
+        "names = sorted(os.listdir(os.environ['HPCDDP_RUN_STATUS'])); "
+        "hpcddp.rank() == 0 and print('status files:', names, names == [socket.gethostname() + '.ranks'])"
+    )
+    run = subprocess.run(
+        [*HPCDDP, "run", "-np", "3", sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "True" in run.stdout, run.stdout
 
 
 def test_run_returns_the_job_exit_code():

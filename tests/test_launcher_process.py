@@ -142,7 +142,7 @@ def test_hpcddp_run_stops_an_mpirun_that_outlives_a_ranks_abort(monkeypatch, tmp
     mpirun.write_text(
         f"#!{sys.executable}\n"
         "import os, pathlib, time\n"
-        "pathlib.Path(os.environ['HPCDDP_RUN_STATUS'], '3.aborted').write_text('7')\n"
+        "pathlib.Path(os.environ['HPCDDP_RUN_STATUS'], 'vnode9.aborted').write_text('3 7\\n')\n"
         "time.sleep(60)\n"
     )
     mpirun.chmod(0o755)

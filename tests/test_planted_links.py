@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import re
+import socket
 
 import pytest
 import torch
@@ -93,15 +94,21 @@ def test_a_run_marker_that_names_no_plausible_run_is_not_quoted(tmp_path, monkey
 def test_status_files_of_hpcddp_run_never_follow_a_link(tmp_path, secret):
     status = tmp_path / "status"
     status.mkdir()
-    for name in ("0.started", "1.started", "2.aborted", "2.aborted-partial"):
+    node = socket.gethostname()
+    for name in (f"{node}.ranks", f"{node}.aborted"):
         (status / name).symlink_to(secret)
-    mark_started(str(status), 0)  # replaces the link with its own file
+    mark_started(str(status), 0)  # refused: nothing is written through the link
     mark_aborted(str(status), 2, 7)
     assert secret.read_text() == SECRET
-    assert not (status / "0.started").is_symlink() and (status / "2.aborted").read_text() == "7"
-    assert unfinished_ranks(str(status))[1] == "?"  # a link is no rank's word: its target is not read
-    (status / "3.aborted").symlink_to(secret)
-    assert aborted_ranks(str(status)) == {2: 7}
+    assert unfinished_ranks(str(status)) == {} and aborted_ranks(str(status)) == {}  # a link's target is not read
+    for name in (f"{node}.ranks", f"{node}.aborted"):
+        (status / name).unlink()
+    (status / "other.ranks").symlink_to(secret)
+    (status / "other.aborted").symlink_to(secret)
+    mark_started(str(status), 0)
+    mark_aborted(str(status), 2, 7)
+    assert not (status / f"{node}.ranks").is_symlink() and (status / f"{node}.aborted").read_text() == "2 7\n"
+    assert unfinished_ranks(str(status)) == {0: node} and aborted_ranks(str(status)) == {2: 7}
 
 
 def test_an_elastic_commit_that_is_a_link_is_refused(tmp_path):

@@ -277,3 +277,66 @@ def test_messages_are_named_in_reports(kind):
         1: status(1, {WORLD: comm([0, 1], 0, [])}),
     }
     assert judge(statuses, {}) == "slow"
+
+
+# ---- replies of constant size: members come with a communicator's first member only -------------
+
+
+def lean(status_, first_of=()):
+    """``status_`` as a rank sends it to rank 0: member lists only for the communicators it is first of."""
+    for key, c in status_["comms"].items():
+        c["size"] = len(c["members"])
+        if key not in first_of:
+            del c["members"]
+    return status_
+
+
+def test_verdicts_from_replies_without_member_lists():
+    a = Descriptor(6, "allreduce", (4,), "float32")
+    waiting = {
+        r: lean(status(r, {WORLD: comm(range(4), 6, [(a, 70.0)])}, WAITING), [WORLD] if r == 0 else [])
+        for r in range(3)
+    }
+    # Rank 3 is still computing: slow; once it waits in the same allreduce nothing is wrong but time.
+    computing = {**waiting, 3: lean(status(3, {WORLD: comm(range(4), 5, [])}))}
+    assert judge(computing, {}) == "slow"
+    # Rank 3 waits in a receive nobody sends: every rank is stuck.
+    receiving = {**waiting, 3: lean(status(3, {WORLD: comm(range(4), 5, [], p2p=[("recv", None, 9, 70.0)])}, WAITING))}
+    assert judge(receiving, {}) == "deadlock"
+    # Rank 3 left after #5: the allreduce the others wait in can never complete.
+    left = {**waiting, 3: None}
+    exits = {3: Exit("exited", 4, {WORLD: 5})}
+    assert judge(left, exits) == "exited"
+    assert exit_reason(left, exits) == (
+        "rank 3 exited with exit code 4 while ranks 0, 1, 2 wait in allreduce #6 of shape [4] float32, which needs it",
+        4,
+    )
+    report = explain_stall(computing, {}, 4, 60)
+    assert "rank 3 did not submit allreduce #6" in report
+    assert report.endswith("waiting: ranks 0, 1, 2; missing or different: rank 3")
+
+
+def test_a_subgroup_whose_first_member_is_not_rank_0_is_named_from_its_first_members_reply():
+    sub = Descriptor(1, "allreduce", (3,), "float64")
+    statuses = {
+        0: status(0, {WORLD: comm(range(4), 3, [])}),
+        1: lean(status(1, {WORLD: comm(range(4), 3, []), "g": comm([1, 3], 1, [(sub, 70.0)])}, WAITING), ["g"]),
+        2: lean(status(2, {WORLD: comm(range(4), 3, [])})),
+        3: lean(status(3, {WORLD: comm(range(4), 3, []), "g": comm([1, 3], 0, [])})),
+    }
+    report = explain_stall(statuses, {}, 4, 60)
+    assert "collective #1 on the group of ranks 1, 3 has waited 70 s" in report
+    assert "rank 3 did not submit allreduce #1" in report
+    assert judge(statuses, {}) == "slow"
+
+
+def test_long_lists_of_ranks_are_cut_short():
+    # 200 ranks: rank 0 alone in allreduce #7; the others have not started it.
+    a = Descriptor(7, "allreduce", (4,), "float32")
+    statuses = {0: status(0, {WORLD: comm(range(200), 7, [(a, 70.0)])}, WAITING)}
+    statuses.update({r: lean(status(r, {WORLD: comm(range(200), 6, [], recent=[])})) for r in range(1, 200)})
+    report = explain_stall(statuses, {}, 200, 60)
+    assert report.count("did not submit allreduce #7") == 8
+    assert "  ... and 191 ranks (9-199) did not submit #7 either" in report
+    assert report.endswith("waiting: rank 0; missing or different: 199 ranks (1-199)")
+    assert len(report.splitlines()) < 25

@@ -1,4 +1,4 @@
-"""`hpcddp bench allreduce|train`: run on every rank (``mpirun -np N hpcddp bench ...``); rank 0 prints."""
+"""`hpcddp bench allreduce|train`: run on every rank (``mpirun -np N hpcddp bench ...``); rank 0 prints. `bench inspector` runs alone."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ json_option = click.option(
 
 @click.group()
 def bench() -> None:
-    """Measure allreduce bandwidth and training-step cost against the raw libraries and torch DDP."""
+    """Measure allreduce bandwidth and training-step cost against the raw libraries and torch DDP, and the stall inspector at scale."""
 
 
 def _size(ctx, param, value):
@@ -323,3 +323,52 @@ def train(model, batch_size, steps, warmup, repeats, threads, variants, bucket_c
             "results": [asdict(r) for r in results],
         }
         _write_json(json_path, payload)
+
+
+def _rank_counts(ctx, param, value):
+    try:
+        counts = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        counts = []
+    if not counts or any(n < 2 for n in counts):
+        raise click.BadParameter(f"must be comma-separated rank counts >= 2, e.g. 512,4096; got {value!r}", ctx, param)
+    return counts
+
+
+@bench.command()
+@click.option(
+    "--ranks",
+    default="512,4096",
+    show_default=True,
+    callback=_rank_counts,
+    help="Comma-separated job sizes to simulate.",
+)
+@click.option(
+    "--group",
+    type=click.Choice(["mpi", "torch"]),
+    default="mpi",
+    show_default=True,
+    help="The communicator the ranks wait on: hpcddp's MPI one, or the torch backend's default group.",
+)
+@json_option
+def inspector(ranks, group, json_path) -> None:
+    """Simulate the stall inspector's rank 0 for p ranks, one late, in this process (no MPI needed)."""
+    from ..bench.inspector import bench_inspector
+
+    click.echo(
+        f"{'ranks':>6} {'verdict s':>10} {'reply B/rank':>13} {'rank 0 MiB':>11} {'receive s':>10} "
+        f"{'received MiB':>13}  verdict, report lines"
+    )
+    results = []
+    for num_ranks in ranks:
+        r = bench_inspector(num_ranks, group)
+        results.append(r)
+        click.echo(
+            f"{r.ranks:>6} {r.verdict_s:>10.3f} {r.reply_bytes:>13} {r.rank0_mib:>11.1f} {r.receive_s:>10.3f} "
+            f"{r.received_mib:>13.1f}  {r.verdict}, {r.report_lines}"
+        )
+    if json_path:
+        with open(json_path, "w") as out:
+            json.dump({"benchmark": "inspector", "group": group, "results": [r._asdict() for r in results]}, out)
+            out.write("\n")
+        click.echo(f"wrote {json_path}")

@@ -288,6 +288,7 @@ class OperationLog:
             running = sorted((seq, d, now - t, b) for seq, (d, t, b) in self._running.items())
             return {
                 "members": self.members,
+                "size": len(self.members),
                 "started": self.started,
                 "changes": self.changes,
                 "running": [(d._replace(seq=seq), age) for seq, d, age, _ in running],

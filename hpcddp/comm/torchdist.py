@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -84,9 +85,11 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
         self._gpu_running: collections.deque = collections.deque()
         self._gpu_lock = threading.Lock()
         members = tuple(range(self.size)) if group is None else tuple(dist.get_process_group_ranks(group))
-        # Groups are made in the same order on every member: their count names them alike.
+        # Groups are made in the same order on every member: their count names them alike. The
+        # members go in as a digest: the key travels in every stall-inspector reply (constant size).
         TorchDistCommunicator._groups_made += 1
-        self.log = oplog.OperationLog(f"{backend}:{TorchDistCommunicator._groups_made}:{members}", members)
+        digest = hashlib.blake2b(repr(members).encode(), digest_size=6).hexdigest()
+        self.log = oplog.OperationLog(f"{backend}:{TorchDistCommunicator._groups_made}:{digest}", members)
         oplog.register(self.log)
         if backend == "nccl":
             self.log.add_refresher(self._finish_gpu_work)

@@ -1,7 +1,7 @@
 """Files that appear whole or not at all, and files read or written by a fixed name.
 
 Used for checkpoints, timelines, the owner and run marker of a checkpoint directory,
-the status files of ``hpcddp run``, elastic commits and each rank's timeline events. A file is written to a private
+the status files of ``hpcddp run`` (appended to, ``append_no_follow``), elastic commits and each rank's timeline events. A file is written to a private
 temporary file created exclusively with a random name (``mkstemp``: ``O_CREAT |
 O_EXCL``), fsynced and renamed into place, so a file or symbolic link planted at a
 predictable name is never followed or truncated (the rename replaces the link itself),
@@ -23,6 +23,7 @@ from typing import BinaryIO
 
 __all__ = [
     "PendingFile",
+    "append_no_follow",
     "create_exclusively",
     "make_directory_no_follow",
     "open_no_follow",
@@ -88,6 +89,34 @@ def read_text_no_follow(path: str | os.PathLike, limit: int = 1 << 16) -> str:
     """
     with os.fdopen(open_no_follow(path, os.O_RDONLY), "rb") as fh:
         return fh.read(limit).decode("utf-8", errors="replace")
+
+
+def append_no_follow(path: Path, data: bytes, what: str) -> None:
+    """Append ``data`` to the regular file ``path`` in one write (creating it), never following a symbolic link.
+
+    For short records that several processes of one node add to one file (``O_APPEND``:
+    the kernel serialises the writes of one machine, so records never interleave); a
+    reader should ignore a last record cut short.
+
+    Args:
+        path: the file.
+        data: one record, a few hundred bytes at most.
+        what: what the file is, for the error on a full disk ("run status file").
+
+    Raises:
+        OSError: as ``open_no_follow``, or on a full disk or quota, naming ``path`` and what to do.
+    """
+    fd = open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        os.write(fd, data)
+        # On the server before a crash of this node: a record lost with the node is what readers look for.
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno in _FULL:
+            raise _full_disk(err, path, what, "") from None
+        raise
+    finally:
+        os.close(fd)
 
 
 def _full_disk(err: OSError, path: Path, what: str, kept: str) -> OSError:

@@ -4,8 +4,9 @@ As Horovod's stall check, but without per-tensor negotiation. Each rank's thread
 every ``min(1 s, timeout / 4)`` and reads its own operation logs; nothing is sent while
 no operation has waited ``timeout`` seconds. Then the waiting rank alarms rank 0, and
 rank 0 asks every rank for its status over a communicator of its own (point-to-point,
-so that ranks blocked in a collective still answer from this thread), judges
-(``verdict``) and reports (``report``). A rank that does not answer is asked about
+so that ranks blocked in a collective still answer from this thread; each reply is of
+constant size, ``reply_status``), judges (``verdict``, visiting each rank once) and
+reports (``report``). A rank that does not answer is asked about
 once more, of its kernel: a rank on its node reads whether its process uses the CPU
 (``liveness``), since a rank that holds the GIL in one long C call cannot answer from
 Python, yet is only slow.
@@ -37,12 +38,37 @@ from . import liveness
 from .report import exit_reason, explain_stall
 from .verdict import Exit, judge, longest_wait, stable, stuck_operations
 
-__all__ = ["StallInspector"]
+__all__ = ["StallInspector", "reply_status"]
 
 log = logging.getLogger("hpcddp")
 
 _ALARM, _QUERY, _REPLY, _BYE, _CHECK, _CHECKED = 71, 72, 73, 74, 75, 76
 _STALE = object()
+
+
+#: finished operations per communicator a rank's reply names (rank 0 receives p replies every tick)
+REPLY_HISTORY = 8
+
+
+def reply_status(rank: int) -> dict:
+    """This rank's ``oplog.rank_status`` as sent to rank 0: of constant size, whatever the number of ranks.
+
+    A communicator's members go only with its first member's reply (rank 0 is the first
+    of the job's); the others send its key and size (``verdict`` counts, it does not walk
+    member lists). Of its finished operations, the last ``REPLY_HISTORY``: a report needs
+    a rank's last one, and the one others wait in if this rank is past it (a rank gets
+    past an operation the others still wait in only through operations that complete
+    early on some ranks, such as a broadcast's root).
+
+    Args:
+        rank: this rank.
+    """
+    status = oplog.rank_status(rank)
+    for comm in status["comms"].values():
+        comm["recent"] = comm["recent"][-REPLY_HISTORY:]
+        if comm["members"][0] != rank:
+            del comm["members"]
+    return status
 
 
 class StallInspector:
@@ -163,7 +189,7 @@ class StallInspector:
                 continue
             self._unanswered_since = None
             if episode is not None:  # None only acknowledges an alarm
-                self._send((episode, oplog.rank_status(self.rank)), 0, _REPLY)
+                self._send((episode, reply_status(self.rank)), 0, _REPLY)
         if 0 in self._exits:
             # Rank 0 left: judge alone whether an operation here needs it.
             mine = {self.rank: oplog.rank_status(self.rank)}

@@ -6,28 +6,48 @@ is named by its rank in the whole job, also inside a sub-communicator.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 from ...comm.base import ranks_text
-from .verdict import Exit, stuck_operations
+from .verdict import Exit, communicators, stuck_operations
 
 __all__ = ["explain_stall", "ranks_text"]
 
 _BUSY = "it is busy outside hpcddp (evaluation, checkpointing, a slow data loader) or took another code path"
+#: ranks named one by one in a list, and lines of one kind, before a report cuts the rest short
+_LIST_AT_MOST = 16
 _SKIPPED = (
     "it skipped a backward or called step() early, ran out of data (wrap the loop in "
     "hpcddp.join(optimizer)), or is busy outside hpcddp (evaluation, checkpointing, a slow data loader)"
 )
 
 
-def _where(members: Sequence[int], size: int) -> str:
-    if list(members) == list(range(size)):
+def _ranks(ranks) -> str:
+    """``ranks_text``, with runs of consecutive ranks as ranges and the middle of a long list cut out."""
+    ranks = sorted(ranks)
+    if len(ranks) <= _LIST_AT_MOST:
+        return ranks_text(ranks)
+    runs, first = [], 0
+    for i in range(1, len(ranks) + 1):
+        if i == len(ranks) or ranks[i] != ranks[i - 1] + 1:
+            runs.append(str(ranks[first]) if i - first == 1 else f"{ranks[first]}-{ranks[i - 1]}")
+            first = i
+    if len(runs) > _LIST_AT_MOST:
+        runs = [*runs[: _LIST_AT_MOST - 2], "...", runs[-1]]
+    return f"{len(ranks)} ranks ({', '.join(runs)})"
+
+
+def _where(members: Sequence[int] | None, num_members: int, size: int) -> str:
+    if num_members == size:
         return ""
-    return f" on the group of {ranks_text(members)}"
+    if members is None or len(members) < num_members:  # its first member did not answer: only its size is known
+        return f" on a group of {num_members} ranks"
+    return f" on the group of {_ranks(members)}"
 
 
-def _oldest(statuses: dict) -> tuple[str, object, float, tuple] | None:
-    """The running operation that has waited longest: (communicator key, descriptor, seconds, members)."""
+def _oldest(statuses: dict) -> tuple[str, object, float, dict] | None:
+    """The running operation that has waited longest: (communicator key, descriptor, seconds, its rank's log)."""
     best = None
     for status in statuses.values():
         if status is None:
@@ -37,16 +57,16 @@ def _oldest(statuses: dict) -> tuple[str, object, float, tuple] | None:
                 if desc.patient:
                     continue
                 if best is None or age > best[2]:
-                    best = (key, desc, age, comm["members"])
+                    best = (key, desc, age, comm)
     return best
 
 
-def _doing(status: dict, size: int) -> str:
+def _doing(status: dict, size: int, members: dict) -> str:
     """What a rank waits in, in words."""
-    for comm in status["comms"].values():
+    for key, comm in status["comms"].items():
         if comm["running"]:
             desc, _ = comm["running"][0]
-            return f"it waits in {desc}{_where(comm['members'], size)}"
+            return f"it waits in {desc}{_where(members.get(key), _num_members(comm), size)}"
     for comm in status["comms"].values():
         for kind, peer, tag, age in comm["p2p"]:
             source = "any rank" if peer is None else f"rank {peer}"
@@ -79,7 +99,7 @@ def _mismatch_cause(reference, other, steps, reference_rank, ranks) -> str:
     if ref_step is not None and other_step is not None and ref_step != other_step:
         behind = ranks if other_step < ref_step else [reference_rank]
         return (
-            f"{ranks_text(behind)} reduced gradients for fewer steps (last step {min(ref_step, other_step)} "
+            f"{_ranks(behind)} reduced gradients for fewer steps (last step {min(ref_step, other_step)} "
             f"vs {max(ref_step, other_step)}): skipped a backward or called step() early, or ran out of data "
             "(wrap the loop in hpcddp.join(optimizer))"
         )
@@ -91,38 +111,51 @@ def _exited_text(rank: int, exit: Exit) -> str:
     return f"rank {rank} {exit.how}{code}"
 
 
+def _num_members(comm: dict) -> int:
+    return comm["size"] if "size" in comm else len(comm["members"])
+
+
+def _cut_short(lines: list[str], what: str) -> list[str]:
+    """The first of ``lines``, and one line counting the rest (``what``: what each line is about)."""
+    if len(lines) <= _LIST_AT_MOST:
+        return lines
+    return [*lines[:_LIST_AT_MOST], f"  ... and {len(lines) - _LIST_AT_MOST} more {what}"]
+
+
 def _silent_lines(silent: list[int], size: int, hosts: Sequence[str] | None) -> list[str]:
     if not hosts:
         return [
-            f"  {ranks_text(silent)} did not answer the inspector: dead, cut off, or hung outside Python (holding the GIL)"
+            f"  {_ranks(silent)} did not answer the inspector: dead, cut off, or hung outside Python (holding the GIL)"
         ]
     lines = []
     by_host: dict[str, list[int]] = {}
     for r in silent:
         by_host.setdefault(hosts[r], []).append(r)
+    on_host = Counter(hosts[:size])
     for host, ranks in by_host.items():
-        if ranks == [r for r in range(size) if hosts[r] == host]:
+        if len(ranks) == on_host[host]:
             lines.append(
-                f"  node {host} is lost: {ranks_text(ranks)} on it did not answer the inspector "
+                f"  node {host} is lost: {_ranks(ranks)} on it did not answer the inspector "
                 "(node down or cut off from the others, or its processes died)"
             )
         else:
             lines.append(
-                f"  {ranks_text(ranks)} on node {host} did not answer the inspector: dead, stopped, or hung "
+                f"  {_ranks(ranks)} on node {host} did not answer the inspector: dead, stopped, or hung "
                 "without using the CPU"
             )
-    return lines
+    return _cut_short(lines, f"nodes with ranks that did not answer ({_ranks(silent)} in all)")
 
 
 def _busy_lines(busy: Sequence[int], hosts: Sequence[str] | None) -> list[str]:
     by_host: dict[str, list[int]] = {}
     for r in busy:
         by_host.setdefault(f" on node {hosts[r]}" if hosts else "", []).append(r)
-    return [
-        f"  {ranks_text(ranks)}{where} {'is' if len(ranks) == 1 else 'are'} busy in a long call outside Python "
+    lines = [
+        f"  {_ranks(ranks)}{where} {'is' if len(ranks) == 1 else 'are'} busy in a long call outside Python "
         "(CPU time advancing): holding the GIL (a long sort, regex or pickle), it cannot answer the inspector"
         for where, ranks in by_host.items()
     ]
+    return _cut_short(lines, f"nodes with busy ranks ({_ranks(busy)} in all)")
 
 
 def explain_stall(
@@ -149,13 +182,16 @@ def explain_stall(
     unanswered = _busy_lines(busy, hosts) + (_silent_lines(silent, size, hosts) if silent else [])
     if oldest is None:
         return "\n".join(["[hpcddp stall inspector] no rank is waiting in a collective any more", *unanswered])
-    key, reference, longest, members = oldest
+    key, reference, longest, reference_comm = oldest
     seq = reference.seq
+    known = communicators(statuses, exits)
+    members = known[key]
+    member_set = set(members)
     lines = [
-        f"[hpcddp stall inspector] collective #{seq}{_where(members, size)} has waited {longest:.0f} s "
+        f"[hpcddp stall inspector] collective #{seq}{_where(members, _num_members(reference_comm), size)} has waited {longest:.0f} s "
         f"(stall_timeout={timeout:g} s):"
     ]
-    comms = {r: s["comms"].get(key) for r, s in statuses.items() if s is not None and r in members}
+    comms = {r: s["comms"].get(key) for r, s in statuses.items() if s is not None and r in member_set}
     at_seq = {r: _at(c, seq) for r, c in comms.items() if c is not None}
     at_seq = {r: d for r, d in at_seq.items() if d is not None}
     steps = {r: c["last_step"] for r, c in comms.items() if c is not None and c["last_step"] is not None}
@@ -163,38 +199,52 @@ def explain_stall(
     groups: dict[tuple, list[int]] = {}
     for r, d in sorted(at_seq.items()):
         groups.setdefault(d.match_key(), []).append(r)
-    lines.append(f"  {ranks_text(groups[reference.match_key()])} submitted {reference}")
+    lines.append(f"  {_ranks(groups[reference.match_key()])} submitted {reference}")
     for match, ranks in groups.items():
         if match == reference.match_key():
             continue
-        lines.append(f"  {ranks_text(ranks)} submitted {at_seq[ranks[0]]} instead")
+        lines.append(f"  {_ranks(ranks)} submitted {at_seq[ranks[0]]} instead")
         lines.append("    likely cause: " + _mismatch_cause(reference, at_seq[ranks[0]], steps, reference_rank, ranks))
     missing = [r for r in members if r not in at_seq and r not in exits and statuses.get(r) is not None]
-    for r in missing:
+    missing_lines = []
+    for r in missing[: _LIST_AT_MOST + 1]:
         comm = comms.get(r)
         if comm is not None and comm["started"] > seq:
-            lines.append(f"  rank {r} is past #{seq} (its history no longer holds it); {_doing(statuses[r], size)}")
+            missing_lines.append(
+                [f"  rank {r} is past #{seq} (its history no longer holds it); {_doing(statuses[r], size, known)}"]
+            )
             continue
         recent = comm["recent"] if comm is not None else []
         last = recent[-1] if recent else None
         idle = f", {comm['idle']:.0f} s ago" if comm is not None and last is not None else ""
-        lines.append(
-            f"  rank {r} did not submit {reference.op} #{seq}"
-            + (f" ({reference.tag})" if reference.tag else "")
-            + f": its last collective was {last or 'none'}{idle}, and {_doing(statuses[r], size)}"
+        missing_lines.append(
+            [
+                f"  rank {r} did not submit {reference.op} #{seq}"
+                + (f" ({reference.tag})" if reference.tag else "")
+                + f": its last collective was {last or 'none'}{idle}, and {_doing(statuses[r], size, known)}",
+                "    likely cause: " + _missing_cause(statuses[r], reference),
+            ]
         )
-        lines.append("    likely cause: " + _missing_cause(statuses[r], reference))
-    for r in sorted(set(members) & set(exits)):
-        started = exits[r].started.get(key, 0)
-        if started < seq:
-            lines.append(f"  {_exited_text(r, exits[r])} after #{started}: it will never submit #{seq}")
+    if len(missing) > _LIST_AT_MOST:
+        cut = missing_lines[: _LIST_AT_MOST // 2]
+        missing_lines = [*cut, [f"  ... and {_ranks(missing[len(cut) :])} did not submit #{seq} either"]]
+    lines.extend(line for pair in missing_lines for line in pair)
+    exited = [r for r in sorted(member_set & exits.keys()) if exits[r].started.get(key, 0) < seq]
+    lines.extend(
+        _cut_short(
+            [
+                f"  {_exited_text(r, exits[r])} after #{exits[r].started.get(key, 0)}: it will never submit #{seq}"
+                for r in exited
+            ],
+            f"ranks that left before #{seq} ({_ranks(exited)} in all)",
+        )
+    )
     lines.extend(unanswered)
     waiting = sorted(r for r, d in at_seq.items() if _running(statuses[r], key, seq))
     different = {r for match, rs in groups.items() if match != reference.match_key() for r in rs}
-    late = sorted(set(missing) | set(silent) | set(busy) | different | {r for r in members if r in exits})
+    late = sorted(set(missing) | set(silent) | set(busy) | different | (member_set & exits.keys()))
     lines.append(
-        f"  waiting: {ranks_text(waiting) if waiting else 'none'}; missing or different: "
-        f"{ranks_text(late) if late else 'none'}"
+        f"  waiting: {_ranks(waiting) if waiting else 'none'}; missing or different: {_ranks(late) if late else 'none'}"
     )
     return "\n".join(lines)
 
@@ -212,7 +262,7 @@ def exit_reason(statuses: dict, exits: dict) -> tuple[str, int]:
     waiters = sorted({s.rank for s in stuck if s.exited == first.exited})
     code = exit.code if exit.code else 1
     return (
-        f"{_exited_text(first.exited, exit)} while {ranks_text(waiters)} "
+        f"{_exited_text(first.exited, exit)} while {_ranks(waiters)} "
         f"{'waits' if len(waiters) == 1 else 'wait'} in {first.desc}, which needs it",
         code,
     )

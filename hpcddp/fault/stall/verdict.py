@@ -25,9 +25,10 @@ alive: an abort needs certainty.
 
 from __future__ import annotations
 
+import bisect
 from typing import NamedTuple
 
-__all__ = ["Exit", "Stuck", "judge", "longest_wait", "stable", "stuck_operations"]
+__all__ = ["Exit", "Stuck", "communicators", "judge", "longest_wait", "stable", "stuck_operations"]
 
 
 class Exit(NamedTuple):
@@ -47,32 +48,100 @@ class Stuck(NamedTuple):
     exited: int
 
 
-def _started(statuses: dict, exits: dict, rank: int, key: str) -> int:
-    if rank in exits:
-        return exits[rank].started.get(key, 0)
-    status = statuses.get(rank)
-    if status is None:
-        return 0
-    comm = status["comms"].get(key)
-    return 0 if comm is None else comm["started"]
+class _Index:
+    """What the verdict compares, gathered in one pass over every rank's status and exit.
 
+    Replies carry no member lists (only a communicator's first member sends its members,
+    see ``inspector.reply_status``), so an operation is completable when as many ranks reached it
+    as the communicator has members: each member is visited once, whatever the number
+    of waiting ranks.
+    """
 
-def _running_at(statuses: dict, rank: int, key: str, seq: int):
-    status = statuses.get(rank)
-    comm = None if status is None else status["comms"].get(key)
-    if comm is None:
-        return None
-    return next((desc for desc, _ in comm["running"] if desc.seq == seq), None)
+    def __init__(self, statuses: dict, exits: dict) -> None:
+        #: communicator key -> its number of members
+        self.size: dict[str, int] = {}
+        #: communicator key -> its members, where a status carried them
+        self.members: dict[str, tuple] = {}
+        #: communicator key -> the operations started by each rank that has it, sorted
+        self.started: dict[str, list[int]] = {}
+        #: (communicator key, seq) -> {(match key, op): a descriptor} running there on some rank
+        self.running: dict[tuple[str, int], dict] = {}
+        #: (rank, kind, tag) -> peers of that rank's pending messages; (kind, tag, peer) -> their ranks
+        self.by_rank: dict[tuple, set] = {}
+        self.by_peer: dict[tuple, set] = {}
+        for rank, status in statuses.items():
+            if status is None:
+                continue
+            for key, comm in status["comms"].items():
+                members = comm.get("members")
+                if members is not None:
+                    self.members.setdefault(key, members)
+                self.size.setdefault(key, comm["size"] if "size" in comm else len(members))
+                if rank not in exits:
+                    self.started.setdefault(key, []).append(comm["started"])
+                for desc, _age in comm["running"]:
+                    self.running.setdefault((key, desc.seq), {}).setdefault((desc.match_key(), desc.op), desc)
+                for kind, peer, tag, _age in comm["p2p"]:
+                    self.by_rank.setdefault((rank, kind, tag), set()).add(peer)
+                    self.by_peer.setdefault((kind, tag, peer), set()).add(rank)
+        for exit in exits.values():
+            for key, started in exit.started.items():
+                self.started.setdefault(key, []).append(started)
+        for counts in self.started.values():
+            counts.sort()
+        self._exited_members: dict[str, list[tuple[int, int]]] = {}
+        self._stuck: dict[tuple[str, int], int | None] = {}
 
+    def reached(self, key: str, seq: int) -> int:
+        """How many ranks started operation ``seq`` of communicator ``key`` (exited ones by what they said)."""
+        counts = self.started.get(key, [])
+        return len(counts) - bisect.bisect_left(counts, seq)
 
-def _collective_completable(statuses: dict, exits: dict, key: str, desc, members) -> bool:
-    for member in members:
-        if _started(statuses, exits, member, key) < desc.seq:
+    def collective_completable(self, key: str, desc) -> bool:
+        if self.reached(key, desc.seq) < self.size[key]:
             return False
-        there = _running_at(statuses, member, key, desc.seq)
-        if there is not None and there.match_key() != desc.match_key() and not _joins(there, desc):
-            return False
-    return True
+        there = self.running.get((key, desc.seq), {})
+        return all(d.match_key() == desc.match_key() or _joins(d, desc) for d in there.values())
+
+    def message_completable(self, rank: int, kind: str, peer: int | None, tag: int) -> bool:
+        wanted = "send" if kind == "recv" else "recv"
+        if peer is not None:
+            return bool(self.by_rank.get((peer, wanted, tag), set()) & {rank, None})
+        # From any source: another rank's matching message, aimed at this rank or at any.
+        return any(
+            len(ranks) > (rank in ranks) for ranks in (self.by_peer.get((wanted, tag, p), ()) for p in (rank, None))
+        )
+
+    def first_exited_before(self, key: str, seq: int, exits: dict) -> int | None:
+        """The first member of ``key`` (in its order) that exited before starting ``seq``, or None."""
+        if (key, seq) not in self._stuck:
+            if key not in self._exited_members:
+                members = self.members.get(key)
+                if members is None:  # its first member did not answer: the exits that had it
+                    members = sorted(r for r, exit in exits.items() if key in exit.started)
+                self._exited_members[key] = [(m, exits[m].started.get(key, 0)) for m in members if m in exits]
+            self._stuck[key, seq] = next((m for m, started in self._exited_members[key] if started < seq), None)
+        return self._stuck[key, seq]
+
+
+def communicators(statuses: dict, exits: dict) -> dict[str, tuple]:
+    """Return each communicator's members: as its first member sent them, else the ranks that told of it.
+
+    Args:
+        statuses: as for ``judge``.
+        exits: as for ``judge``.
+    """
+    index = _Index(statuses, exits)
+    reported: dict[str, set[int]] = {}
+    for rank, status in statuses.items():
+        for key in status["comms"] if status is not None else ():
+            if key not in index.members:
+                reported.setdefault(key, set()).add(rank)
+    for rank, exit in exits.items():
+        for key in exit.started:
+            if key not in index.members:
+                reported.setdefault(key, set()).add(rank)
+    return {**{key: tuple(sorted(ranks)) for key, ranks in reported.items()}, **index.members}
 
 
 def _joins(a, b) -> bool:
@@ -81,53 +150,38 @@ def _joins(a, b) -> bool:
     return {a.op, b.op} == {"join", "allreduce"}
 
 
-def _pending(statuses: dict, rank: int):
-    status = statuses.get(rank)
-    if status is None:
-        return
-    for comm in status["comms"].values():
-        for kind, peer, tag, _age in comm["p2p"]:
-            yield kind, peer, tag
-
-
-def _message_completable(statuses: dict, rank: int, kind: str, peer: int | None, tag: int) -> bool:
-    wanted = "send" if kind == "recv" else "recv"
-    peers = [peer] if peer is not None else [r for r in statuses if r != rank]
-    for other in peers:
-        for their_kind, their_peer, their_tag, *_ in _pending(statuses, other):
-            if their_kind == wanted and their_peer in (rank, None) and their_tag == tag:
-                return True
-    return False
-
-
-def stuck_operations(statuses: dict, exits: dict) -> list[Stuck]:
-    """Return the running operations that a rank which exited will never join."""
+def _stuck_operations(statuses: dict, exits: dict, index: _Index) -> list[Stuck]:
     stuck = []
+    if not exits:
+        return stuck
     for rank, status in statuses.items():
         if status is None or rank in exits:
             continue
         for key, comm in status["comms"].items():
             for desc, _age in comm["running"]:
-                for member in comm["members"]:
-                    if member in exits and exits[member].started.get(key, 0) < desc.seq:
-                        stuck.append(Stuck(rank, key, desc, member))
-                        break
+                member = index.first_exited_before(key, desc.seq, exits)
+                if member is not None:
+                    stuck.append(Stuck(rank, key, desc, member))
     return stuck
 
 
-def _rank_is_stuck(statuses: dict, exits: dict, rank: int) -> bool:
-    status = statuses[rank]
+def stuck_operations(statuses: dict, exits: dict) -> list[Stuck]:
+    """Return the running operations that a rank which exited will never join."""
+    return _stuck_operations(statuses, exits, _Index(statuses, exits))
+
+
+def _rank_is_stuck(status: dict, rank: int, index: _Index) -> bool:
     if not status["waits"]:
         return False
     blocking = 0
     for key, comm in status["comms"].items():
         for desc, _age in comm["running"]:
             blocking += 1
-            if _collective_completable(statuses, exits, key, desc, comm["members"]):
+            if index.collective_completable(key, desc):
                 return False
         for kind, peer, tag, _age in comm["p2p"]:
             blocking += 1
-            if _message_completable(statuses, rank, kind, peer, tag):
+            if index.message_completable(rank, kind, peer, tag):
                 return False
     return blocking > 0
 
@@ -143,12 +197,13 @@ def judge(statuses: dict, exits: dict, busy=frozenset()) -> str:
     """
     if any(status is None for rank, status in statuses.items() if rank not in exits and rank not in busy):
         return "lost"
-    if stuck_operations(statuses, exits):
+    index = _Index(statuses, exits)
+    if _stuck_operations(statuses, exits, index):
         return "exited"
     if busy:
         return "slow"  # a busy rank may yet join what the others wait in
     alive = [rank for rank in statuses if rank not in exits]
-    if alive and all(_rank_is_stuck(statuses, exits, rank) for rank in alive):
+    if alive and all(_rank_is_stuck(statuses[rank], rank, index) for rank in alive):
         return "deadlock"
     return "slow"
 
