@@ -15,10 +15,23 @@ import hpcddp
 from ..env.mpi_import import import_mpi, mpi_launcher_present
 from .metrics import algbw, busbw, median
 
-__all__ = ["PATHS", "SPANS", "AllreduceResult", "available_paths", "path_label", "results_as_dicts", "sweep_allreduce"]
+__all__ = [
+    "OPS",
+    "PATHS",
+    "SPANS",
+    "AllreduceResult",
+    "available_paths",
+    "mpi_comm",
+    "path_label",
+    "results_as_dicts",
+    "sweep_allreduce",
+]
 
 #: every path the sweep knows, in the order columns are printed
 PATHS = ("hpcddp", "mpi4py", "torch")
+
+#: the reductions the sweep times: MPI's own, and hpcddp's default (a sum, then a division)
+OPS = ("sum", "average")
 
 #: which ranks reduce together: all of them, each node's ranks among themselves (all
 #: nodes at once), or one rank per node (the links between nodes alone)
@@ -37,7 +50,7 @@ class AllreduceResult:
     busbw: float
 
 
-def _mpi_comm():
+def mpi_comm():
     comm = getattr(hpcddp.communicator(), "mpi_comm", None)
     if comm is not None:
         return comm
@@ -55,7 +68,7 @@ def available_paths(requested: Sequence[str] = PATHS) -> list[str]:
     unknown = [p for p in requested if p not in PATHS]
     if unknown:
         raise ValueError(f"paths must be among {', '.join(PATHS)}, got {', '.join(unknown)}")
-    return [p for p in requested if p != "mpi4py" or _mpi_comm() is not None]
+    return [p for p in requested if p != "mpi4py" or mpi_comm() is not None]
 
 
 @dataclass
@@ -83,7 +96,7 @@ def _span_group(span: str, paths: Sequence[str]) -> _Group:
         groups = [[r for r, lr in enumerate(locals_) if lr == 0]]
     mine = next((g for g in groups if hpcddp.rank() in g), None)
     group = _Group(len(mine or groups[0]), mine is not None)
-    comm = _mpi_comm()
+    comm = mpi_comm()
     if comm is not None and ("mpi4py" in paths or "hpcddp" in paths):
         MPI = import_mpi()
         color = groups.index(mine) if mine else MPI.UNDEFINED
@@ -132,12 +145,19 @@ def _synchronized(once: Callable[[], None], device: torch.device | None) -> Call
 
 
 def _runner(
-    path: str, count: int, shared: torch.Tensor, out_of_place: bool = False, group: _Group | None = None
+    path: str,
+    count: int,
+    shared: torch.Tensor,
+    out_of_place: bool = False,
+    group: _Group | None = None,
+    op: str = "sum",
 ) -> tuple[Callable[[], None], Callable[[], torch.Tensor]]:
     """Return (one allreduce, a view of its result as a tensor) for ``path``.
 
     In place by default; ``out_of_place`` reduces into a second buffer as MPI's
     send/receive form does (``hpcddp.allreduce``, ``Allreduce(sendbuf, recvbuf)``).
+    ``op="average"`` is hpcddp's default: the raw paths then divide the sum
+    themselves, as their users must (mpi4py with numpy, torch with ``div_``).
 
     Paths whose buffer lives on the CPU all reduce ``shared``: two buffers allocated
     one after the other were measured up to 1.5x apart at 4-16 MiB (the first one
@@ -145,11 +165,12 @@ def _runner(
     """
     if group is not None and not group.active:
         return (lambda: None), (lambda: torch.full((1,), float(group.size)))
+    size = group.size if group is not None else hpcddp.size()
     if path == "hpcddp" and group is not None and group.hpcddp is not None:
-        from ..comm.base import ReduceOp
+        from ..comm.base import parse_op
 
-        sub = group.hpcddp
-        return _synchronized(lambda: sub.allreduce_(shared, ReduceOp.SUM), getattr(sub, "device", None)), (
+        sub, reduce_op = group.hpcddp, parse_op(op)
+        return _synchronized(lambda: sub.allreduce_(shared, reduce_op), getattr(sub, "device", None)), (
             lambda: shared
         )
     if path == "hpcddp":
@@ -158,13 +179,13 @@ def _runner(
             result = [tensor]
 
             def once():
-                result[0] = hpcddp.allreduce(tensor, op="sum")
+                result[0] = hpcddp.allreduce(tensor, op=op)
 
             return _synchronized(once, tensor.device), (lambda: result[0])
-        return _synchronized(lambda: hpcddp.allreduce_(tensor, op="sum"), tensor.device), (lambda: tensor)
+        return _synchronized(lambda: hpcddp.allreduce_(tensor, op=op), tensor.device), (lambda: tensor)
     if path == "mpi4py":
         MPI = import_mpi()
-        comm = group.mpi if group is not None and group.mpi is not None else _mpi_comm()
+        comm = group.mpi if group is not None and group.mpi is not None else mpi_comm()
         array = shared.numpy()
         if out_of_place:
             # A new result each time, as a function that returns one must allocate it.
@@ -173,9 +194,17 @@ def _runner(
             def reduce_into_new():
                 result[0] = np.empty_like(array)
                 comm.Allreduce(array, result[0], op=MPI.SUM)
+                if op == "average":
+                    np.divide(result[0], size, out=result[0])
 
             return reduce_into_new, (lambda: torch.from_numpy(result[0]))
-        return (lambda: comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)), (lambda: shared)
+
+        def reduce_in_place():
+            comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
+            if op == "average":
+                np.divide(array, size, out=array)
+
+        return reduce_in_place, (lambda: shared)
     from ._torchdist import ensure_process_group
 
     dist = ensure_process_group()
@@ -186,6 +215,8 @@ def _runner(
 
     def once():
         dist.all_reduce(tensor, group=torch_group)
+        if op == "average":
+            tensor.div_(size)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
@@ -202,19 +233,20 @@ def path_label(path: str) -> str:
 
 
 def _prepare(
-    path: str, size: int, warmup: int, shared: torch.Tensor, out_of_place: bool, group: _Group
+    path: str, size: int, warmup: int, shared: torch.Tensor, out_of_place: bool, group: _Group, op: str = "sum"
 ) -> Callable[[], None]:
     """Return one allreduce of ``size`` bytes on ``path``, checked and warmed up."""
     count = size // 4
-    once, view = _runner(path, count, shared, out_of_place, group if group.size != hpcddp.size() else None)
+    once, view = _runner(path, count, shared, out_of_place, group if group.size != hpcddp.size() else None, op)
     # One reduction of ones proves the path sums before we time it; zeros keep
     # the repeated in-place sums finite afterwards.
     shared.fill_(1.0)
     view().fill_(1.0)
     once()
     got = view()[: min(count, 8)].cpu()
-    if not torch.all(got == group.size):
-        raise RuntimeError(f"{path} allreduce of ones gave {got.tolist()}, expected {group.size}")
+    expected = group.size if op == "sum" else 1
+    if not torch.all(got == expected):
+        raise RuntimeError(f"{path} allreduce of ones gave {got.tolist()}, expected {expected}")
     view().zero_()
     shared.zero_()
     for _ in range(warmup):
@@ -247,6 +279,7 @@ def sweep_allreduce(
     paths: Sequence[str] = PATHS,
     out_of_place: bool = False,
     span: str = "world",
+    op: str = "sum",
 ) -> list[AllreduceResult]:
     """Time a float32 sum-allreduce at each size on each path; every rank must call this.
 
@@ -262,7 +295,10 @@ def sweep_allreduce(
         span: one of ``SPANS``: "node" times each node's ranks among themselves (all
             nodes at once, shared memory), "between-nodes" one rank per node (the links
             alone); the bandwidths then count the ranks of one group.
+        op: "sum", or "average" (hpcddp's default; the raw paths divide the sum themselves).
     """
+    if op not in OPS:
+        raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
     if warmup < 0:
@@ -277,7 +313,7 @@ def sweep_allreduce(
         if size <= 0 or size % 4:
             raise ValueError(f"sizes must be positive multiples of 4 bytes, got {size}")
         shared = _buffer(size // 4, torch.device("cpu"))
-        runners = {path: _prepare(path, size, warmup, shared, out_of_place, group) for path in chosen}
+        runners = {path: _prepare(path, size, warmup, shared, out_of_place, group, op) for path in chosen}
         hpcddp.barrier()
         medians = _time_interleaved(runners, iters)
         for path in chosen:

@@ -129,6 +129,13 @@ def _write_json(path: str, payload: dict) -> None:
     is_flag=True,
     help="Reduce into a second buffer: hpcddp.allreduce and MPI's Allreduce(sendbuf, recvbuf) (torch stays in place).",
 )
+@click.option(
+    "--op",
+    type=click.Choice(["sum", "average"]),
+    default="sum",
+    show_default=True,
+    help="average: hpcddp's default op; mpi4py and torch then divide the sum themselves (numpy, div_).",
+)
 @json_option
 @click.option(
     "--plot",
@@ -136,7 +143,7 @@ def _write_json(path: str, payload: dict) -> None:
     type=click.Path(dir_okay=False, writable=True),
     help="Write a PNG of busbw against size here (needs the plot extra: pip install 'hpcddp[plot]').",
 )
-def allreduce(min_size, max_size, iters, warmup, paths, span, out_of_place, json_path, plot_path) -> None:
+def allreduce(min_size, max_size, iters, warmup, paths, span, out_of_place, op, json_path, plot_path) -> None:
     """Sweep float32 sum-allreduce over message sizes; print time, algbw and busbw (nccl-tests' definitions)."""
     from ..bench.metrics import size_sweep
 
@@ -165,7 +172,7 @@ def allreduce(min_size, max_size, iters, warmup, paths, span, out_of_place, json
         _echo("# hpcddp: sub-groups of ranks need backend mpi, skipped")
     labels = [path_label(p) for p in chosen]
     _echo(
-        f"# allreduce float32 sum{' out of place' if out_of_place else ''}, {hpcddp.size()} ranks on "
+        f"# allreduce float32 {op}{' out of place' if out_of_place else ''}, {hpcddp.size()} ranks on "
         f"{hpcddp.num_nodes()} node(s), span {span}, "
         f"backend {hpcddp.backend()}, {iters} iters after {warmup} warm-up"
     )
@@ -179,7 +186,9 @@ def allreduce(min_size, max_size, iters, warmup, paths, span, out_of_place, json
     _echo(header)
     results = []
     for size in sizes:
-        row = sweep_allreduce([size], iters=iters, warmup=warmup, paths=chosen, out_of_place=out_of_place, span=span)
+        row = sweep_allreduce(
+            [size], iters=iters, warmup=warmup, paths=chosen, out_of_place=out_of_place, span=span, op=op
+        )
         results += row
         line = f"{size:>10} {size // 4:>10}" + "".join(
             f" | {r.time_us:>13.1f} {r.algbw:>7.3f} {r.busbw:>7.3f}" for r in row
@@ -197,6 +206,7 @@ def allreduce(min_size, max_size, iters, warmup, paths, span, out_of_place, json
             "iters": iters,
             "warmup": warmup,
             "out_of_place": out_of_place,
+            "op": op,
             "span": span,
             "num_nodes": hpcddp.num_nodes(),
             "machine": describe_machine(),
@@ -208,6 +218,71 @@ def allreduce(min_size, max_size, iters, warmup, paths, span, out_of_place, json
 
         plot_busbw(results, plot_path, title=f"allreduce busbw, {hpcddp.size()} ranks")
         click.echo(f"wrote {plot_path}")
+
+
+@bench.command()
+@click.option(
+    "--count", default=8, show_default=True, type=click.IntRange(min=1), help="float32 elements per allreduce."
+)
+@click.option(
+    "--iters",
+    default=2000,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Timed calls per path, over all rounds.",
+)
+@click.option(
+    "--rounds", default=5, show_default=True, type=click.IntRange(min=1), help="Turns each path takes (interleaved)."
+)
+@click.option(
+    "--paths",
+    default="hpcddp,mpi4py,torch-mpi,gloo",
+    show_default=True,
+    help="Comma-separated: hpcddp (hpcddp.allreduce_), mpi4py (raw Allreduce), torch-mpi (dist.all_reduce on "
+    'hpcddp\'s torch backend, the one named "mpi"), gloo (dist.all_reduce on gloo).',
+)
+@json_option
+def latency(count, iters, rounds, paths, json_path) -> None:
+    """Time a small blocking sum-allreduce (median us per call, slowest rank) on each path, beside raw mpi4py."""
+    requested = [p.strip() for p in paths.split(",") if p.strip()]
+    from ..bench.latency import LATENCY_PATHS
+
+    unknown = [p for p in requested if p not in LATENCY_PATHS]
+    if unknown or not requested:
+        raise click.BadParameter(f"--paths must list names among {', '.join(LATENCY_PATHS)}, got {paths!r}")
+    if iters < rounds:
+        raise click.BadParameter(f"--iters must be >= --rounds ({rounds}), got {iters}")
+
+    import hpcddp
+
+    from ..bench.latency import latency_as_dicts, measure_latency
+    from ..bench.machine import describe_machine
+
+    hpcddp.init()
+    checks = hpcddp.communicator().check_collectives
+    _echo(
+        f"# blocking allreduce of {count} float32 (sum), {hpcddp.size()} ranks, backend {hpcddp.backend()}, "
+        f"checks {'on' if checks else 'off'}, {iters} calls per path in {rounds} interleaved rounds, "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
+    _echo("# time: median us per call, slowest rank; x mpi4py: that time over raw mpi4py's")
+    results = measure_latency(count=count, iters=iters, rounds=rounds, paths=requested)
+    _echo(f"{'path':>10} {'us':>9} {'x mpi4py':>9}")
+    for r in results:
+        ratio = "" if r.vs_mpi4py is None else f"{r.vs_mpi4py:.1f}"
+        _echo(f"{r.path:>10} {r.time_us:>9.1f} {ratio:>9}")
+    if json_path:
+        payload = {
+            "benchmark": "latency",
+            "world_size": hpcddp.size(),
+            "backend": hpcddp.backend(),
+            "check_collectives": checks,
+            "iters": iters,
+            "rounds": rounds,
+            "machine": describe_machine(),
+            "results": latency_as_dicts(results),
+        }
+        _write_json(json_path, payload)
 
 
 @bench.command()

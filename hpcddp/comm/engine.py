@@ -113,9 +113,13 @@ class Collective(NamedTuple):
     tensor: Any = None
     #: what every rank agrees on first (rule 4); None: checks are off, or the body agrees itself
     call: CollectiveCall | None = None
+    #: how the log names it, made by the planner (``_mpi_small`` keeps one per signature); None: from ``tensor``
+    desc: oplog.Descriptor | None = None
 
 
 def _describe(collective: Collective) -> oplog.Descriptor:
+    if collective.desc is not None:
+        return collective.desc
     tensor = collective.tensor
     if tensor is None:
         return oplog.describe(collective.name)

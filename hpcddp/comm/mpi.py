@@ -26,6 +26,7 @@ from ._mpi_buffers import (
 )
 from ._mpi_into import IntoOps
 from ._mpi_ops import VectorOps
+from ._mpi_small import SmallAllreduces
 from .agreement import JOINED, JOINED_VECTOR, CollectiveCall, all_joined, continues_while_joined, describe_call
 from .base import Communicator, Handle, ReduceOp, split_ranks_error
 from .channel import GradientChannel
@@ -79,6 +80,8 @@ class MPICommunicator(VectorOps, IntoOps, Communicator):
         oplog.register(self.log)
         self.p2p = PointToPoint(self._comm, MPI, self.log, self.global_ranks)
         self.engine = Engine(self._comm, MPI, self.log, messages=self.p2p)
+        agreement = self.engine.agreement
+        self._small = SmallAllreduces(self._comm, MPI, self.call_for, lambda: agreement.runs)
         #: gloo's monitoredBarrier over this communicator's messages (``hpcddp.comm.monitored``)
         self.monitored = MonitoredBarrier(self.p2p)
         self._duplicates: weakref.WeakSet[MPICommunicator] = weakref.WeakSet()
@@ -222,6 +225,10 @@ class MPICommunicator(VectorOps, IntoOps, Communicator):
             check: the tensor's name, for messages.
             error: what the caller found wrong with this rank's arguments: every rank raises it.
         """
+        if error is None and self.size > 1:
+            small = self._small.plan(tensors, op, check)
+            if small is not None:
+                return small
         if not isinstance(tensors, torch.Tensor) and len({t.dtype for t in tensors}) > 1:
             error = error or f"tensors of one dtype are reduced together, got {describe_tensors(tensors)}"
         make = functools.partial(self.allreduce_body, op=op)

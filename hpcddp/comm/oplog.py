@@ -34,6 +34,7 @@ __all__ = [
     "rank_status",
     "register",
     "started_counts",
+    "submission_state",
     "wait_begins",
     "wait_ends",
     "unregister",
@@ -110,6 +111,11 @@ class Descriptor(NamedTuple):
 def current_tag() -> tuple[str, int | None]:
     """The tag and step of ``collective_tag`` around this thread's submissions, or ("", None)."""
     return _tag.value or ("", None)
+
+
+def submission_state() -> tuple:
+    """What ``describe`` reads from this thread now (tag, step, patience): a cache key for planned descriptors."""
+    return (_tag.value, _tag.patient)
 
 
 def describe(op: str, shape=None, dtype: str | None = None) -> Descriptor:
