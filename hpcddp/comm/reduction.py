@@ -173,9 +173,10 @@ def divide_average_(summed: torch.Tensor, op: ReduceOp, size: int) -> torch.Tens
     if op is not ReduceOp.AVERAGE:
         return summed
     if summed.dtype in _ONE_THREAD_DIVIDES and summed.device.type == "cpu" and summed.is_contiguous():
-        # On one thread: torch's div_ runs on its intra-op threads, which fight the MPI ranks
-        # spinning on the same cores (2 ranks x 2 threads, 2 cores: 28 ms for 4 MiB against
-        # 0.3 ms on one thread, with other work on the machine). The same IEEE division.
+        # On one thread: where ranks are not bound to cores (mpirun --bind-to none, hpcddp run
+        # --no-bind) torch's div_ runs on several intra-op threads, which fight the ranks for
+        # the cores (4 MiB: 28 ms on 2 threads against 0.3 ms on one, other work on the
+        # machine). The same IEEE division.
         view = host_array(summed.reshape(-1))
         np.divide(view, size, out=view)
         return summed

@@ -39,6 +39,34 @@ def test_allreduce_sweep_prints_and_writes_every_path(tmp_path):
     assert "4096" in output
 
 
+def test_out_of_place_average_sweep_compares_like_work(tmp_path):
+    # hpcddp.allreduce's default op is average: the raw path divides its sum too, each
+    # path's result is checked (ones average to one) before it is timed.
+    out = tmp_path / f"oop-{hpcddp.rank()}.json"
+    args = ["allreduce", "--min", "64K", "--max", "128K", "--iters", "2", "--warmup", "0", "--out-of-place"]
+    output = _invoke([*args, "--op", "average", "--paths", "hpcddp,mpi4py", "--json", str(out)])
+    if hpcddp.rank() != 0:
+        return
+    payload = json.loads(out.read_text())
+    assert payload["op"] == "average" and payload["out_of_place"] is True
+    assert "allreduce float32 average out of place" in output
+    assert {r["path"] for r in payload["results"]} == {"hpcddp", "mpi4py"} or hpcddp.backend() != "mpi"
+
+
+def test_latency_reports_every_path_against_mpi4py(tmp_path):
+    out = tmp_path / f"latency-{hpcddp.rank()}.json"
+    output = _invoke(["latency", "--iters", "20", "--rounds", "2", "--json", str(out)])
+    if hpcddp.rank() != 0:
+        assert output == ""
+        return
+    rows = {r["path"]: r for r in json.loads(out.read_text())["results"]}
+    assert {"hpcddp", "torch-mpi", "gloo"} <= set(rows)
+    assert all(r["count"] == 8 and r["time_us"] > 0 for r in rows.values())
+    if hpcddp.backend() == "mpi":
+        assert rows["mpi4py"]["vs_mpi4py"] == 1.0
+        assert rows["hpcddp"]["vs_mpi4py"] == rows["hpcddp"]["time_us"] / rows["mpi4py"]["time_us"]
+
+
 def test_train_two_steps_reports_every_variant(tmp_path):
     threads = torch.get_num_threads()
     out = tmp_path / f"train-{hpcddp.rank()}.json"

@@ -80,9 +80,9 @@ def test_small_allreduce_with_checks_off_then_on_still_agrees():
 
 
 def test_out_of_place_average_divides_without_torch_kernels(monkeypatch):
-    # The division of an average runs on one thread (numpy), not on torch's intra-op
-    # threads, which fought the MPI ranks for the cores (4 MiB: 28 ms against 0.3 ms
-    # under load); and the out-of-place result is made by MPI itself, no copy first.
+    # The out-of-place result is made by MPI itself (no copy of the input first), and the
+    # division of an average is its one extra pass, on one thread (numpy), not on torch's
+    # intra-op threads, which fight unbound ranks for the cores (4 MiB: 28 ms against 0.3).
     calls = []
     for name in ("div_", "copy_", "clone", "mul_"):
         real = getattr(torch.Tensor, name)
