@@ -22,13 +22,14 @@ from . import oplog
 from .agreement import CollectiveCall
 from .dtypes import DTYPES, dtype_name, mpi_datatype
 from .engine import Collective
+from .hierarchy import HIERARCHY_MIN_BYTES
 from .reduction import ReduceOp, check_reducible, divide_average_, mpi_op
 
 __all__ = ["SMALL_BYTES", "SmallAllreduces"]
 
-#: tensors up to this size take the planned path; below the two-level allreduce's threshold,
-#: so always MPI's flat Allreduce, as the general path
-SMALL_BYTES = 64 * 1024
+#: tensors below this size take the planned path: the two-level allreduce's threshold, so
+#: always MPI's flat Allreduce, as the general path (which goes two-level from it on)
+SMALL_BYTES = HIERARCHY_MIN_BYTES
 #: signatures kept per communicator (a loop has a handful; a stream of new shapes starts over)
 _MAX_PLANS = 256
 
@@ -91,7 +92,7 @@ class SmallAllreduces:
 
     def _make(self, tensor: torch.Tensor, op: ReduceOp, check: str | None, key: tuple) -> _Plan | None:
         carried = DTYPES.get(tensor.dtype)
-        small = carried is not None and carried.native and 0 < tensor.nbytes <= SMALL_BYTES
+        small = carried is not None and carried.native and 0 < tensor.nbytes < SMALL_BYTES
         plan = None
         if small:
             check_reducible(tensor.dtype, op)
