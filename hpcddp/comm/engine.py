@@ -51,13 +51,15 @@ These rules hold for every collective on the road:
    when the first communicator is made. Every wait on the communicator (the agreement,
    the idle communication thread) moves receives in flight on, so that a rank blocked
    in a collective still takes a message its peer must finish sending first.
-7. **Waiting yields, then sleeps.** A rank waiting for late ranks (in the agreement)
-   tests its request for 5 ms, yielding the core between tests (``sched_yield``), then
-   sleeps between tests (10 us, doubling to 200 us): a non-blocking collective moves on
-   only inside a test, so ranks that arrive within the spin see MPI's own hop latency,
-   while a straggler's long wait leaves the core to training threads. Where a node's
-   ranks outnumber its cores the spin is 50 us: a yield would hand the core to another
-   rank for a whole time slice (``waits.share_cores``).
+7. **Waiting spins, yields, then sleeps.** A rank waiting for late ranks (in the agreement)
+   tests its request for 100 us without yielding, then up to 5 ms yielding the core
+   between tests (``sched_yield``), then sleeps between tests (10 us, doubling to 200 us):
+   a non-blocking collective moves on only inside a test, so ranks that arrive within the
+   spin see MPI's own hop latency, while a straggler's long wait leaves the core to
+   training threads. A yield that comes back over 0.5 ms late (other processes want the
+   core) ends the yielding: sleeps wake on time, yields there cost a time slice each.
+   Where a node's ranks outnumber its cores the yields start at once and last 50 us
+   (``waits.share_cores``).
 8. **Everything is visible.** The runner records every operation in the
    communicator's ``OperationLog``, the point-to-point layer every message, and every
    blocking wait says what it waits for (``hpcddp.comm.oplog.waiting``): the stall
