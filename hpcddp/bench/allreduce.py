@@ -170,9 +170,7 @@ def _runner(
         from ..comm.base import parse_op
 
         sub, reduce_op = group.hpcddp, parse_op(op)
-        return _synchronized(lambda: sub.allreduce_(shared, reduce_op), getattr(sub, "device", None)), (
-            lambda: shared
-        )
+        return _synchronized(lambda: sub.allreduce_(shared, reduce_op), getattr(sub, "device", None)), (lambda: shared)
     if path == "hpcddp":
         tensor = shared if hpcddp.device().type == "cpu" else _buffer(count, hpcddp.device())
         if out_of_place:
