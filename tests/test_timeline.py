@@ -221,3 +221,38 @@ def test_a_link_planted_at_the_ranks_event_directory_is_refused(tmp_path):
     with pytest.raises(OSError, match="trace.json.ranks is a symbolic link, which hpcddp will not follow"):
         timeline.Timeline(tmp_path / "trace.json", 0)
     assert list(target.iterdir()) == []
+
+
+MERGE_UNDER_FD_LIMIT = """
+import resource, sys
+from hpcddp.observe.merge import merge_rank_files
+
+resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40))
+result = merge_rank_files(sys.argv[1], num_ranks=int(sys.argv[2]), remove=True)
+print("merged", len(result.merged), "missing", result.missing)
+"""
+
+
+def test_merge_of_more_rank_files_than_open_files_allowed_holds_every_event(tmp_path):
+    # 100 ranks under a limit of 40 open files: the merge must not hold every rank file open at once.
+    trace = tmp_path / "trace.json"
+    directory = tmp_path / "trace.json.ranks"
+    directory.mkdir()
+    num_ranks, per_rank = 100, 3
+    for rank in range(num_ranks):
+        lines = [
+            json.dumps({"name": "step", "ph": "X", "pid": rank, "tid": 0, "ts": i, "dur": 1}) for i in range(per_rank)
+        ]
+        (directory / f"rank-{rank}.jsonl").write_text("\n".join(lines) + "\n")
+    result = subprocess.run(
+        [sys.executable, "-c", MERGE_UNDER_FD_LIMIT, str(trace), str(num_ranks)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "merged 100 missing []" in result.stdout
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert sorted((e["pid"], e["ts"]) for e in events) == [(r, i) for r in range(num_ranks) for i in range(per_rank)]
+    assert not directory.exists()
