@@ -19,6 +19,8 @@ from ..env.files import open_no_follow, write_atomically
 __all__ = ["MergeResult", "merge_rank_files", "rank_directory", "rank_file", "remove_rank_files"]
 
 _RANK_FILE = re.compile(r"rank-(\d+)\.jsonl")
+# PendingFile's private name for a rank file not yet committed (tempfile.mkstemp's)
+_UNFINISHED_RANK_FILE = re.compile(r"\.rank-\d+\.jsonl\..+\.tmp")
 _READ_CHUNK = 1 << 20
 
 
@@ -84,12 +86,21 @@ def merge_rank_files(trace: str | os.PathLike, num_ranks: int | None = None, rem
 def remove_rank_files(trace: str | os.PathLike) -> int:
     """Remove the per-rank files of ``trace`` an earlier run left (a merge must not take them for this run's).
 
+    Unfinished files (a rank killed before it committed its events) go too.
+
     Returns how many were removed.
     """
-    found = _ranks_found(rank_directory(trace))
+    directory = rank_directory(trace)
+    found = _ranks_found(directory)
     for rank in found:
         rank_file(trace, rank).unlink(missing_ok=True)
-    return len(found)
+    try:
+        unfinished = [name for name in os.listdir(directory) if _UNFINISHED_RANK_FILE.fullmatch(name)]
+    except OSError:
+        unfinished = []
+    for name in unfinished:
+        (directory / name).unlink(missing_ok=True)
+    return len(found) + len(unfinished)
 
 
 def _ranks_found(directory: Path) -> list[int]:
