@@ -73,14 +73,18 @@ def gpu(uuid, bus):
     return GPU(uuid, f"0000:{bus:02x}:00.0")
 
 
-def agree(peers_per_node):
-    """Every rank's placement and the job's agreement, as the MIN-allreduce in bootstrap computes it."""
+def agree(peers_per_node, allow_gpu_sharing=(False,)):
+    """Every rank's placement and the job's agreement, as the MIN-allreduce in bootstrap computes it.
+
+    ``allow_gpu_sharing``: each rank's setting, the last one repeated for the rest.
+    """
     placed = []
     for peers in peers_per_node:
         for me in range(len(peers)):
             placed.append(place_rank(len(placed), me, peers))
     size = len(placed)
-    numbers = [min(column) for column in zip(*(JobDevices.as_numbers(p, size) for p in placed))]
+    allowed = [allow_gpu_sharing[min(r, len(allow_gpu_sharing) - 1)] for r in range(size)]
+    numbers = [min(c) for c in zip(*(JobDevices.as_numbers(p, size, a) for p, a in zip(placed, allowed)))]
     return placed, JobDevices.from_numbers(numbers, size)
 
 
@@ -108,16 +112,17 @@ def test_more_ranks_than_gpus_needs_sharing_and_auto_then_picks_mpi():
     placed, job = agree([node, [NodePeer((gpu("GPU-c", 1),), frozenset())]])
     assert [p.device for p in placed] == [torch.device("cuda", 0)] * 3
     with pytest.raises(RuntimeError) as error:
-        check_gpu_sharing(job, placed[1], allow_gpu_sharing=False)
+        check_gpu_sharing(job, placed[1])
     assert str(error.value) == (
         "rank 0 would share a GPU with another rank of its node (2 ranks, 1 GPU on this node): start at most one "
-        "rank per GPU, or set HPCDDP_GPU_SHARING=1 (init(allow_gpu_sharing=True)) to share GPUs "
+        "rank per GPU, or set HPCDDP_GPU_SHARING=1 (init(allow_gpu_sharing=True)) on every rank to share GPUs "
         "(backend 'auto' then picks mpi)"
     )
     # The rank on the other node has no share, but raises the same error (no rank goes on alone).
     with pytest.raises(RuntimeError, match="rank 0 would share a GPU"):
-        check_gpu_sharing(job, placed[2], allow_gpu_sharing=False)
-    check_gpu_sharing(job, placed[0], allow_gpu_sharing=True)
+        check_gpu_sharing(job, placed[2])
+    _, allowed = agree([node, [NodePeer((gpu("GPU-c", 1),), frozenset())]], allow_gpu_sharing=(True,))
+    check_gpu_sharing(allowed, placed[0])
     backend, reason = choose_backend("auto", job, mpi_launched=True)
     assert backend == "mpi"
     assert reason == (
@@ -132,7 +137,16 @@ def test_mig_slices_of_one_gpu_are_distinct_devices_but_not_for_nccl():
     # Each rank sees one MIG slice (CUDA enumerates one per process); both slices sit at one PCI address.
     node = [NodePeer((gpu("MIG-1", 0x3B),), frozenset()), NodePeer((gpu("MIG-2", 0x3B),), frozenset())]
     placed, job = agree([node])
-    check_gpu_sharing(job, placed[0], allow_gpu_sharing=False)  # not one device shared
+    check_gpu_sharing(job, placed[0])  # not one device shared
+
+
+def test_sharing_allowed_on_some_ranks_only_raises_on_every_rank():
+    # HPCDDP_GPU_SHARING=1 on rank 0 only: one decision for all, naming the rank that forbids it.
+    node = [NodePeer((gpu("GPU-a", 1),), frozenset())] * 2
+    placed, job = agree([node], allow_gpu_sharing=(True, False))
+    for rank in (0, 1):
+        with pytest.raises(RuntimeError, match=r"^rank 0 would share a GPU .* on every rank \(rank 1 has it off\)"):
+            check_gpu_sharing(job, placed[rank])
     assert [p.shares_pci_address for p in placed] == [True, True]
     assert choose_backend("auto", job, mpi_launched=True)[0] == "mpi"
     with pytest.raises(RuntimeError, match="NCCL takes one rank per GPU"):
@@ -301,6 +315,39 @@ def test_ranks_agree_on_one_backend_under_mpirun(tmp_path, devices, expected):
     assert not result.timed_out and result.returncode == 0, result.stdout
     found = sorted(line for line in result.stdout.splitlines() if re.match(r"rank \d: backend", line))
     assert found == [f"{line} torch mpi sum 4.0 then mpi" for line in expected], result.stdout
+
+
+SHARING_ON_RANK_0_ONLY = """
+import os, types, torch
+from mpi4py import MPI
+
+rank = MPI.COMM_WORLD.Get_rank()
+if rank == 0:
+    os.environ["HPCDDP_GPU_SHARING"] = "1"
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: 1
+torch.cuda.get_device_properties = lambda i: types.SimpleNamespace(
+    uuid="GPU-a", pci_domain_id=0, pci_bus_id=1, pci_device_id=0)
+torch.cuda.set_device = lambda device: None
+import hpcddp
+try:
+    hpcddp.init()
+except RuntimeError as err:
+    print(f"rank {rank}: raised {err}", flush=True)
+else:
+    # Only a rank that went on alone gets here: its next collective would wait for rank 1 forever.
+    print(f"rank {rank}: started {hpcddp.backend()}", flush=True)
+    hpcddp.shutdown()
+"""
+
+
+def test_ranks_that_disagree_on_gpu_sharing_all_raise_under_mpirun(tmp_path):
+    result = run_script(2, SHARING_ON_RANK_0_ONLY, tmp_path, timeout=120, env={"HPCDDP_DIST_TIMEOUT": "20"}, cwd=ROOT)
+    found = sorted(line.split(" with ")[0] for line in result.stdout.splitlines() if re.match(r"rank \d: ", line))
+    assert found == ["rank 0: raised rank 0 would share a GPU", "rank 1: raised rank 0 would share a GPU"], (
+        result.stdout
+    )
+    assert not result.timed_out, result.stdout
 
 
 # -- slurm/train.sh's GPU binding -------------------------------------------------------

@@ -221,3 +221,115 @@ def test_a_link_planted_at_the_ranks_event_directory_is_refused(tmp_path):
     with pytest.raises(OSError, match="trace.json.ranks is a symbolic link, which hpcddp will not follow"):
         timeline.Timeline(tmp_path / "trace.json", 0)
     assert list(target.iterdir()) == []
+
+
+MERGE_UNDER_FD_LIMIT = """
+import resource, sys
+from hpcddp.observe.merge import merge_rank_files
+
+resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40))
+result = merge_rank_files(sys.argv[1], num_ranks=int(sys.argv[2]), remove=True)
+print("merged", len(result.merged), "missing", result.missing)
+"""
+
+
+def test_merge_of_more_rank_files_than_open_files_allowed_holds_every_event(tmp_path):
+    # 100 ranks under a limit of 40 open files: the merge must not hold every rank file open at once.
+    trace = tmp_path / "trace.json"
+    directory = tmp_path / "trace.json.ranks"
+    directory.mkdir()
+    num_ranks, per_rank = 100, 3
+    for rank in range(num_ranks):
+        lines = [
+            json.dumps({"name": "step", "ph": "X", "pid": rank, "tid": 0, "ts": i, "dur": 1}) for i in range(per_rank)
+        ]
+        (directory / f"rank-{rank}.jsonl").write_text("\n".join(lines) + "\n")
+    result = subprocess.run(
+        [sys.executable, "-c", MERGE_UNDER_FD_LIMIT, str(trace), str(num_ranks)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "merged 100 missing []" in result.stdout
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert sorted((e["pid"], e["ts"]) for e in events) == [(r, i) for r in range(num_ranks) for i in range(per_rank)]
+    assert not directory.exists()
+
+
+FAILING_RANK = """
+import sys
+import torch
+import hpcddp
+
+hpcddp.init(timeline=sys.argv[1])
+model = torch.nn.Linear(4, 4)
+for _ in range(3):
+    model(torch.randn(2, 4)).sum().backward()
+if hpcddp.rank() == 1:
+    raise RuntimeError("boom on rank 1")
+hpcddp.shutdown()
+"""
+
+
+def test_a_rank_that_fails_with_an_exception_commits_its_events_as_the_job_aborts(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(FAILING_RANK)
+    trace = tmp_path / "trace.json"
+    result = run_mpi(2, [sys.executable, str(script), str(trace)], timeout=180, cwd=ROOT)
+    assert result.returncode != 0 and "boom on rank 1" in result.stdout, result.stdout[-3000:]
+    # Rank 0 may be ended by the launcher before it commits its own file; rank 1's is there, whole.
+    lines = (tmp_path / "trace.json.ranks" / "rank-1.jsonl").read_text().splitlines()
+    events = [json.loads(line) for line in lines]
+    assert [e["name"] for e in events if e["ph"] == "X"].count("forward") == 3
+    assert {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "rank 1"}} in events
+    assert "hpcddp timeline merge" in result.stdout
+
+
+def test_a_new_run_removes_the_unfinished_files_of_a_killed_run(tmp_path):
+    from hpcddp.observe import timeline
+
+    trace = tmp_path / "trace.json"
+    killed = timeline.Timeline(trace, 1)  # a rank killed before it committed: its file stays unfinished
+    killed.span("forward", 0.0, 0.001)
+    killed._flush()
+    (unfinished,) = (tmp_path / "trace.json.ranks").iterdir()
+    assert unfinished.name.startswith(".rank-1.jsonl.")
+    (tmp_path / "trace.json.ranks" / "notes.txt").write_text("not hpcddp's")
+
+    result = subprocess.run(
+        [sys.executable, "-c", f"import hpcddp; hpcddp.init(timeline={str(trace)!r}); hpcddp.shutdown()"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in (tmp_path / "trace.json.ranks").iterdir()) == ["notes.txt"]
+    assert {e["pid"] for e in json.loads(trace.read_text())["traceEvents"]} == {0}
+
+
+class _PeerDied:
+    """A communicator of rank 0 whose gather fails as a backend's does when a peer died."""
+
+    rank, size = 0, 3
+
+    def gather_object(self, obj, root):
+        raise RuntimeError("connection closed by peer")
+
+
+def test_rank_0_merges_the_files_that_exist_when_another_rank_died(tmp_path, caplog):
+    from hpcddp.observe import timeline
+
+    trace = tmp_path / "trace.json"
+    survivor = timeline.Timeline(trace, 2)
+    survivor.span("forward", 0.0, 0.002)
+    assert survivor.close() is None
+    recorder = timeline.Timeline(trace, 0)
+    recorder.span("forward", 0.0, 0.001)
+    with pytest.raises(RuntimeError, match="connection closed by peer"):
+        recorder.write(_PeerDied())
+    spans, _ = load(trace)
+    assert {pid: track[0]["dur"] for (pid, _), track in spans.items()} == {0: 1000.0, 2: 2000.0}
+    assert "lacks the events of rank(s) 1:" in caplog.text

@@ -12,6 +12,8 @@ import sys
 import threading
 import traceback
 
+from ..runtime.state import run_abort_callbacks
+
 __all__ = [
     "abort_job",
     "exit_code",
@@ -95,6 +97,11 @@ def abort_job(message: str, *, use_mpi: bool, code: int = 1) -> None:
     code = code if isinstance(code, int) and 0 < code < 256 else 1
     try:
         _write_stderr(message)
+        # What this rank must save before it ends (its timeline events); bounded by the
+        # alarm below, set first so that a callback that blocks cannot keep the job alive.
+        signal.alarm(ABORT_GRACE_S)
+        for failure in run_abort_callbacks():
+            _write_stderr(f"[hpcddp] while aborting: {failure}")
     finally:
         if use_mpi:
             from ..env.mpi_import import import_mpi

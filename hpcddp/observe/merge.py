@@ -19,6 +19,8 @@ from ..env.files import open_no_follow, write_atomically
 __all__ = ["MergeResult", "merge_rank_files", "rank_directory", "rank_file", "remove_rank_files"]
 
 _RANK_FILE = re.compile(r"rank-(\d+)\.jsonl")
+# PendingFile's private name for a rank file not yet committed (tempfile.mkstemp's)
+_UNFINISHED_RANK_FILE = re.compile(r"\.rank-\d+\.jsonl\..+\.tmp")
 _READ_CHUNK = 1 << 20
 
 
@@ -67,23 +69,10 @@ def merge_rank_files(trace: str | os.PathLike, num_ranks: int | None = None, rem
     found = _ranks_found(directory)
     expected = range(num_ranks) if num_ranks is not None else range(max(found) + 1 if found else 0)
     result = MergeResult(trace)
-    readable = []
-    for rank in expected:
-        try:
-            fd = open_no_follow(rank_file(trace, rank), os.O_RDONLY)
-        except OSError as err:
-            result.missing.append(rank)
-            result.problems[rank] = "no file" if isinstance(err, FileNotFoundError) else str(err)
-            continue
-        readable.append((rank, fd))
-    if not readable:
-        raise FileNotFoundError(f"no per-rank timeline file of {trace} in {directory}: nothing to merge")
     try:
-        write_atomically(trace, lambda out: _write_trace(out, readable), "timeline")
-    finally:
-        for _, fd in readable:
-            os.close(fd)
-    result.merged = [rank for rank, _ in readable]
+        write_atomically(trace, lambda out: _write_trace(out, trace, expected, result), "timeline")
+    except _NothingToMerge:
+        raise FileNotFoundError(f"no per-rank timeline file of {trace} in {directory}: nothing to merge") from None
     if remove and not result.missing:
         for rank in result.merged:
             rank_file(trace, rank).unlink(missing_ok=True)
@@ -97,12 +86,21 @@ def merge_rank_files(trace: str | os.PathLike, num_ranks: int | None = None, rem
 def remove_rank_files(trace: str | os.PathLike) -> int:
     """Remove the per-rank files of ``trace`` an earlier run left (a merge must not take them for this run's).
 
+    Unfinished files (a rank killed before it committed its events) go too.
+
     Returns how many were removed.
     """
-    found = _ranks_found(rank_directory(trace))
+    directory = rank_directory(trace)
+    found = _ranks_found(directory)
     for rank in found:
         rank_file(trace, rank).unlink(missing_ok=True)
-    return len(found)
+    try:
+        unfinished = [name for name in os.listdir(directory) if _UNFINISHED_RANK_FILE.fullmatch(name)]
+    except OSError:
+        unfinished = []
+    for name in unfinished:
+        (directory / name).unlink(missing_ok=True)
+    return len(found) + len(unfinished)
 
 
 def _ranks_found(directory: Path) -> list[int]:
@@ -113,23 +111,40 @@ def _ranks_found(directory: Path) -> list[int]:
     return sorted(int(m.group(1)) for name in names if (m := _RANK_FILE.fullmatch(name)))
 
 
-def _write_trace(out, readable: Sequence[tuple[int, int]]) -> None:
+class _NothingToMerge(Exception):
+    """No rank file could be opened: the trace is not written."""
+
+
+def _write_trace(out, trace: Path, expected: Sequence[int], result: MergeResult) -> None:
     # Each line of a rank file is one event as JSON: the trace is those lines, comma-separated,
-    # inside one array; copied in chunks, never parsed whole.
+    # inside one array; copied in chunks, never parsed whole. A Chrome trace need not be sorted,
+    # so the files are copied one after the other: one open at a time, whatever the ranks
+    # (thousands of files held open at once would pass the usual limit of 1,024).
     out.write(b'{"displayTimeUnit": "ms", "traceEvents": [\n')
     first = True
-    for _, fd in readable:
-        os.lseek(fd, 0, os.SEEK_SET)
-        pending = b""
-        while True:
-            chunk = os.read(fd, _READ_CHUNK)
-            if not chunk:
-                break
-            lines = (pending + chunk).split(b"\n")
-            pending = lines.pop()
-            lines = [line for line in lines if line.strip()]
-            if lines:
-                out.write((b"" if first else b",\n") + b",\n".join(lines))
-                first = False
-        # A last line without its newline was cut short (a damaged copy): dropped.
+    for rank in expected:
+        try:
+            fd = open_no_follow(rank_file(trace, rank), os.O_RDONLY)
+        except OSError as err:
+            result.missing.append(rank)
+            result.problems[rank] = "no file" if isinstance(err, FileNotFoundError) else str(err)
+            continue
+        try:
+            pending = b""
+            while True:
+                chunk = os.read(fd, _READ_CHUNK)
+                if not chunk:
+                    break
+                lines = (pending + chunk).split(b"\n")
+                pending = lines.pop()
+                lines = [line for line in lines if line.strip()]
+                if lines:
+                    out.write((b"" if first else b",\n") + b",\n".join(lines))
+                    first = False
+            # A last line without its newline was cut short (a damaged copy): dropped.
+        finally:
+            os.close(fd)
+        result.merged.append(rank)
+    if not result.merged:
+        raise _NothingToMerge
     out.write(b"\n]}\n")

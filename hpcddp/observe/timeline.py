@@ -19,7 +19,9 @@ reading one line at a time, and removes them. No rank's memory grows with the st
 rank 0's with the ranks. A rank whose node does not see rank 0's file system writes its
 file on its own node: rank 0 merges what it can read, says which ranks are missing and
 keeps the files; copy the missing ones into ``trace.json.ranks/`` and run
-``hpcddp timeline merge trace.json``.
+``hpcddp timeline merge trace.json``. A rank that ends the job with an uncaught exception
+commits its file as it aborts (``runtime.state.at_abort``); a run's start removes the files,
+committed or unfinished, that an earlier run to the same path left.
 """
 
 from __future__ import annotations
@@ -278,14 +280,27 @@ class Timeline:
                 MAX_EVENTS,
             )
         problem = self.close()
-        # One small reply per rank: rank 0 must know every file is complete before it reads them.
-        problems = comm.gather_object(problem, 0) if comm.size > 1 else [problem]
+        lost: Exception | None = None
+        try:
+            # One small reply per rank: rank 0 must know every file is complete before it reads them.
+            problems = comm.gather_object(problem, 0) if comm.size > 1 else [problem]
+        except Exception as err:  # noqa: BLE001 - re-raised below, once rank 0 merged what it has
+            # A rank died (its peers' backend says so): rank 0 still merges the files that exist.
+            if comm.rank != 0:
+                raise
+            lost, problems = err, [None] * comm.size
         if comm.rank != 0:
             return None
         try:
             result = merge_rank_files(self.path, comm.size, remove=True)
         except (OSError, ValueError) as err:
             log.warning("hpcddp timeline: %s could not be written: %s", self.path, err)
+            result = None
+        if lost is not None:
+            if result is not None and result.missing:
+                log.warning("hpcddp timeline: %s", _describe_missing(self.path, result.missing, {}, comm.size))
+            raise lost
+        if result is None:
             return None
         failed = {rank: why for rank, why in enumerate(problems) if why is not None}
         if result.missing:
@@ -341,7 +356,17 @@ def start(path: str | os.PathLike) -> Timeline:
     if _recorder is not None:
         raise RuntimeError(f"a timeline is already being recorded to {_recorder.path}: stop() it first")
     comm = state.communicator()
-    problem = probe_writable(Path(path).parent) if comm.rank == 0 else None
+    problem = None
+    if comm.rank == 0:
+        problem = probe_writable(Path(path).parent)
+        if problem is None:
+            # Files of an earlier run to the same path, committed or left unfinished by a rank
+            # that died: a rank that cannot reach this file system now must show as missing,
+            # not with the old run's events. Removed before any rank of this run creates its
+            # file (they wait for the broadcast below).
+            stale = remove_rank_files(path)
+            if stale:
+                log.info("hpcddp timeline: removed %d files of an earlier run in %s", stale, rank_directory(path))
     if comm.size > 1:
         problem = comm.broadcast_object(problem, 0)
     if problem is not None:
@@ -364,20 +389,33 @@ def start(path: str | os.PathLike) -> Timeline:
             f"timeline= (HPCDDP_TIMELINE) {str(path)!r}: a rank cannot write its events beside it ({problem}); "
             "choose a path every node can write"
         )
-    if comm.rank == 0:
-        # Files of an earlier run to the same path: a rank that cannot reach this file system
-        # now must show as missing, not with the old run's events. (This run's are still
-        # under temporary names.)
-        stale = remove_rank_files(path)
-        if stale:
-            log.info("hpcddp timeline: removed %d per-rank files of an earlier run in %s", stale, rank_directory(path))
     comm.barrier()
     recorder.align()
     recorder.install_module_hooks()
     _recorder = recorder
     # Written at shutdown, or at exit for scripts that never call it.
     state.at_shutdown(stop)
+    # A rank that ends the job with an uncaught exception never reaches shutdown: its events
+    # up to the failure are what the trace is wanted for.
+    state.at_abort(_commit_on_abort)
     return recorder
+
+
+def _commit_on_abort() -> None:
+    """Commit this rank's event file as the job aborts, for a later ``hpcddp timeline merge``."""
+    recorder = _recorder
+    if recorder is None:
+        return
+    recorder.remove_module_hooks()
+    problem = recorder.close()
+    if problem is None:
+        log.warning(
+            "hpcddp timeline: rank %d ends the job; its events are in %s: once the other ranks' files are there, "
+            "run `hpcddp timeline merge %s`",
+            recorder.rank,
+            rank_file(recorder.path, recorder.rank),
+            recorder.path,
+        )
 
 
 def stop() -> Path | None:

@@ -57,8 +57,8 @@ def start(config: InitConfig) -> Runtime:
         me = layout.local_rank
         node_peers = assumed_node_peers(describe_self(), layout, gpus_bound_per_task(environment.environ))
     placed = place_rank(layout.rank, me, node_peers)
-    job = _agree(mpi_comm, placed, layout.world_size)
-    check_gpu_sharing(job, placed, config.allow_gpu_sharing)
+    job = _agree(mpi_comm, placed, layout.world_size, config.allow_gpu_sharing)
+    check_gpu_sharing(job, placed)
     chosen, reason = choose_backend(config.backend, job, mpi_launched=mpi_comm is not None)
     _check_mpi_launcher(chosen, environment, layout)
     if reason is not None and layout.rank == 0:
@@ -88,12 +88,14 @@ def _gather_node_peers(mpi_comm) -> tuple[int, list[NodePeer]]:
         node.Free()
 
 
-def _agree(mpi_comm, placed: RankDevice, world_size: int) -> JobDevices:
-    """One allreduce of four numbers: every rank then knows who lacks a GPU or shares one, and decides alike.
+def _agree(mpi_comm, placed: RankDevice, world_size: int, allow_gpu_sharing: bool) -> JobDevices:
+    """One allreduce of five numbers: every rank then knows who lacks a GPU, shares one or forbids sharing.
+
+    Every rank then decides alike.
 
     Without MPI the ranks cannot be asked before the backend exists: the decision is this rank's own.
     """
-    numbers = array.array("q", JobDevices.as_numbers(placed, world_size))
+    numbers = array.array("q", JobDevices.as_numbers(placed, world_size, allow_gpu_sharing))
     if mpi_comm is not None:
         from ..env.mpi_import import import_mpi
 

@@ -177,8 +177,9 @@ def place_rank(rank: int, me: int, node_peers: Sequence[NodePeer]) -> RankDevice
 class JobDevices:
     """What the ranks agreed about their GPUs: the first rank (lowest) of each kind, ``world_size`` for none.
 
-    Built from every rank's ``RankDevice`` with one allreduce (MIN) of four numbers
-    (``as_numbers``/``from_numbers``), so that every rank decides the same backend.
+    Built from every rank's ``RankDevice`` and sharing setting with one allreduce (MIN) of
+    five numbers (``as_numbers``/``from_numbers``), so that every rank decides the same
+    backend, and raises the same error or none.
     """
 
     world_size: int
@@ -186,20 +187,29 @@ class JobDevices:
     first_without_gpu: int
     first_sharing_gpu: int
     first_sharing_pci_address: int
+    first_forbidding_sharing: int
+    """The first rank whose ``allow_gpu_sharing`` is off: the setting may differ between ranks."""
 
     @staticmethod
-    def as_numbers(placed: RankDevice, world_size: int) -> list[int]:
-        """Return this rank's four numbers, to be reduced with MIN over the job."""
+    def as_numbers(placed: RankDevice, world_size: int, allow_gpu_sharing: bool) -> list[int]:
+        """Return this rank's five numbers, to be reduced with MIN over the job.
+
+        Args:
+            placed: this rank's GPU.
+            world_size: the number of ranks (the "none" value).
+            allow_gpu_sharing: this rank's ``init(allow_gpu_sharing=)`` / HPCDDP_GPU_SHARING.
+        """
         return [
             placed.rank if placed.index is not None else world_size,
             placed.rank if placed.index is None else world_size,
             placed.rank if placed.shares_gpu else world_size,
             placed.rank if placed.shares_pci_address else world_size,
+            world_size if allow_gpu_sharing else placed.rank,
         ]
 
     @classmethod
     def from_numbers(cls, numbers: Sequence[int], world_size: int) -> JobDevices:
-        """Return the agreement from the four numbers MIN-reduced over every rank."""
+        """Return the agreement from the five numbers MIN-reduced over every rank."""
         return cls(world_size, *(int(n) for n in numbers))
 
     def _found(self, rank: int) -> bool:
@@ -231,22 +241,23 @@ class JobDevices:
         return ""
 
 
-def check_gpu_sharing(job: JobDevices, placed: RankDevice, allow_gpu_sharing: bool) -> None:
-    """Raise on every rank when ranks would share a GPU and sharing is off.
+def check_gpu_sharing(job: JobDevices, placed: RankDevice) -> None:
+    """Raise on every rank when ranks would share a GPU and sharing is off on any rank.
 
     Args:
-        job: what the ranks agreed.
+        job: what the ranks agreed (their sharing settings included), the same on every rank.
         placed: this rank's GPU (named in the message when its node is the one).
-        allow_gpu_sharing: ``init(allow_gpu_sharing=)`` / HPCDDP_GPU_SHARING.
     """
-    if allow_gpu_sharing or job.first_sharing_gpu >= job.world_size:
+    if job.first_forbidding_sharing >= job.world_size or job.first_sharing_gpu >= job.world_size:
         return
     gpus = f"{placed.node_gpus} GPU" + ("s" if placed.node_gpus != 1 else "")
     where = f" ({placed.node_ranks} ranks, {gpus} on this node)" if placed.shares_gpu else ""
+    # Sharing is allowed only when every rank allows it: a rank that raised alone would leave the others hanging.
+    unset = "" if job.first_forbidding_sharing == 0 else f" (rank {job.first_forbidding_sharing} has it off)"
     raise RuntimeError(
         f"rank {job.first_sharing_gpu} would share a GPU with another rank of its node{where}: start at most one "
-        "rank per GPU, or set HPCDDP_GPU_SHARING=1 (init(allow_gpu_sharing=True)) to share GPUs "
-        "(backend 'auto' then picks mpi)"
+        f"rank per GPU, or set HPCDDP_GPU_SHARING=1 (init(allow_gpu_sharing=True)) on every rank{unset} to share "
+        "GPUs (backend 'auto' then picks mpi)"
     )
 
 

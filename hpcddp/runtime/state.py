@@ -2,7 +2,8 @@
 
 ``hpcddp.init()`` (``lifecycle``) fills it once; everything else reads it through the
 functions here. Features that must end collectively (a timeline, torch.distributed
-groups) register with ``at_shutdown``; this module imports none of them.
+groups) register with ``at_shutdown``, and what a rank must save when it ends the job
+alone (a timeline's events) with ``at_abort``; this module imports none of them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .config import InitConfig
 
 __all__ = [
     "Runtime",
+    "at_abort",
     "at_shutdown",
     "backend",
     "communicator",
@@ -33,6 +35,7 @@ __all__ = [
     "node_rank",
     "num_nodes",
     "rank",
+    "run_abort_callbacks",
     "shutdown",
     "shutdown_at_exit",
     "size",
@@ -55,6 +58,8 @@ _runtime: Runtime | None = None
 #: what shutdown() runs first, newest first: collective endings such as writing a timeline
 _shutdown_callbacks: list[Callable[[], object]] = []
 _shutdown_registered = False
+#: what a rank that ends the job (``fault.abort.abort_job``) runs first, oldest first
+_abort_callbacks: list[Callable[[], object]] = []
 
 
 def install(runtime: Runtime) -> None:
@@ -94,6 +99,29 @@ def at_shutdown(callback: Callable[[], object], *, at_exit: bool = True) -> None
         _shutdown_callbacks.append(callback)
     if at_exit:
         shutdown_at_exit()
+
+
+def at_abort(callback: Callable[[], object]) -> None:
+    """Run ``callback`` when this rank ends the job through an abort (an uncaught exception); once.
+
+    Args:
+        callback: called with no arguments on the aborting rank only: it must not use
+            collectives, and should be quick (the abort waits for it).
+    """
+    if callback not in _abort_callbacks:
+        _abort_callbacks.append(callback)
+
+
+def run_abort_callbacks() -> list[str]:
+    """Run what was registered with ``at_abort``; return one line for each that failed."""
+    failures = []
+    while _abort_callbacks:
+        callback = _abort_callbacks.pop(0)
+        try:
+            callback()
+        except Exception as err:  # noqa: BLE001 - the abort goes on whatever a callback does
+            failures.append(f"{getattr(callback, '__qualname__', callback)}: {type(err).__name__}: {err}")
+    return failures
 
 
 def _require() -> Runtime:
