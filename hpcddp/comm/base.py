@@ -95,6 +95,10 @@ class Handle:
         """Return True if the operation has completed (``wait`` would not block)."""
         return self._done.is_set()
 
+    def exception(self) -> BaseException | None:
+        """Return the error the operation completed with; None while it runs or when it succeeded."""
+        return self._error if self._done.is_set() else None
+
     def _block(self, timeout: float | None) -> bool:
         """Wait for completion; return False on timeout. Backends with their own
         completion objects override this."""

@@ -21,6 +21,13 @@ with one agreement per step:
   another collective instead, or the ranks reached two optimizers in another order),
   every rank raises its error for every bucket of the step without an MPI call, so
   the channel stays in step.
+- **A rank that leaves a step part-way stops here.** An exception on one rank after
+  some of its buckets (or compression stages) started, caught by the script, would
+  make its next collective pair with another bucket on the others: the reducer then
+  fails the channel (``fail``), and every later launch raises on that rank; the other
+  ranks wait in the step's remaining buckets, which the stall inspector reports.
+  (Each collective agreeing would turn this into an error on every rank; a job with a
+  group timeout does agree per bucket here, and times out on every rank.)
 
 With checks off and no timeout there is no agreement, as on any communicator.
 """
@@ -60,10 +67,34 @@ class GradientChannel:
         Args:
             bucket: bucket 0's tensor as sent (shape and dtype are compared).
         """
+        engine = self.comm.engine
+        engine.check_open("allreduce")  # out of step since an earlier step stopped part-way here (``fail``)
+        # A group's timeout (engine rule 9) is measured in agreements: with one set, each bucket agrees
+        # on the channel too, so a rank that stops part-way through a step times out everywhere.
+        engine.agreement.timeout = self.parent.engine.agreement.timeout
         call = self.parent.call_for(None, "allreduce", bucket, reduce_op=ReduceOp.SUM)
         gate = None if call is None else self.parent.start(Collective("allreduce", _nothing, bucket, call))
-        self.comm.engine.gate = gate
+        engine.gate = gate
         return gate
+
+    def refused_step(self) -> bool:
+        """Return True when the current step's agreement failed: every rank raised its error, none sent a bucket."""
+        gate = self.comm.engine.gate
+        return gate is not None and gate.exception() is not None
+
+    def fail(self, reason: str) -> None:
+        """Refuse every later collective here: this rank left a step part-way, so the ranks are out of step.
+
+        The other ranks wait in that step's buckets (the stall inspector names them);
+        this rank raises ``reason`` at its next launch instead of pairing a bucket of
+        one step with another's.
+
+        Args:
+            reason: what happened, for the error.
+        """
+        agreement = self.comm.engine.agreement
+        if agreement.failure is None:
+            agreement.failure = RuntimeError(reason)
 
     def close(self) -> None:
         """Stop the channel's communication thread and free its communicator."""

@@ -7,6 +7,7 @@ turns that into an error naming the first differing parameter.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import weakref
 from collections.abc import Sequence
@@ -109,7 +110,7 @@ def check_same_layout(comm: Communicator, buckets: Sequence, compressor, what: s
         )
         for bucket in buckets
     ]
-    described = (tuple(layout), repr(compressor))
+    described = (tuple(layout), _settings(compressor))
     digest = hashlib.blake2b(repr(described).encode(), digest_size=16).digest()
     if len(set(comm.allgather_object(digest))) == 1:
         return
@@ -126,6 +127,22 @@ def check_same_layout(comm: Communicator, buckets: Sequence, compressor, what: s
         f"{what}: the ranks built different gradient buckets from the same parameters: {'; '.join(parts)}; "
         "pass the same bucket_cap_mb, first_bucket_mb and compression on every rank"
     )
+
+
+def _settings(compressor) -> str:
+    """Compression settings as the ranks compare them: a dataclass's fields (numbers as floats), else the class."""
+    if compressor is None:
+        return "none"
+    name = type(compressor).__qualname__
+    if not dataclasses.is_dataclass(compressor):
+        return name  # its repr may hold an address, different on every rank
+    fields = []
+    for field in dataclasses.fields(compressor):
+        value = getattr(compressor, field.name)
+        fields.append(
+            f"{field.name}={float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value!r}"
+        )
+    return f"{name}({', '.join(fields)})"
 
 
 #: DistributedOptimizers made so far on each communicator

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ..comm.base import Communicator, Handle, ReduceOp
+from ..comm.base import Communicator, Handle, ReduceOp, ranks_text
 from ..comm.oplog import collective_tag
 from ..observe import timeline
 from .autograd_hooks import at_end_of_backward
@@ -49,6 +49,11 @@ from .timing import ReductionTimes
 from .trainable import average_loose_grads, require_trainable, watch_frozen
 
 __all__ = ["ReductionTimes", "Reducer"]
+
+
+class StepStoppedError(RuntimeError):
+    """Some rank stopped part-way through a step; every rank raises this at the end of that step."""
+
 
 log = logging.getLogger("hpcddp")
 
@@ -206,10 +211,7 @@ class Reducer:
         """
         self.set_to_none = set_to_none
         if self._handles:
-            # A reduction nobody waited for: finish it so the buffers are not
-            # written while the communication thread reads them.
-            for handle in self._handles:
-                handle.wait()
+            self._finish_abandoned()
             self._reset_reduction()
         for slot in self._slots.values():
             slot.used = False
@@ -219,7 +221,12 @@ class Reducer:
         self._passes_since_reduce = 0
 
     def close(self) -> None:
-        """Remove the hooks: the parameters' gradients stay local from now on."""
+        """Remove the hooks and free the buckets' communicator: the parameters' gradients stay local from now on."""
+        self._remove_hooks()
+        if self._channel is not None:
+            self._channel.close()
+
+    def _remove_hooks(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
@@ -235,11 +242,12 @@ class Reducer:
 
     def _build(self, trainable: list[tuple[str, torch.nn.Parameter]]) -> None:
         """Make buckets for ``trainable`` and hook every parameter, watching the frozen ones."""
-        self.close()
         cap, first, wire_dtype = self._bucket_args
-        self._buckets = build_buckets([p for _, p in trainable], cap, first, wire_dtype, self._control.size)
+        buckets = build_buckets([p for _, p in trainable], cap, first, wire_dtype, self._control.size)
         if self._channel is not None:  # buckets are not compared one by one: their layout is, once
-            check_same_layout(self.comm, self._buckets, self._compressor, "DistributedOptimizer")
+            check_same_layout(self.comm, buckets, self._compressor, "DistributedOptimizer")
+        self._remove_hooks()  # after the check: a rebuild refused on every rank keeps the old buckets
+        self._buckets = buckets
         self._sender.rebuild(self._buckets)
         names = {id(p): name for name, p in trainable}
         self._slots = {}
@@ -342,7 +350,9 @@ class Reducer:
         fill_bucket(bucket, self._bucket_slots[index], self._predivide if self._op is ReduceOp.AVERAGE else None)
         self._local_sums[index] = probe_nonfinite(bucket.grads)
         if bucket.control is not None:
-            self._control.write(bucket.control, self.has_data, self._saw_new_trainable, self._local_sums)
+            self._control.write(
+                bucket.control, self.has_data, self._saw_new_trainable, self._local_sums, stopped=self._stopped
+            )
         with collective_tag(f"bucket {index} of step {self.steps_taken}{self._owner}", self.steps_taken):
             if index == 0 and self._channel is not None:
                 self._channel.open_step(bucket.buffer if bucket.wire is None else bucket.wire)
@@ -357,13 +367,19 @@ class Reducer:
             started: when the wait began (the ``synchronize`` span of the timeline).
         """
         recorder = timeline.current() if self._record_timeline else None
-        self._sender.advance(self._handles)
-        for bucket, handle in zip(self._buckets, self._handles):
-            handle.wait()
-            copy_out_start = time.perf_counter()
-            self._sender.copy_out(bucket)
-            self.times.done(bucket, handle, copy_out_start, recorder, self.num_reductions)
-        changed, self.active_ranks, self.nonfinite_ranks = self._control.read(self._buckets[-1].control)
+        try:
+            self._sender.advance(self._handles)
+            for bucket, handle in zip(self._buckets, self._handles):
+                handle.wait()
+                copy_out_start = time.perf_counter()
+                self._sender.copy_out(bucket)
+                self.times.done(bucket, handle, copy_out_start, recorder, self.num_reductions)
+        except BaseException as err:
+            self._stopped_part_way(err)
+            raise
+        changed, self.active_ranks, self.nonfinite_ranks, stopped = self._control.read(self._buckets[-1].control)
+        if stopped:
+            self._refuse_stopped_step(stopped)
         if self.nonfinite_ranks:
             self._sender.reset()
         elif not self.zero_unused:
@@ -377,6 +393,50 @@ class Reducer:
             self._adopt_new_trainable()
         if recorder is not None:
             recorder.span("synchronize", started, time.perf_counter())
+
+    def _finish_abandoned(self) -> None:
+        """Wait for a reduction nobody finished (an exception part-way), so no bucket is written while it is sent."""
+        channel = self._channel
+        if channel is not None and (channel.refused_step() or channel.comm.engine.failed):
+            return  # its collectives raise the step's error on every rank (or this rank is out of step)
+        if channel is not None and self._next_launch < len(self._buckets):
+            if self._sender.compressor is not None:
+                self._stopped_part_way(None)  # the other ranks wait in collectives this rank never started
+                return
+            # The other ranks wait in buckets this rank never launched: send them, saying in the
+            # control numbers that this rank stopped, and every rank refuses the step alike.
+            self._stopped, self._pass_open = True, False
+            self._launch_all()
+            try:
+                self._finish(time.perf_counter())
+            except StepStoppedError:
+                pass  # this rank raised its own error when it stopped
+            return
+        for handle in self._handles:
+            handle.wait()
+
+    def _refuse_stopped_step(self, stopped: list[int]) -> None:
+        """Some rank's backward stopped part-way: drop this step's sums on every rank and raise."""
+        for bucket in self._buckets:
+            reset_bucket_grads(bucket, True)
+        self._reset_reduction()
+        raise StepStoppedError(
+            f"gradient reduction of step {self.steps_taken}{self._owner}: {ranks_text(stopped)} stopped part-way "
+            "through its backward pass (an exception it caught) and sent the rest of the step only to keep the ranks "
+            "in step: this step's gradients were dropped on every rank (None); zero_grad() and run the batch again"
+        )
+
+    def _stopped_part_way(self, err: BaseException | None) -> None:
+        """This rank's reduction failed or was left part-way: unless every rank refused the step, it is out of step."""
+        channel = self._channel
+        if channel is None or channel.refused_step():
+            return
+        what = "was left part-way" if err is None else f"failed on this rank ({type(err).__name__}: {err})"
+        channel.fail(
+            f"the gradient reduction of step {self.steps_taken}{self._owner} {what} after its buckets began, so "
+            f"this rank's gradient collectives are out of step with the other ranks' (which wait in that step; "
+            "the stall inspector names them): an error during backward must end the job or happen on every rank"
+        )
 
     def _postscale(self) -> None:
         if self._op is not ReduceOp.AVERAGE:
@@ -398,6 +458,7 @@ class Reducer:
         if self._pending:
             self._pending[-1] += 1
         self._next_launch = 0
+        self._stopped = False
         self._local_sums = [torch.zeros(())] * len(self._buckets)
         self._saw_new_trainable = False
 

@@ -154,3 +154,55 @@ def test_a_collective_of_the_script_between_buckets_on_one_rank_and_after_them_o
             torch.testing.assert_close(param.grad, expected, rtol=1e-12, atol=1e-12)
     finally:
         optimizer.close()
+
+
+def test_a_rank_whose_backward_stops_part_way_makes_every_rank_refuse_the_step_then_retries_exactly():
+    # The last rank raises in a hook after its first buckets were launched and retries the batch
+    # (as a script that skips a batch after an error does). The others wait in that step's
+    # remaining buckets: the last rank sends them at zero_grad(), saying it stopped, and every
+    # rank refuses the step alike; the retried step then averages exactly.
+    if hpcddp.size() == 1:
+        pytest.skip("needs two ranks")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(16, 16, dtype=torch.float64) for _ in range(4)])
+    optimizer = hpcddp.DistributedOptimizer(
+        torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters(), bucket_cap_mb=0.001, first_bucket_mb=0.001
+    )
+    x = torch.randn(8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(hpcddp.rank()))
+    try:
+        net(x).square().sum().backward()  # the first pass launches nothing early
+        optimizer.zero_grad()
+        hidden = net[:1](x)
+        if last():
+
+            def stop(grad):
+                raise RuntimeError("stopped on purpose")
+
+            hidden.register_hook(stop)  # after the last layers' buckets were launched
+            with pytest.raises(RuntimeError, match="stopped on purpose"):
+                net[1:](hidden).square().sum().backward()
+        else:
+            with pytest.raises(RuntimeError, match=rf"rank {hpcddp.size() - 1} stopped part-way through its backward"):
+                net[1:](hidden).square().sum().backward()
+            assert all(p.grad is None for p in net.parameters())  # nothing half-averaged to step on
+        optimizer.zero_grad()
+        local = torch.autograd.grad(net(x).square().sum(), list(net.parameters()))
+        net(x).square().sum().backward()
+        for param, mine in zip(net.parameters(), local):
+            torch.testing.assert_close(
+                param.grad, hpcddp.allreduce(mine, op="sum") / hpcddp.size(), rtol=1e-12, atol=1e-12
+            )
+    finally:
+        optimizer.close()
+
+
+def test_compression_settings_compare_by_value_not_by_repr():
+    # 2 on one rank and 2.0 on another behave alike: the layout check must not refuse them.
+    net = model(hidden=32)
+    rate = 2 if last() else 2.0
+    optimizer = hpcddp.DistributedOptimizer(
+        torch.optim.SGD(net.parameters(), lr=0.1),
+        net.named_parameters(),
+        compression=hpcddp.PowerSGD(min_compression_rate=rate),
+    )
+    optimizer.close()
