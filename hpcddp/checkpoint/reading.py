@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import itertools
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,10 @@ import torch
 
 from ..comm.shared_bytes import PrivateBytes
 from ..ddp.step_counters import keep_step_counters_on_cpu_
+from ..env.files import open_no_follow
 from .checksum import UNVERIFIED, checksum_problem
 
-__all__ = ["load_newest", "load_one"]
+__all__ = ["load_newest"]
 
 log = logging.getLogger("hpcddp")
 
@@ -63,10 +65,13 @@ class _MemoryReader(io.RawIOBase):
         return count
 
 
-def _read_into(path: Path, array: np.ndarray) -> str | None:
+def _read_into(path: Path, array: np.ndarray, follow_links: bool) -> str | None:
     """Fill ``array`` with the file's bytes; return what went wrong, or None."""
     try:
-        with open(path, "rb", buffering=0) as fh:
+        opened = (
+            open(path, "rb", buffering=0) if follow_links else os.fdopen(open_no_follow(path, os.O_RDONLY), "rb", 0)
+        )
+        with opened as fh:
             view, done = memoryview(array), 0
             while done < len(array):
                 count = fh.readinto(view[done:])
@@ -101,14 +106,21 @@ def _first_failure(comm, error: BaseException | None) -> tuple[int, str] | None:
     return failed, comm.broadcast_object(None if error is None else f"{type(error).__name__}: {error}", failed)
 
 
-def _load_shared(comm, path: Path, nbytes: int, map_location: Any, weights_only: bool) -> tuple[Any, str | None]:
+def _load_shared(
+    comm, path: Path, nbytes: int, map_location: Any, weights_only: bool, follow_links: bool
+) -> tuple[Any, str | None]:
     """Return (state, None), or (None, what is wrong) for a damaged file, on every rank alike; rank 0 reads."""
     shared = PrivateBytes(None, nbytes, 0) if comm is None else comm.share_bytes(nbytes, 0)
     with shared:
         verdict = None
         if comm is None or comm.rank == 0:
-            verdict = _read_into(path, shared.array) or checksum_problem(shared.array)
+            try:
+                verdict = _read_into(path, shared.array, follow_links) or checksum_problem(shared.array)
+            except Exception as err:  # not the file's fault (e.g. MemoryError): raised below on every rank
+                verdict = (f"{type(err).__name__}: {err}",)
         verdict = _from_root(comm, verdict)
+        if isinstance(verdict, tuple):
+            raise RuntimeError(f"rank 0 could not read checkpoint {path}: {verdict[0]}")
         if verdict is not None and verdict != UNVERIFIED:
             return None, verdict
         shared.share()
@@ -121,69 +133,64 @@ def _load_shared(comm, path: Path, nbytes: int, map_location: Any, weights_only:
     if failure is None:
         log.debug("hpcddp: loaded checkpoint %s", path)
         return state, None
-    if verdict is not None:  # without a checksum (written before hpcddp had them) a torn file shows only here
+    # Without a checksum (written before hpcddp had them) a torn file shows only here, and
+    # on rank 0 first: every rank has its bytes, so a load that fails elsewhere alone is
+    # that rank's problem (memory, map_location), not damage to skip silently.
+    if verdict is not None and failure[0] == 0:
         return None, f"it has no checksum and does not load: {failure[1]}"
     if error is not None:  # intact bytes that do not load: not damage, the caller's problem
         raise error
     raise ValueError(
-        f"checkpoint {path} is intact, but rank {failure[0]} cannot load it ({failure[1]}): the ranks must "
-        "load alike (the same map_location and weights_only on every rank)"
+        f"checkpoint {path} {'is intact' if verdict is None else 'loads on rank 0'}, but rank {failure[0]} cannot "
+        f"load it ({failure[1]}): the ranks must load alike (the same map_location and weights_only on every rank, "
+        "and the memory for it)"
     )
 
 
-def _size_of(path: Path) -> tuple[int, str | None]:
+def _size_of(path: Path, follow_links: bool) -> tuple[int, str | None]:
     try:
+        if not follow_links and path.is_symlink():
+            return 0, f"it is a symbolic link (to {os.readlink(path)}), which hpcddp will not follow: remove it"
         return path.stat().st_size, None
     except OSError as err:
         return 0, f"it cannot be read: {err}"
 
 
-def load_one(path: Path, map_location: Any, weights_only: bool) -> tuple[Any, str | None]:
-    """Read one checkpoint file on this rank alone, once; return (state, None) or (None, what is wrong).
-
-    Args:
-        path: the file.
-        map_location: torch.load's.
-        weights_only: torch.load's.
-    """
-    nbytes, problem = _size_of(path)
-    if problem is not None:
-        return None, problem
-    return _load_shared(None, path, nbytes, map_location, weights_only)
-
-
 def load_newest(
-    comm, directory: Path, found: list[Path] | None, map_location: Any, weights_only: bool
-) -> tuple[Path | None, Any, list[str]]:
-    """Load the newest intact checkpoint rank 0 lists, read once on rank 0; collective over ``comm``.
+    comm, found: list[Path] | None, map_location: Any, weights_only: bool, follow_links: bool = False
+) -> tuple[Path | None, Any, list[tuple[Path, str]]]:
+    """Load the newest intact checkpoint of those rank 0 found, read once on rank 0; collective over ``comm``.
 
-    Returns ``(path, state, skipped)`` on every rank (``path`` None when none loads),
-    ``skipped`` naming each damaged file with what is wrong with it.
+    Returns ``(path, state, skipped)`` on every rank (``path``, as rank 0 names it, None
+    when none loads), ``skipped`` holding (path, what is wrong) for each damaged file.
 
     Args:
         comm: the ``Communicator``, or None for a process alone.
-        directory: the checkpoint directory, as this rank names it.
-        found: rank 0's ``find_checkpoints(directory)``, oldest first (ignored elsewhere).
+        found: on rank 0, the files to try, oldest first (e.g. ``find_checkpoints``);
+            ignored elsewhere.
         map_location: torch.load's.
         weights_only: torch.load's.
+        follow_links: read a file that is a symbolic link (one the caller named);
+            otherwise it is skipped as damaged, on every rank, for a link planted at a
+            checkpoint's name could point at any file. Read on rank 0 only.
     """
     rank = 0 if comm is None else comm.rank
-    newest_first = [p.name for p in reversed(found or [])] if rank == 0 else []
-    skipped: list[str] = []
+    newest_first = list(reversed(found or [])) if rank == 0 else []
+    skipped: list[tuple[Path, str]] = []
     for attempt in itertools.count():
         header = None
         if rank == 0 and attempt < len(newest_first):
-            header = (newest_first[attempt], *_size_of(directory / newest_first[attempt]))
+            header = (str(newest_first[attempt]), *_size_of(newest_first[attempt], follow_links))
         header = _from_root(comm, header)
         if header is None:
             break
         name, nbytes, problem = header
-        path = directory / name
+        path = Path(name)
         state = None
         if problem is None:
-            state, problem = _load_shared(comm, path, nbytes, map_location, weights_only)
+            state, problem = _load_shared(comm, path, nbytes, map_location, weights_only, follow_links)
         if problem is None:
             return path, state, skipped
-        skipped.append(f"{name} ({problem})")
+        skipped.append((path, problem))
         log.warning("hpcddp rank %d: skipping damaged checkpoint %s: %s", rank, path, problem)
     return None, None, skipped

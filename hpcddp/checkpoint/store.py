@@ -18,18 +18,21 @@ shares the bytes with the other ranks (``hpcddp.checkpoint.reading``).
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import re
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..env.files import probe_writable, write_atomically
 from .checksum import save_with_checksum
 from .identity import check_directory_run
 from .loadable import check_loadable
 from .owner import check_not_owned_by_another_job, claim
-from .reading import load_newest, load_one
+from .reading import load_newest
 from .resume import rank_and_size
 
 __all__ = [
@@ -222,39 +225,103 @@ def load_checkpoint(
         from ..runtime.state import device, is_initialized
 
         map_location = device() if is_initialized() else "cpu"
-    # A rank that does not see the directory (another node's filesystem) still takes part.
-    if not path.is_dir() and (path.exists() or path.suffix == ".pt"):
-        if not path.exists():
-            raise FileNotFoundError(f"checkpoint {path} does not exist: pass a checkpoint file or directory")
-        state, problem = load_one(path, map_location, weights_only)
-        if problem is not None:
-            raise ValueError(f"checkpoint {path} is damaged: {problem}")
-        return state
     rank, size = rank_and_size()
-    found = None
-    if rank == 0:
-        found = find_checkpoints(path)
-        if path.is_dir():
-            _warn_if_another_job_writes(path)
     comm = None
     if size > 1:
         from ..runtime.state import communicator
 
         comm = communicator()
+    # Rank 0 decides for every rank whether ``path`` is one file or a directory, and what
+    # it holds: a rank that does not see it (another node's filesystem) still takes part.
+    is_file, found, error = False, None, None
+    if rank == 0:
+        try:
+            is_file, found = _list_on_rank_0(path)
+        except Exception as err:  # raised below, on every rank alike
+            error = (type(err).__name__, str(err))
+    if comm is not None:
+        is_file, error = comm.broadcast_object((is_file, error), 0)
+    if error is not None:
+        raise _rebuilt(*error)
     from ..comm.oplog import patient_collectives
 
     with patient_collectives():  # reading and hashing large files takes as long as it takes
-        chosen, state, skipped = load_newest(comm, path, found, map_location, weights_only)
+        chosen, state, skipped = load_newest(comm, found, map_location, weights_only, follow_links=is_file)
+    if is_file:
+        if chosen is None:
+            raise ValueError(f"checkpoint {path} is damaged: {skipped[0][1]}")
+        return state
     if chosen is None:
         if skipped:
+            described = "; ".join(f"{p.name} ({problem})" for p, problem in skipped)
             raise ValueError(
-                f"every checkpoint in {path} is damaged: {'; '.join(skipped)}: "
+                f"every checkpoint in {path} is damaged: {described}: "
                 "restore one from a backup, or move them away to start afresh"
             )
+        _check_rank_0_sees_the_directory(comm, path)
         return None
     if skipped:
         log.warning("hpcddp rank %d: loading the older checkpoint %s", rank, chosen)
     return state
+
+
+def _list_on_rank_0(path: Path) -> tuple[bool, list[Path]]:
+    """(whether ``path`` names one file, the checkpoints to try oldest first), as rank 0 sees them."""
+    if not path.is_dir() and (path.exists() or path.is_symlink() or path.suffix == ".pt"):
+        if not path.exists():
+            raise FileNotFoundError(f"checkpoint {path} does not exist: pass a checkpoint file or directory")
+        return True, [path]
+    try:
+        found = find_checkpoints(path)
+    except OSError as err:
+        raise type(err)(
+            f"rank 0 cannot list checkpoint directory {path} ({err}): make it readable on rank 0's node"
+        ) from err
+    if path.is_dir():
+        _warn_if_another_job_writes(path)
+    return False, found
+
+
+def _rebuilt(type_name: str, message: str) -> Exception:
+    """Rank 0's exception, rebuilt on every rank: the same built-in type where it is one, else RuntimeError."""
+    kind = getattr(builtins, type_name, None)
+    if isinstance(kind, type) and issubclass(kind, Exception):
+        try:
+            return kind(message)
+        except TypeError:  # one whose constructor wants more (UnicodeDecodeError)
+            pass
+    return RuntimeError(f"rank 0 could not list the checkpoints: {type_name}: {message}")
+
+
+def _check_rank_0_sees_the_directory(comm, path: Path) -> None:
+    """Fail on every rank when rank 0 lacks the directory that another rank sees: a start from scratch in error.
+
+    One stat per rank and one allreduce, and only when rank 0 found no checkpoint (a
+    job's first start): a listing per rank would tell more, but is the metadata load
+    (4,096 listings of one directory) that reading on rank 0 alone removed.
+    """
+    if comm is None:
+        return
+    from ..comm.base import ReduceOp
+
+    try:
+        sees = path.is_dir()
+    except OSError:
+        sees = False
+    first_other, rank_0_sees = (
+        int(v)
+        for v in comm.allreduce_(
+            torch.tensor(
+                [comm.rank if sees and comm.rank != 0 else comm.size, 0 if comm.rank == 0 and not sees else 1]
+            ),
+            ReduceOp.MIN,
+        )
+    )
+    if not rank_0_sees and first_other < comm.size:
+        raise ValueError(
+            f"checkpoint directory {path} does not exist on rank 0 but does on rank {first_other}: rank 0 reads the "
+            "checkpoints for the job, so it must be one directory shared by every node (or absent on every one)"
+        )
 
 
 def _warn_if_another_job_writes(path: Path) -> None:

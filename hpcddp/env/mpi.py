@@ -152,8 +152,10 @@ class MPIEnvironment(ClusterEnvironment):
         if comm.Get_rank() == 0:
             try:
                 decision = (*self._decide_rendezvous(peers, interface, hint), None)
-            except (ValueError, RuntimeError) as err:  # raised below, on every rank
-                decision = (None, None, (type(err) is ValueError, str(err)))
+            except Exception as err:  # raised below, on every rank: anything else would leave them in bcast
+                ours = isinstance(err, (ValueError, RuntimeError))  # already one line naming the fix
+                message = str(err) if ours else f"rank 0 could not choose the rendezvous: {type(err).__name__}: {err}"
+                decision = (None, None, (isinstance(err, ValueError), message))
         address, port, error = comm.bcast(decision, root=0)
         if error is not None:
             bad_argument, message = error

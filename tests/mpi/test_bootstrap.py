@@ -148,3 +148,15 @@ def test_init_twice_is_a_no_op():
     comm = hpcddp.communicator()
     hpcddp.init()
     assert hpcddp.communicator() is comm
+
+
+def test_any_error_of_rank_0s_rendezvous_fails_on_every_rank(monkeypatch):
+    def no_port():
+        raise OSError(98, "Address already in use")
+
+    if MPI.COMM_WORLD.Get_rank() == 0:  # before the fix the other ranks waited in bcast forever
+        monkeypatch.setattr("hpcddp.env.mpi.find_free_port", no_port)
+    with pytest.raises(
+        RuntimeError, match=r"rank 0 could not choose the rendezvous: OSError: .*Address already in use"
+    ):
+        MPIEnvironment({}, comm=MPI.COMM_WORLD).rendezvous()

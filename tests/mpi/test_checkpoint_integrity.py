@@ -126,3 +126,74 @@ def test_rng_streams_are_gathered_to_the_writer_only_and_every_rank_resumes_its_
     expected = torch.rand(3)  # what this rank draws next
     hpcddp.restore_training_state(hpcddp.load_checkpoint(shared_dir(tmp_path)), model, optimizer)
     torch.testing.assert_close(torch.rand(3), expected, rtol=0, atol=0)
+
+
+def test_an_old_file_without_checksum_that_only_another_rank_cannot_load_fails_on_every_rank(tmp_path):
+    directory = shared_dir(tmp_path)
+    hpcddp.save_checkpoint(directory, {"step": 1, "w": torch.ones(4)})
+    if hpcddp.rank() == 0:  # written by torch.save, as before hpcddp had checksums
+        torch.save({"step": 2, "w": torch.ones(1000)}, directory / "checkpoint-000002.pt")
+    hpcddp.barrier()
+
+    def map_location(storage, location):
+        if hpcddp.rank() == 1 and storage.nbytes() > 1000:
+            raise MemoryError("rank 1 is out of memory")
+        return storage
+
+    # Every rank holds rank 0's bytes: not damage to skip (resuming silently from step 1).
+    expected = (
+        r"checkpoint-000002.pt loads on rank 0, but rank 1 cannot load it \(MemoryError"
+        if hpcddp.rank() != 1
+        else "rank 1 is out of memory"
+    )
+    with pytest.raises((ValueError, MemoryError), match=expected):
+        hpcddp.load_checkpoint(directory, map_location=map_location)
+
+
+def test_a_directory_rank_0_cannot_list_fails_on_every_rank(tmp_path, monkeypatch):
+    directory = shared_dir(tmp_path)
+    hpcddp.save_checkpoint(directory, {"step": 1})
+    if hpcddp.rank() == 0:
+
+        def refused(self):
+            raise PermissionError(13, "Permission denied", str(self))
+
+        monkeypatch.setattr(Path, "iterdir", refused)
+    with pytest.raises(PermissionError, match=r"rank 0 cannot list checkpoint directory .*Permission denied"):
+        hpcddp.load_checkpoint(directory)
+
+
+def test_a_directory_that_rank_0_lacks_and_another_rank_sees_fails_on_every_rank(tmp_path):
+    # e.g. rank 0 on a node without the mount: starting from scratch would lose the run
+    directory = node_views(tmp_path, [3], torn=False) if hpcddp.rank() == 1 else tmp_path / "not-mounted"
+    with pytest.raises(ValueError, match=r"does not exist on rank 0 but does on rank 1: .* shared by every node"):
+        hpcddp.load_checkpoint(directory)
+
+
+def test_a_directory_missing_on_every_rank_is_a_fresh_start(tmp_path):
+    assert hpcddp.allgather_object(hpcddp.load_checkpoint(tmp_path / "none")) == [None] * hpcddp.size()
+
+
+@pytest.mark.parametrize("name", ["mine.pt", "mine"])
+def test_a_checkpoint_file_that_only_rank_0_sees_loads_on_every_rank(tmp_path, name):
+    path = node_views(tmp_path, [4], torn=False) / "checkpoint-000004.pt"
+    if hpcddp.rank() == 0:
+        path = path.rename(path.parent / name)
+    else:
+        path = tmp_path / "nowhere" / name  # another node: no such file
+    state = hpcddp.load_checkpoint(path)
+    assert hpcddp.allgather_object(state["step"]) == [4] * hpcddp.size()
+    torch.testing.assert_close(state["w"], torch.full((4,), 4.0), rtol=0, atol=0)
+
+
+def test_a_link_planted_at_a_checkpoint_name_is_skipped_on_every_rank(tmp_path, caplog):
+    directory = shared_dir(tmp_path) / "ckpt"
+    hpcddp.save_checkpoint(directory, {"step": 1, "w": torch.ones(2)})
+    planted = directory / "checkpoint-000009.pt"
+    if hpcddp.rank() == 0:
+        torch.save({"step": 99, "w": torch.zeros(2)}, directory.parent / "elsewhere.pt")
+        planted.symlink_to(directory.parent / "elsewhere.pt")
+    hpcddp.barrier()
+    state = hpcddp.load_checkpoint(directory)
+    assert hpcddp.allgather_object(state["step"]) == [1] * hpcddp.size()
+    assert f"skipping damaged checkpoint {planted}: it is a symbolic link" in caplog.text
