@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Iterator
 
 from .optimizer import DistributedOptimizer
-from .reducer import Reducer
+from .reducer import Reducer, StepStoppedError
 
 __all__ = ["join", "shadow_until_all_joined", "sync_from_last_joiner"]
 
@@ -81,7 +81,10 @@ def shadow_until_all_joined(optimizer: DistributedOptimizer) -> None:
     try:
         while True:
             optimizer.zero_grad(reducer.set_to_none)
-            reducer.synchronize(force=True)
+            try:
+                reducer.synchronize(force=True)
+            except StepStoppedError:
+                continue  # a rank with data stopped part-way and runs its batch again: shadow that too
             if reducer.active_ranks == 0:
                 break
             optimizer.step()

@@ -48,7 +48,7 @@ from .slots import GradSlot, fill_bucket, grads_outside, note_grads_present, res
 from .timing import ReductionTimes
 from .trainable import average_loose_grads, require_trainable, watch_frozen
 
-__all__ = ["ReductionTimes", "Reducer"]
+__all__ = ["ReductionTimes", "Reducer", "StepStoppedError"]
 
 
 class StepStoppedError(RuntimeError):
@@ -212,6 +212,11 @@ class Reducer:
         self.set_to_none = set_to_none
         if self._handles:
             self._finish_abandoned()
+            self._reset_reduction()
+        elif self._pass_open:
+            # A pass that stopped (an exception in backward) before it launched a bucket: its
+            # gradients are dropped here, so the next backward opens a pass of its own.
+            self._pass_open = False
             self._reset_reduction()
         for slot in self._slots.values():
             slot.used = False
@@ -431,6 +436,8 @@ class Reducer:
         channel = self._channel
         if channel is None or channel.refused_step():
             return
+        if err is not None and self._sender.compressor is None and self._next_launch == len(self._buckets):
+            return  # every bucket was sent: the step completes on every rank, whatever failed here after
         what = "was left part-way" if err is None else f"failed on this rank ({type(err).__name__}: {err})"
         channel.fail(
             f"the gradient reduction of step {self.steps_taken}{self._owner} {what} after its buckets began, so "
