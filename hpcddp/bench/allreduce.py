@@ -59,15 +59,16 @@ def mpi_comm():
     return None
 
 
-def available_paths(requested: Sequence[str] = PATHS) -> list[str]:
+def available_paths(requested: Sequence[str] = PATHS, known: Sequence[str] = PATHS) -> list[str]:
     """Return the requested paths that can run here (mpi4py needs ranks started by MPI).
 
     Args:
-        requested: names from ``PATHS``.
+        requested: names from ``known``.
+        known: the benchmark's paths (``PATHS``, or ``latency.LATENCY_PATHS``).
     """
-    unknown = [p for p in requested if p not in PATHS]
+    unknown = [p for p in requested if p not in known]
     if unknown:
-        raise ValueError(f"paths must be among {', '.join(PATHS)}, got {', '.join(unknown)}")
+        raise ValueError(f"paths must be among {', '.join(known)}, got {', '.join(unknown)}")
     return [p for p in requested if p != "mpi4py" or mpi_comm() is not None]
 
 

@@ -11,7 +11,7 @@ import torch
 
 import hpcddp
 
-from .allreduce import mpi_comm
+from .allreduce import available_paths, mpi_comm
 from .metrics import median
 
 __all__ = ["LATENCY_PATHS", "LatencyResult", "available_latency_paths", "latency_as_dicts", "measure_latency"]
@@ -38,10 +38,7 @@ def available_latency_paths(requested: Sequence[str] = LATENCY_PATHS) -> list[st
     Args:
         requested: names from ``LATENCY_PATHS``.
     """
-    unknown = [p for p in requested if p not in LATENCY_PATHS]
-    if unknown:
-        raise ValueError(f"paths must be among {', '.join(LATENCY_PATHS)}, got {', '.join(unknown)}")
-    return [p for p in requested if p != "mpi4py" or mpi_comm() is not None]
+    return available_paths(requested, LATENCY_PATHS)
 
 
 def _runner(path: str, count: int) -> tuple[Callable[[], None], torch.Tensor]:

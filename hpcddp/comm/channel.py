@@ -54,7 +54,7 @@ class GradientChannel:
     def __init__(self, parent: Communicator) -> None:
         self.parent = parent
         #: the communicator the buckets' collectives run on (its own checks off: ``open_step`` agrees)
-        self.comm = parent.duplicate()
+        self.comm = parent.duplicate(thread_name="buckets")
         self.comm.check_collectives = False
 
     def open_step(self, bucket: torch.Tensor) -> Handle | None:

@@ -57,12 +57,13 @@ class MPICommunicator(VectorOps, IntoOps, Communicator):
             mixes with the caller's. Creating the communicator is collective over it.
         hierarchical: allreduce in two levels (inside nodes, then between them; see
             ``hpcddp.comm.hierarchy``); "auto" when the job spans nodes of several ranks.
+        thread_name: its communication thread is ``hpcddp-<thread_name>``.
     """
 
     name = "mpi"
     agrees_in_background = True
 
-    def __init__(self, comm=None, *, hierarchical: bool | str = False) -> None:
+    def __init__(self, comm=None, *, hierarchical: bool | str = False, thread_name: str = "mpi") -> None:
         MPI = import_mpi()
         require_thread_multiple(MPI)
         self._MPI = MPI
@@ -79,7 +80,7 @@ class MPICommunicator(VectorOps, IntoOps, Communicator):
         self.log = oplog.OperationLog(key, self.global_ranks)
         oplog.register(self.log)
         self.p2p = PointToPoint(self._comm, MPI, self.log, self.global_ranks)
-        self.engine = Engine(self._comm, MPI, self.log, messages=self.p2p)
+        self.engine = Engine(self._comm, MPI, self.log, name=thread_name, messages=self.p2p)
         agreement = self.engine.agreement
         self._small = SmallAllreduces(self._comm, MPI, self.call_for, lambda: agreement.runs)
         #: gloo's monitoredBarrier over this communicator's messages (``hpcddp.comm.monitored``)
@@ -148,20 +149,20 @@ class MPICommunicator(VectorOps, IntoOps, Communicator):
         with oplog.waiting(self.log, "new_group"):
             return self._child(self._side.Create_group(self._side.Get_group().Incl(list(ranks))))
 
-    def _child(self, sub, hierarchical: bool = False) -> MPICommunicator:
+    def _child(self, sub, hierarchical: bool = False, thread_name: str = "mpi") -> MPICommunicator:
         """Return a communicator over the mpi4py communicator ``sub`` (which it duplicates; ``sub`` is freed)."""
         try:
-            child = MPICommunicator(sub, hierarchical=hierarchical)
+            child = MPICommunicator(sub, hierarchical=hierarchical, thread_name=thread_name)
         finally:
             sub.Free()
         child.check_collectives = self.check_collectives
         return child
 
-    def duplicate(self) -> MPICommunicator:
+    def duplicate(self, thread_name: str = "mpi") -> MPICommunicator:
         """Return a communicator over the same ranks, reducing as this one does; closed with this one. Collective."""
         call = self.call_for("", "duplicate")
         sub = self.run(Collective("duplicate", self._comm.Dup, None, call))
-        child = self._child(sub, hierarchical=self._hierarchy is not None)
+        child = self._child(sub, hierarchical=self._hierarchy is not None, thread_name=thread_name)
         self._duplicates.add(child)
         return child
 
