@@ -78,13 +78,18 @@ def check_same_parameters(comm: Communicator, named: Sequence[tuple[str, torch.T
     """
     if comm.size == 1:
         return
-    parameters = _parameter_list(named)
-    digest = hashlib.blake2b(repr(parameters).encode(), digest_size=16).digest()
-    if len(set(comm.allgather_object(digest))) == 1:
-        return
-    message = describe_difference(comm.allgather_object(parameters), what)
+    everyones = _gather_if_different(comm, _parameter_list(named))
+    message = None if everyones is None else describe_difference(everyones, what)
     if message is not None:
         raise ValueError(message)
+
+
+def _gather_if_different(comm: Communicator, value) -> list | None:
+    """Return every rank's ``value`` when they differ, else None: one allgather of a 16-byte digest of its repr."""
+    digest = hashlib.blake2b(repr(value).encode(), digest_size=16).digest()
+    if len(set(comm.allgather_object(digest))) == 1:
+        return None
+    return comm.allgather_object(value)
 
 
 def check_same_layout(comm: Communicator, buckets: Sequence, compressor, what: str) -> None:
@@ -110,11 +115,9 @@ def check_same_layout(comm: Communicator, buckets: Sequence, compressor, what: s
         )
         for bucket in buckets
     ]
-    described = (tuple(layout), _settings(compressor))
-    digest = hashlib.blake2b(repr(described).encode(), digest_size=16).digest()
-    if len(set(comm.allgather_object(digest))) == 1:
+    layouts = _gather_if_different(comm, (tuple(layout), _settings(compressor)))
+    if layouts is None:
         return
-    layouts = comm.allgather_object(described)
     groups: dict = {}
     for rank, entry in enumerate(layouts):
         groups.setdefault(entry, []).append(rank)

@@ -118,7 +118,6 @@ class Reducer:
         self._owner = next_optimizer_label(comm)
         self._lock = threading.RLock()
         self._bucket_args = (bucket_cap_bytes, first_bucket_bytes, wire_dtype)
-        self._compressor = compressor
         # The buckets' own communicator, checked once per step (hpcddp.comm.channel); None: each bucket is.
         self._channel = comm.gradient_channel() if comm.size > 1 else None
         if self._channel is not None:
@@ -250,7 +249,7 @@ class Reducer:
         cap, first, wire_dtype = self._bucket_args
         buckets = build_buckets([p for _, p in trainable], cap, first, wire_dtype, self._control.size)
         if self._channel is not None:  # buckets are not compared one by one: their layout is, once
-            check_same_layout(self.comm, buckets, self._compressor, "DistributedOptimizer")
+            check_same_layout(self.comm, buckets, self._sender.compressor, "DistributedOptimizer")
         self._remove_hooks()  # after the check: a rebuild refused on every rank keeps the old buckets
         self._buckets = buckets
         self._sender.rebuild(self._buckets)

@@ -12,6 +12,14 @@ def reference(nbytes):
     return np.random.default_rng(7).integers(0, 256, nbytes, dtype=np.uint8)
 
 
+def fill_on_root_and_check(shared, is_root, nbytes):
+    """The root writes the reference bytes, shares them, and every rank reads exactly them."""
+    if is_root:
+        shared.array[:] = reference(nbytes)
+    shared.share()
+    np.testing.assert_array_equal(shared.array, reference(nbytes))
+
+
 @pytest.fixture
 def comm():
     made = MPICommunicator(import_mpi().COMM_WORLD)
@@ -29,10 +37,7 @@ def test_roots_bytes_reach_every_rank_through_one_buffer_per_node(comm, monkeypa
     nbytes = 4321
     try:
         with comm.share_bytes(nbytes, root) as shared:
-            if comm.rank == root:
-                shared.array[:] = reference(nbytes)
-            shared.share()
-            np.testing.assert_array_equal(shared.array, reference(nbytes))
+            fill_on_root_and_check(shared, comm.rank == root, nbytes)
             # One buffer per node: what its first rank writes, the node's other ranks read.
             node.Barrier()
             if node.Get_rank() == 0:
@@ -47,10 +52,7 @@ def test_private_buffers_are_filled_in_pieces_by_broadcasts(comm, monkeypatch):
     monkeypatch.setattr(shared_bytes, "MESSAGE_PIECE_BYTES", 1000)
     root = comm.size - 1
     with shared_bytes.PrivateBytes(comm, 4321, root) as shared:
-        if comm.rank == root:
-            shared.array[:] = reference(4321)
-        shared.share()
-        np.testing.assert_array_equal(shared.array, reference(4321))
+        fill_on_root_and_check(shared, comm.rank == root, 4321)
 
 
 def test_an_empty_buffer_is_shared_too(comm):
@@ -72,10 +74,7 @@ def test_without_room_for_a_window_each_rank_gets_its_own_copy_and_one_warning_p
     nbytes, root = 4321, comm.size - 1
     try:
         with comm.share_bytes(nbytes, root) as shared:
-            if comm.rank == root:
-                shared.array[:] = reference(nbytes)
-            shared.share()
-            np.testing.assert_array_equal(shared.array, reference(nbytes))
+            fill_on_root_and_check(shared, comm.rank == root, nbytes)
             node.Barrier()
             if node.Get_rank() == 0:
                 shared.array[:8] = 0

@@ -54,19 +54,24 @@ def my_rows(batch):
     return x[rows], y[rows]
 
 
+def train_step(model, optimizer, x, y, scaler):
+    """One step, under AMP when ``scaler`` is a GradScaler."""
+    optimizer.zero_grad()
+    with torch.autocast("cuda", dtype=torch.float16, enabled=scaler is not None):
+        loss = F.cross_entropy(model(x), y)
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
 def train_reference(model, optimizer, data, amp=False):
     scaler = torch.amp.GradScaler("cuda") if amp else None
     for x, y in data:
-        optimizer.zero_grad()
-        with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
-            loss = F.cross_entropy(model(x), y)
-        if scaler is None:
-            loss.backward()
-            optimizer.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
+        train_step(model, optimizer, x, y, scaler)
     return model
 
 
@@ -75,16 +80,7 @@ def train_hpcddp(model, optimizer, data, amp=False, check_strides=False, **kwarg
     scaler = torch.amp.GradScaler("cuda") if amp else None
     for batch in data:
         x, y = my_rows(batch)
-        wrapped.zero_grad()
-        with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
-            loss = F.cross_entropy(model(x), y)
-        if scaler is None:
-            loss.backward()
-            wrapped.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(wrapped)
-            scaler.update()
+        train_step(model, wrapped, x, y, scaler)
         if check_strides:
             for name, param in model.named_parameters():
                 assert param.grad.stride() == param.stride(), name
