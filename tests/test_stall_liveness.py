@@ -47,6 +47,11 @@ SCRIPT = f"""
         print(f"rank {{hpcddp.rank()}} held the GIL for {{hold_the_gil({SILENT_S}):.1f}} s", flush=True)
     elif os.environ["HOW"] == f"rank {{hpcddp.rank()}} stopped":
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif os.environ["HOW"] == f"rank {{hpcddp.rank()}} paused":
+        import subprocess
+        subprocess.Popen(["sh", "-c", f"sleep {{os.environ['PAUSE_S']}}; kill -CONT {{os.getpid()}}"])
+        os.kill(os.getpid(), signal.SIGSTOP)
+        print(f"rank {{hpcddp.rank()}} resumed", flush=True)
     total = hpcddp.allreduce(torch.full((1,), float(hpcddp.rank() + 1)), op=hpcddp.ReduceOp.SUM)
     print(f"rank {{hpcddp.rank()}} sum {{int(total)}}", flush=True)
 """
@@ -69,9 +74,9 @@ def test_a_process_is_busy_while_it_computes_not_while_it_sleeps_or_once_stopped
     assert liveness.this_process()[1] == os.getpid()
 
 
-def launch(tmp_path, how):
+def launch(tmp_path, how, timeout_s=TIMEOUT_S, **env):
     started = time.monotonic()
-    env = {"HPCDDP_STALL_TIMEOUT": str(TIMEOUT_S), "HOW": how}
+    env = {"HPCDDP_STALL_TIMEOUT": str(timeout_s), "HOW": how, **env}
     result = run_script(2, SCRIPT, tmp_path, timeout=LIMIT_S, env=env, cwd=ROOT)
     assert not result.timed_out, f"the job hung until the time limit:\n{result.stdout[-5000:]}"
     return result.stdout, time.monotonic() - started
@@ -94,3 +99,21 @@ def test_a_stopped_rank_is_still_lost(tmp_path):
     assert re.search(r"rank 1 on node \S+ did not answer the inspector: dead, stopped", out), out[-5000:]
     assert "aborting the job: ranks were lost" in out, out[-5000:]
     assert elapsed < 90, f"{elapsed:.0f} s"
+
+
+#: a longer stall timeout, for a pause that the old rule (lost after ANSWER_WITHIN_S of silence) took for a lost rank
+PAUSED_TIMEOUT_S = 30
+#: the pause: a rank was declared lost PAUSED_TIMEOUT_S + ANSWER_WITHIN_S + 2 ticks + 1 s of liveness after the
+#: others began to wait (43 s) before the fix, and is now after PAUSED_TIMEOUT_S + lost_after (30 + 30 s)
+PAUSE_S = 52
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_rank_paused_for_less_than_the_stall_timeout_past_the_stall_is_not_lost(tmp_path, rank):
+    # A rank silent and using no CPU for a while (its node's links stalled, the VM paused, a
+    # debugger attached) answers late, not never: the job must go on, as after a slow network.
+    out, elapsed = launch(tmp_path, f"rank {rank} paused", timeout_s=PAUSED_TIMEOUT_S, PAUSE_S=str(PAUSE_S))
+    assert f"rank {rank} resumed" in out, out[-5000:]
+    assert "aborting" not in out, out[-5000:]
+    assert "rank 0 sum 3" in out and "rank 1 sum 3" in out, out[-5000:]
+    assert elapsed >= PAUSE_S

@@ -18,7 +18,10 @@ stopped, or their node is down or cut off), when a rank left while others wait i
 operation that needs it (with that rank's exit code), when every rank is deadlocked
 (the same stuck state seen twice), or once a stall has lasted ``abort_after``. A rank
 whose alarm rank 0 never answers ends itself unless rank 0 is busy, so that no rank
-outlives a lost node.
+outlives a lost node. Silence counts as loss only once it has lasted ``lost_after``
+(``timeout``, at least ``ANSWER_WITHIN_S``): a node whose links stall for a while (TCP
+retransmissions on a loaded or congested network) has answered late, not died, and the
+tools users know give a silent peer minutes (NCCL's watchdog 10, gloo 30), not seconds.
 
 A rank that leaves (the end of its script, ``sys.exit``, ``hpcddp.shutdown()``) tells
 rank 0 first (rank 0 tells everyone), with how far it got on each communicator: a
@@ -35,7 +38,7 @@ import time
 
 from ...comm import oplog
 from . import liveness
-from .report import exit_reason, explain_stall
+from .report import exit_reason, explain_stall, what_it_waits_in
 from .verdict import Exit, judge, longest_wait, stable, stuck_operations
 
 __all__ = ["StallInspector", "reply_status"]
@@ -82,7 +85,7 @@ class StallInspector:
         abort_after: seconds a stall may last before the job ends; 0 never.
     """
 
-    #: seconds rank 0 waits for the ranks' answers; a rank that does not answer is lost
+    #: seconds rank 0 waits for the ranks' answers in one round of questions
     ANSWER_WITHIN_S = 10.0
 
     def __init__(self, comm, timeout: float, action: str, abort_after: float = 0) -> None:
@@ -102,6 +105,9 @@ class StallInspector:
         self._processes: list = self._comm.allgather(liveness.this_process())
         self._asked = 0
         self._interval = max(0.05, min(1.0, timeout / 4))
+        #: seconds a rank must stay silent (no answer, no CPU time) before it counts as lost
+        self.lost_after = max(self.ANSWER_WITHIN_S, timeout)
+        self._silent_since: dict[int, float] = {}
         self._stop = threading.Event()
         self._exits: dict[int, Exit] = {}
         self._alarmed: tuple | None = None
@@ -205,12 +211,10 @@ class StallInspector:
             if self._unanswered_since is None:
                 self._unanswered_since = now
             self._send(None, 0, _ALARM)
-        if (
-            self._unanswered_since is not None
-            and now - self._unanswered_since > self.ANSWER_WITHIN_S + 2 * self._interval
-        ):
+        if self._unanswered_since is not None and now - self._unanswered_since > self.lost_after + 2 * self._interval:
             # Rank 0 answers every alarm within moments: it is gone, or cut off from here, or busy.
-            where = f"rank {self.rank} on {self.hosts[self.rank]} waits in an operation and rank 0 on {self.hosts[0]}"
+            doing = what_it_waits_in(oplog.rank_status(self.rank), self.size, {}).removeprefix("it waits in ")
+            where = f"rank {self.rank} on {self.hosts[self.rank]} waits in {doing} and rank 0 on {self.hosts[0]}"
             if self._busy([0], (r for r in range(1, self.size) if r not in self._exits)):
                 self._unanswered_since = time.monotonic()
                 self._report(
@@ -220,8 +224,9 @@ class StallInspector:
                 )
                 return
             self._report(
-                f"[hpcddp stall inspector] {where} did not answer its alarm: node {self.hosts[0]} is down or cut off "
-                "from this node, or rank 0 died, is stopped, or hangs outside Python",
+                f"[hpcddp stall inspector] {where} did not answer its alarm for {now - self._unanswered_since:.0f} s: "
+                f"node {self.hosts[0]} is down or cut off from this node, or rank 0 died, is stopped, or hangs "
+                "outside Python",
                 "ranks were lost",
             )
 
@@ -240,19 +245,32 @@ class StallInspector:
         alarmed = self._answer_alarms()
         # After a rank left, look every tick: a rank waiting for it waits forever.
         if not (alarmed or self._exits or self._stalled()):
+            self._silent_since.clear()
             return
+        asked_at = time.monotonic()
         first, busy = self._gather()
-        verdict = judge(first, self._exits, busy)
+        verdict = self._unless_silent_briefly(judge(first, self._exits, busy), first, busy, asked_at)
         if verdict == "deadlock":
             # Certain only if nothing changed meanwhile: see hpcddp.fault.stall.verdict.
             if self._stop.wait(self._interval):
                 return
             second, busy = self._gather()
             if not stable(first, second):
-                verdict = judge(second, self._exits, busy)
+                verdict = self._unless_silent_briefly(judge(second, self._exits, busy), second, busy, asked_at)
                 verdict = "slow" if verdict == "deadlock" else verdict
             first = second
         self._act(first, busy, verdict)
+
+    def _unless_silent_briefly(self, verdict: str, statuses: dict, busy: set[int], asked_at: float) -> str:
+        """``verdict``, except "slow" for "lost" while no silent rank has been silent ``lost_after`` seconds."""
+        silent = {r for r, s in statuses.items() if s is None and r not in busy}
+        self._silent_since = {r: self._silent_since.get(r, asked_at) for r in silent}
+        if (
+            verdict == "lost"
+            and time.monotonic() - min(self._silent_since.values(), default=asked_at) < self.lost_after
+        ):
+            return "slow"
+        return verdict
 
     def _gather(self) -> tuple[dict, set[int]]:
         """Every rank's status (None for a rank that does not answer in time), exited ranks left out.

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from ...comm.base import ranks_text
 from .verdict import Exit, communicators, stuck_operations
 
-__all__ = ["explain_stall", "ranks_text"]
+__all__ = ["explain_stall", "ranks_text", "what_it_waits_in"]
 
 _BUSY = "it is busy outside hpcddp (evaluation, checkpointing, a slow data loader) or took another code path"
 #: ranks named one by one in a list, and lines of one kind, before a report cuts the rest short
@@ -61,8 +61,14 @@ def _oldest(statuses: dict) -> tuple[str, object, float, dict] | None:
     return best
 
 
-def _doing(status: dict, size: int, members: dict) -> str:
-    """What a rank waits in, in words."""
+def what_it_waits_in(status: dict, size: int, members: dict) -> str:
+    """Return what a rank waits in, in words ("it waits in allreduce #12 ...").
+
+    Args:
+        status: the rank's ``oplog.rank_status``.
+        size: ranks in the job.
+        members: communicator key -> its members, where known.
+    """
     for key, comm in status["comms"].items():
         if comm["running"]:
             desc, _ = comm["running"][0]
@@ -211,7 +217,9 @@ def explain_stall(
         comm = comms.get(r)
         if comm is not None and comm["started"] > seq:
             missing_lines.append(
-                [f"  rank {r} is past #{seq} (its history no longer holds it); {_doing(statuses[r], size, known)}"]
+                [
+                    f"  rank {r} is past #{seq} (its history no longer holds it); {what_it_waits_in(statuses[r], size, known)}"
+                ]
             )
             continue
         recent = comm["recent"] if comm is not None else []
@@ -221,7 +229,7 @@ def explain_stall(
             [
                 f"  rank {r} did not submit {reference.op} #{seq}"
                 + (f" ({reference.tag})" if reference.tag else "")
-                + f": its last collective was {last or 'none'}{idle}, and {_doing(statuses[r], size, known)}",
+                + f": its last collective was {last or 'none'}{idle}, and {what_it_waits_in(statuses[r], size, known)}",
                 "    likely cause: " + _missing_cause(statuses[r], reference),
             ]
         )
