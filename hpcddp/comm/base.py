@@ -329,7 +329,7 @@ class Communicator(abc.ABC):
     def gradient_channel(self) -> Any:
         """Return a ``GradientChannel`` for one optimizer's buckets, or None: each bucket is then agreed on here.
 
-        Collective. MPI's (``hpcddp.comm.channel``) agrees once per step instead of once per bucket.
+        Collective. MPI's (``hpcddp.comm.mpi.gradient_channel``) agrees once per step instead of once per bucket.
         """
         return None
 

@@ -27,7 +27,7 @@ import torch
 
 from ..env.mpi_import import import_mpi
 from ..env.shared_memory import BACKING_DIRECTORY_KNOB, free_bytes, window_backing_directory
-from ._mpi_buffers import MESSAGE_PIECE_BYTES, for_each_piece
+from .mpi.buffers import MESSAGE_PIECE_BYTES, for_each_piece
 
 __all__ = ["NodeSharedBytes", "PrivateBytes", "allocate_window"]
 

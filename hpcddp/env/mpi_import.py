@@ -81,7 +81,7 @@ def require_thread_multiple(MPI) -> None:
 
     hpcddp calls MPI from several threads at once: a communication thread per
     communicator, the stall inspector, and the caller's point-to-point messages
-    (``hpcddp.comm.engine``, rule 6). Under a lower level MPI may corrupt messages or crash.
+    (``hpcddp.comm.mpi.engine``, rule 6). Under a lower level MPI may corrupt messages or crash.
     """
     granted = MPI.Query_thread()
     if granted >= MPI.THREAD_MULTIPLE:

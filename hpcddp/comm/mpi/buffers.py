@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .dtypes import DTYPES, host_array, mpi_datatype, numpy_view
+from ..dtypes import DTYPES, host_array, mpi_datatype, numpy_view
 
 __all__ = [
     "bytes_view",
