@@ -13,6 +13,7 @@
 - ``gradient_channel``: an optimizer's buckets on a communicator of their own, agreed once per step.
 - ``p2p``: sends and receives, outside the collectives' queue.
 - ``monitored_barrier``: gloo's ``monitoredBarrier`` over the communicator's messages.
+- ``shared_window``: bytes one rank fills, held once per node in MPI shared memory.
 
 ``from hpcddp.comm.mpi import MPICommunicator`` imports ``communicator`` on first use, so that
 importing one module of the package (``hpcddp.comm.mpi.waits``, say) does not import them all,

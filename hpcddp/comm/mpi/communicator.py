@@ -23,20 +23,6 @@ import torch
 
 from ...env.mpi_import import import_mpi, require_thread_multiple
 from .. import oplog
-from .buffers import (
-    bytes_view,
-    displacements,
-    empty_like,
-    for_each_piece,
-    layout_error,
-    mpi_buffer,
-    result_buffer,
-    result_buffer_async,
-    row_bytes,
-    staged,
-    write_back,
-)
-from .small_allreduce import SmallAllreduces
 from ..agreement import (
     JOINED,
     JOINED_VECTOR,
@@ -56,14 +42,28 @@ from ..base import (
     split_ranks_error,
     splits_error,
 )
-from .gradient_channel import GradientChannel
 from ..dtypes import dtype_named
+from ..reduction import check_reducible, divide_average_, mpi_op
+from .buffers import (
+    bytes_view,
+    displacements,
+    empty_like,
+    for_each_piece,
+    layout_error,
+    mpi_buffer,
+    result_buffer,
+    result_buffer_async,
+    row_bytes,
+    staged,
+    write_back,
+)
 from .engine import Collective, Engine, EngineHandle
+from .gradient_channel import GradientChannel
 from .hierarchy import HIERARCHY_MIN_BYTES, hierarchy_for
 from .monitored_barrier import MonitoredBarrier
 from .p2p import PointToPoint, describe_tensors
-from ..reduction import check_reducible, divide_average_, mpi_op
-from ..shared_bytes import NodeSharedBytes
+from .shared_window import NodeSharedBytes
+from .small_allreduce import SmallAllreduces
 from .waits import wait_for_request
 
 __all__ = ["MPICommunicator"]

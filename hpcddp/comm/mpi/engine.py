@@ -9,7 +9,7 @@ torch.distributed backend ``"hpcddp"``/``"mpi"`` (``hpcddp.torch_backend``) chec
 torch's arguments and calls the MPI communicator's ``plan_*`` methods. Either way
 ``MPICommunicator`` plans each collective (its MPI calls, staging, names from ``hpcddp.comm.names``,
 ops from ``hpcddp.comm.reduction``, dtypes from ``hpcddp.comm.dtypes``) and hands it to its ``Engine`` with
-``start`` or ``run``. No module outside ``hpcddp.comm`` makes MPI calls on a communicator.
+``start`` or ``run``. No module outside ``hpcddp.comm.mpi`` makes MPI calls on a communicator.
 These rules hold for every collective on the road:
 
 1. **One runner.** On each communicator at most one thread at a time, the *runner*,
@@ -80,11 +80,11 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from .. import oplog
-from .buffers import explain_failure
-from .agreeing import Agreement
 from ..agreement import CollectiveCall
 from ..base import Handle
 from ..dtypes import dtype_name
+from .agreeing import Agreement
+from .buffers import explain_failure
 from .waits import wait_for_request
 
 __all__ = ["Collective", "Engine", "EngineHandle", "wait_for_request"]

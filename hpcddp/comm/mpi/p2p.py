@@ -29,10 +29,10 @@ import time
 import torch
 
 from .. import oplog
-from .buffers import staged
 from ..agreement import CollectiveMismatchError
 from ..base import Handle
 from ..dtypes import dtype_name, host_array
+from .buffers import staged
 
 __all__ = ["Message", "PointToPoint", "describe_tensors"]
 
