@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
+import hpcddp.comm.base as base
 import hpcddp.comm.mpi.shared_window as shared_window
-import hpcddp.comm.shared_bytes as shared_bytes
 from hpcddp.comm.mpi import MPICommunicator
 from hpcddp.env.mpi_import import import_mpi
 
@@ -50,9 +50,9 @@ def test_roots_bytes_reach_every_rank_through_one_buffer_per_node(comm, monkeypa
 
 
 def test_private_buffers_are_filled_in_pieces_by_broadcasts(comm, monkeypatch):
-    monkeypatch.setattr(shared_bytes, "MESSAGE_PIECE_BYTES", 1000)
+    monkeypatch.setattr(base, "MESSAGE_PIECE_BYTES", 1000)
     root = comm.size - 1
-    with shared_bytes.PrivateBytes(comm, 4321, root) as shared:
+    with base.PrivateBytes(comm, 4321, root) as shared:
         fill_on_root_and_check(shared, comm.rank == root, 4321)
 
 

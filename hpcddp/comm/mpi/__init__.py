@@ -16,9 +16,8 @@
 - ``shared_window``: bytes one rank fills, held once per node in MPI shared memory.
 
 ``from hpcddp.comm.mpi import MPICommunicator`` imports ``communicator`` on first use, so that
-importing one module of the package (``hpcddp.comm.mpi.waits``, say) does not import them all,
-and ``hpcddp.comm.shared_bytes`` (which ``hpcddp.comm.base`` imports) can use ``buffers`` while
-the communicator itself imports ``hpcddp.comm.base``.
+importing one module of the package does not import them all: ``hpcddp.runtime.bootstrap``
+imports ``waits`` at once and the communicator only when the job runs on MPI.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ rank. A node whose shared-memory directory (``/dev/shm``, see
 ``hpcddp.env.shared_memory``) lacks room for the window gives each of its ranks its
 own buffer instead, with one warning, and broadcasts into them on the node; a window
 that still fails to allocate raises the same error on every rank. Other backends
-give each rank its own buffer and broadcast into it (``hpcddp.comm.shared_bytes``).
+give each rank its own buffer and broadcast into it (``hpcddp.comm.base.PrivateBytes``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 
 from ...env.mpi_import import import_mpi
 from ...env.shared_memory import BACKING_DIRECTORY_KNOB, free_bytes, window_backing_directory
-from ..shared_bytes import PrivateBytes
+from ..base import PrivateBytes
 from .buffers import for_each_piece
 
 __all__ = ["NodeSharedBytes", "allocate_window"]
