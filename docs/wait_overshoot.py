@@ -2,7 +2,7 @@
 
 A non-blocking collective moves on only inside a test on every rank it passes through,
 so each hop that arrives while a rank sleeps waits for the rank to wake. This measures
-that delay, in one process, for the wait in ``hpcddp.comm.waits`` and, given the path
+that delay, in one process, for the wait in ``hpcddp.comm.mpi.waits`` and, given the path
 of an older ``waits.py`` (``git show 2a65614:hpcddp/comm/waits.py > old_waits.py``), for
 that one: a request completes a chosen time after the wait began, and the wait's return
 is timed from that moment.
@@ -15,7 +15,7 @@ import statistics
 import sys
 import time
 
-from hpcddp.comm import waits
+from hpcddp.comm.mpi import waits
 
 
 class Request:

@@ -290,7 +290,7 @@ class FakeNodes:
 def test_hierarchical_allreduce_auto_takes_two_levels_across_nodes_of_several_ranks(fresh, hosts, two_levels):
     from types import SimpleNamespace
 
-    from hpcddp.comm.hierarchy import hierarchy_for
+    from hpcddp.comm.mpi.hierarchy import hierarchy_for
     from hpcddp.runtime.config import InitConfig
 
     assert InitConfig(hierarchical_allreduce="auto").hierarchical_allreduce == "auto"
@@ -308,7 +308,7 @@ def test_ranks_that_disagree_on_the_hierarchical_allreduce_fail_alike_instead_of
     # A rank with it off used to return before the others' allgather of host names: init hung.
     from types import SimpleNamespace
 
-    from hpcddp.comm.hierarchy import hierarchy_for
+    from hpcddp.comm.mpi.hierarchy import hierarchy_for
 
     MPI = SimpleNamespace(Get_processor_name=lambda: "a", UNDEFINED=-32766, IN_PLACE=None, MIN=None)
     for mine, codes in ((False, [0, 2]), ("auto", [0, 2]), (True, [1, 0])):

@@ -268,7 +268,7 @@ def test_stall_inspector_off_costs_nothing_and_finishes(tmp_path):
     )
     assert result.returncode == 0, result.stdout
     for rank in (0, 1):
-        # The job's communication thread and the optimizer's buckets' (hpcddp/comm/channel.py).
+        # The job's communication thread and the optimizer's buckets' (hpcddp/comm/mpi/gradient_channel.py).
         assert f"rank {rank} inspector=False threads=['hpcddp-buckets', 'hpcddp-mpi']" in result.stdout, result.stdout
 
 

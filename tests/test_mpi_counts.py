@@ -47,7 +47,7 @@ def test_a_training_step_makes_one_data_allreduce_per_bucket_and_one_small_check
     num_ranks, counting_library, tmp_path
 ):
     # The buckets run on a communicator of their own and the ranks agree once per step,
-    # before bucket 0 (hpcddp/comm/channel.py): 5 int64 MIN-reduced, whatever p. Before it,
+    # before bucket 0 (hpcddp/comm/mpi/gradient_channel.py): 5 int64 MIN-reduced, whatever p. Before it,
     # every bucket's allreduce was preceded by its own agreement: 2 collectives per bucket.
     buckets, steps, per_rank = count_calls(num_ranks, counting_library, tmp_path)
     assert buckets == 8

@@ -1,8 +1,8 @@
-"""How a rank waits for an MPI request (hpcddp.comm.waits): fake requests, no MPI."""
+"""How a rank waits for an MPI request (hpcddp.comm.mpi.waits): fake requests, no MPI."""
 
 import time
 
-from hpcddp.comm import waits
+from hpcddp.comm.mpi import waits
 
 
 class Request:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..comm.shared_bytes import PrivateBytes
+from ..comm.base import PrivateBytes
 from ..ddp.step_counters import keep_step_counters_on_cpu_
 from ..env.files import open_no_follow
 from .checksum import UNVERIFIED, checksum_problem

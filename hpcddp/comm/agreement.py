@@ -162,7 +162,7 @@ def continues_while_joined(calls: Sequence[CollectiveCall]) -> bool:
         and not any(c.error for c in active)
         and active[0].op == "allreduce"
         and active[0].reduce_op in (ReduceOp.SUM.value, ReduceOp.AVERAGE.value)
-        # A step of gradient buckets moves on a communicator of its own (``channel``) that a
+        # A step of gradient buckets moves on a communicator of its own (``hpcddp.comm.mpi.gradient_channel``) that a
         # rank waiting in join() does not take part in.
         and not _is_bucket(active[0])
     )

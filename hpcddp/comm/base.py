@@ -1,4 +1,4 @@
-"""The collective interface every backend implements, and the handles it returns."""
+"""The collective interface every backend implements, and the handles and buffers it returns."""
 
 from __future__ import annotations
 
@@ -8,14 +8,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from .reduction import ReduceOp, parse_op
-from .shared_bytes import PrivateBytes
 
 __all__ = [
+    "MESSAGE_PIECE_BYTES",
     "Communicator",
     "Handle",
+    "PrivateBytes",
     "ReduceOp",
     "completed",
     "even_splits",
@@ -24,6 +26,10 @@ __all__ = [
     "splits_error",
 ]
 
+
+#: bytes per MPI call: MPI counts elements in 32-bit ints, and Open MPI's reductions of
+#: larger messages hold several temporary copies (2.2 GB of fp16 grew a rank to 11.8 GB)
+MESSAGE_PIECE_BYTES = 256 * (1 << 20)
 
 _HOOKS_LOCK = threading.Lock()  # completion hooks are rare: one lock for all handles
 
@@ -181,6 +187,49 @@ def splits_error(splits, rows: int, size: int) -> str | None:
     return None
 
 
+class PrivateBytes:
+    """``nbytes`` bytes on every rank, filled by broadcasts of root's (any communicator).
+
+    What ``Communicator.share_bytes`` returns where the backend shares no memory (MPI's holds
+    the bytes once per node: ``hpcddp.comm.mpi.shared_window``)::
+
+        with comm.share_bytes(nbytes, root=0) as shared:   # collective
+            if comm.rank == 0:
+                fill(shared.array)                        # e.g. read a file into it
+            shared.share()                                # collective: root's bytes everywhere
+            use(shared.array)                             # read-only on every rank
+
+    Args:
+        comm: the ``Communicator`` (None: a world of one).
+        nbytes: the buffer's size, the same on every rank.
+        root: the rank that fills ``array`` before ``share()``.
+    """
+
+    def __init__(self, comm, nbytes: int, root: int) -> None:
+        self._comm, self._root = comm, root
+        #: the bytes (uint8); root writes them before ``share()``, every rank reads them after
+        self.array = np.empty(nbytes, dtype=np.uint8)
+
+    def share(self) -> None:
+        """Copy root's ``array`` into every rank's (collective)."""
+        if self._comm is None or self._comm.size == 1:
+            return
+        # In pieces: a GPU backend stages each piece on the device, not the whole buffer.
+        for start in range(0, len(self.array), MESSAGE_PIECE_BYTES):
+            piece = torch.from_numpy(self.array[start : start + MESSAGE_PIECE_BYTES])
+            self._comm.broadcast_async_(piece, self._root).wait()
+
+    def close(self) -> None:
+        """Release the buffer (collective where the backend shares memory)."""
+        self.array = np.empty(0, dtype=np.uint8)
+
+    def __enter__(self) -> PrivateBytes:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 class Communicator(abc.ABC):
     """Collectives over all ranks on torch tensors; one instance per backend.
 
@@ -254,7 +303,7 @@ class Communicator(abc.ABC):
         """Return a buffer of ``nbytes`` bytes that ``root`` fills and its ``share()`` copies to every rank.
 
         Collective, as are the buffer's ``share()`` and ``close()`` (or the end of its
-        ``with`` block); see ``hpcddp.comm.shared_bytes``. Backends that can share
+        ``with`` block); see ``PrivateBytes``. Backends that can share
         memory hold the bytes once per node.
 
         Args:
@@ -329,7 +378,7 @@ class Communicator(abc.ABC):
     def gradient_channel(self) -> Any:
         """Return a ``GradientChannel`` for one optimizer's buckets, or None: each bucket is then agreed on here.
 
-        Collective. MPI's (``hpcddp.comm.channel``) agrees once per step instead of once per bucket.
+        Collective. MPI's (``hpcddp.comm.mpi.gradient_channel``) agrees once per step instead of once per bucket.
         """
         return None
 

@@ -34,7 +34,7 @@ COLLECTIVES = {
     "gather_object": "every rank's picklable object to root",
     "share_bytes": "root's bytes into one buffer per node, or per rank (checkpoint load)",
     "split": "make a communicator over some of the ranks",
-    "duplicate": "make a communicator over the same ranks (an optimizer's gradient buckets: ``channel``)",
+    "duplicate": "make a communicator over the same ranks (an optimizer's gradient buckets: ``hpcddp.comm.mpi.gradient_channel``)",
     "join": "stand in for a rank that ran out of data (Horovod's join)",
 }
 

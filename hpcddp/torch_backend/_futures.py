@@ -10,7 +10,7 @@ shapes agree. ``OrderedFuture`` fixes the point instead: ``then`` and
 ``add_done_callback`` queue the callback on the communicator's engine where they are
 called, in program order, so it runs on the runner after the work and before anything
 submitted after the attaching call, on every rank alike (rule 3 of
-``hpcddp.comm.engine``). When nothing is queued (the usual case for a future that has
+``hpcddp.comm.mpi.engine``). When nothing is queued (the usual case for a future that has
 completed) the callback runs at once in the attaching thread, as torch runs it. Its ``wait()`` on the runner runs the queue up to it, so a
 callback may wait for a work submitted later without waiting for itself.
 
@@ -57,7 +57,7 @@ class OrderedFuture(torch.futures.Future):
     """A torch future completed on an engine's runner, right after ``handle``.
 
     Args:
-        handle: the engine handle (``hpcddp.comm.engine.EngineHandle``) whose
+        handle: the engine handle (``hpcddp.comm.mpi.engine.EngineHandle``) whose
             completion precedes this future's; may be set after construction, before
             the future is handed out.
         devices: the CUDA devices of its tensors (a stream-safe CUDA future); None or

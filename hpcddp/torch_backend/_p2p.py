@@ -1,6 +1,6 @@
-"""send/recv for ``ProcessGroupHPCDDP``: the communicator's point-to-point messages (``hpcddp.comm.p2p``).
+"""send/recv for ``ProcessGroupHPCDDP``: the communicator's point-to-point messages (``hpcddp.comm.mpi.p2p``).
 
-Point-to-point messages do not go through the queue (rule 6 of ``hpcddp.comm.engine``):
+Point-to-point messages do not go through the queue (rule 6 of ``hpcddp.comm.mpi.engine``):
 a rank that posts isend then irecv while its peer does the same must not block in the
 first. The same protocol as hpcddp's own ``send_async``/``recv_async_``, so the two
 APIs' messages match.

@@ -2,7 +2,7 @@
 
 Its collectives are the communicator's (``hpcddp.comm.mpi``): this module checks torch's
 arguments and names them in messages, the communicator plans the transfer and runs it on
-its Engine like any other (``hpcddp.comm.engine``): the same queue and runner, the same
+its Engine like any other (``hpcddp.comm.mpi.engine``): the same queue and runner, the same
 agreement first, the same transfer where the transfer is the same (an ``all_reduce``
 here and ``hpcddp.allreduce_`` on another rank match and give the right sum). Its Works
 complete their torch futures on the runner, so torch DDP's bucket callbacks run there
@@ -10,8 +10,8 @@ and a comm hook that issues further collectives (PowerSGD) has them run at once,
 
 A group made with a ``timeout=`` other than torch's default fails a collective that the
 other ranks do not join in time with "Timed out", and every later operation on it
-(rule 9 of ``hpcddp.comm.engine``); ``monitored_barrier`` is gloo's, over the
-communicator's messages (``hpcddp.comm.monitored``).
+(rule 9 of ``hpcddp.comm.mpi.engine``); ``monitored_barrier`` is gloo's, over the
+communicator's messages (``hpcddp.comm.mpi.monitored_barrier``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from ..comm.engine import Collective
-from ..comm.p2p import describe_tensors as describe
+from ..comm.mpi.engine import Collective
+from ..comm.mpi.p2p import describe_tensors as describe
 from ..comm.reduction import from_torch
 from ._compile import run_eagerly_under_compile
 from ._exchange import ExchangeCollectives, like

@@ -18,7 +18,7 @@
   ``_new_process_group_helper`` to see it while the group is made. With
   HPCDDP_GROUP_TIMEOUTS=1 (else a warning: see ``_seconds``), a group whose
   timeout is not torch's default fails a collective the other ranks do not join in
-  time, and is unusable after that (rule 9 of ``hpcddp.comm.engine``). That failure
+  time, and is unusable after that (rule 9 of ``hpcddp.comm.mpi.engine``). That failure
   belongs to a communicator: the default group's timeout is the job's communicator's
   (hpcddp's own collectives share its order, and so its timeout, until the group is
   destroyed); every ``new_group`` has its own communicator, so a timed-out

@@ -102,7 +102,7 @@ def test_two_optimizers_buckets_reached_in_another_order_on_a_rank_raise_instead
 
 
 def test_different_bucket_sizes_fail_at_construction_naming_the_knobs():
-    # Buckets are not compared one by one (hpcddp/comm/channel.py): their layout is, when built.
+    # Buckets are not compared one by one (hpcddp/comm/mpi/gradient_channel.py): their layout is, when built.
     net = model(hidden=32)
     cap = 0.001 if last() else 25.0
 

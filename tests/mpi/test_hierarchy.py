@@ -7,8 +7,8 @@ import torch
 
 import hpcddp
 from hpcddp.comm.base import ReduceOp
-from hpcddp.comm.hierarchy import NodeHierarchy
 from hpcddp.comm.mpi import MPICommunicator
+from hpcddp.comm.mpi.hierarchy import NodeHierarchy
 from hpcddp.env.mpi_import import import_mpi
 
 

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-import hpcddp.comm.shared_bytes as shared_bytes
+import hpcddp.comm.base as base
+import hpcddp.comm.mpi.shared_window as shared_window
 from hpcddp.comm.mpi import MPICommunicator
 from hpcddp.env.mpi_import import import_mpi
 
@@ -33,7 +34,7 @@ def test_roots_bytes_reach_every_rank_through_one_buffer_per_node(comm, monkeypa
     root = comm.size - 1 if root == "last" else 0  # "last": not its node's first rank when nodes hold 2
     node = comm.mpi_comm.Split(comm.rank // ranks_per_node, comm.rank)  # nodes of ranks_per_node ranks
     monkeypatch.setattr(comm, "node_comm", lambda: node)
-    monkeypatch.setattr(shared_bytes, "for_each_piece", lambda a: [a[i : i + 1000] for i in range(0, len(a), 1000)])
+    monkeypatch.setattr(shared_window, "for_each_piece", lambda a: [a[i : i + 1000] for i in range(0, len(a), 1000)])
     nbytes = 4321
     try:
         with comm.share_bytes(nbytes, root) as shared:
@@ -49,9 +50,9 @@ def test_roots_bytes_reach_every_rank_through_one_buffer_per_node(comm, monkeypa
 
 
 def test_private_buffers_are_filled_in_pieces_by_broadcasts(comm, monkeypatch):
-    monkeypatch.setattr(shared_bytes, "MESSAGE_PIECE_BYTES", 1000)
+    monkeypatch.setattr(base, "MESSAGE_PIECE_BYTES", 1000)
     root = comm.size - 1
-    with shared_bytes.PrivateBytes(comm, 4321, root) as shared:
+    with base.PrivateBytes(comm, 4321, root) as shared:
         fill_on_root_and_check(shared, comm.rank == root, 4321)
 
 
@@ -68,9 +69,9 @@ def test_without_room_for_a_window_each_rank_gets_its_own_copy_and_one_warning_p
     node = comm.mpi_comm.Split(comm.rank // ranks_per_node, comm.rank)
     monkeypatch.setattr(comm, "node_comm", lambda: node)
     monkeypatch.delenv("OMPI_MCA_osc_sm_backing_directory", raising=False)
-    monkeypatch.setattr(shared_bytes, "free_bytes", lambda directory: 1000)  # e.g. Docker's 64 MB /dev/shm
-    monkeypatch.setattr(shared_bytes, "allocate_window", lambda *args: pytest.fail("a window without room"))
-    monkeypatch.setattr(shared_bytes, "for_each_piece", lambda a: [a[i : i + 1000] for i in range(0, len(a), 1000)])
+    monkeypatch.setattr(shared_window, "free_bytes", lambda directory: 1000)  # e.g. Docker's 64 MB /dev/shm
+    monkeypatch.setattr(shared_window, "allocate_window", lambda *args: pytest.fail("a window without room"))
+    monkeypatch.setattr(shared_window, "for_each_piece", lambda a: [a[i : i + 1000] for i in range(0, len(a), 1000)])
     nbytes, root = 4321, comm.size - 1
     try:
         with comm.share_bytes(nbytes, root) as shared:
@@ -100,7 +101,7 @@ def test_a_window_that_fails_on_one_rank_fails_on_every_rank(comm, monkeypatch):
             raise MPI.Exception(MPI.ERR_OTHER)
         return window
 
-    monkeypatch.setattr(shared_bytes, "allocate_window", allocate)
+    monkeypatch.setattr(shared_window, "allocate_window", allocate)
     with pytest.raises(
         RuntimeError, match=rf"rank {comm.size - 1} could not allocate 0.0 MiB to share .*MPI_ERR_OTHER"
     ):

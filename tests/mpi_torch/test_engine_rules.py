@@ -1,4 +1,4 @@
-"""The rules of hpcddp.comm.engine as users meet them: two APIs on one communicator, torch's comm
+"""The rules of hpcddp.comm.mpi.engine as users meet them: two APIs on one communicator, torch's comm
 hooks that issue collectives from future callbacks, messages that complete by themselves,
 groups that come and go. References: gloo over the same ranks, plain arithmetic.
 """

@@ -1,4 +1,4 @@
-"""monitored_barrier and group timeouts on the hpcddp backend, beside gloo's (see hpcddp.comm.monitored).
+"""monitored_barrier and group timeouts on the hpcddp backend, beside gloo's (see hpcddp.comm.mpi.monitored_barrier).
 
 A failed gloo monitored_barrier leaves the ranks' gloo tags out of step for good, so
 every gloo comparison here runs on a gloo group of its own, never used again.
@@ -43,7 +43,7 @@ def test_a_missing_rank_is_named_by_rank_0_and_the_others_hear_of_it(backend):
 
 @pytest.mark.parametrize("backend", ["hpcddp", "gloo"])
 def test_a_rank_later_than_the_timeout_raises_soon_after_it_comes_and_every_other_rank_at_the_timeout(backend):
-    # Its own group: the late rank's check-in may stay behind in it (see hpcddp.comm.monitored).
+    # Its own group: the late rank's check-in may stay behind in it (see hpcddp.comm.mpi.monitored_barrier).
     group = dist.new_group(backend=backend)
     rank, late = dist.get_rank(), last_rank()
     if rank == late:

@@ -1,4 +1,4 @@
-"""How a communicator waits for MPI requests (rule 7 of ``hpcddp.comm.engine``) and gives up at its timeout (rule 9).
+"""How a communicator waits for MPI requests (rule 7 of ``hpcddp.comm.mpi.engine``) and gives up at its timeout (rule 9).
 
 MPI cannot cancel a collective request, and freeing a pending one is erroneous, so a
 request given up at a timeout (``abandon``) is kept, with its buffers, for the life of
@@ -31,7 +31,7 @@ _ABANDONED: list = []
 
 
 class Receives(Protocol):
-    """The point-to-point layer as a wait sees it (``hpcddp.comm.p2p.PointToPoint``)."""
+    """The point-to-point layer as a wait sees it (``hpcddp.comm.mpi.p2p.PointToPoint``)."""
 
     def progress(self) -> None: ...
 

@@ -18,12 +18,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import oplog
-from .agreement import CollectiveCall
-from .dtypes import DTYPES, dtype_name, mpi_datatype
+from .. import oplog
+from ..agreement import CollectiveCall
+from ..dtypes import DTYPES, dtype_name, mpi_datatype
+from ..reduction import ReduceOp, check_reducible, divide_average_, mpi_op
 from .engine import Collective
 from .hierarchy import HIERARCHY_MIN_BYTES
-from .reduction import ReduceOp, check_reducible, divide_average_, mpi_op
 
 __all__ = ["SMALL_BYTES", "SmallAllreduces"]
 

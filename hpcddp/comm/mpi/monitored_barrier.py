@@ -7,7 +7,7 @@ or with ``wait_all_ranks`` all of them), then answers the ranks whose check-in c
 waiting out their own timeout. A rank other than 0 waits for its answer as long as its
 group's timeout (gloo waits as long), because rank 0 may start late.
 
-The messages are hpcddp's own (``hpcddp.comm.p2p``), outside the collectives' queue, on
+The messages are hpcddp's own (``hpcddp.comm.mpi.p2p``), outside the collectives' queue, on
 a tag from ``PointToPoint.reserved_tag`` that no user message can carry. Ranks do not
 number their calls alike (a rank that skipped a failed barrier would be a call behind
 for good, as gloo's per-rank tags leave it): each check-in carries its rank's own call

@@ -1,4 +1,4 @@
-"""The agreement every collective starts with (rule 4 of ``hpcddp.comm.engine``) and the timeout measured there (rule 9).
+"""The agreement every collective starts with (rule 4 of ``hpcddp.comm.mpi.engine``) and the timeout measured there (rule 9).
 
 The agreement is where a rank waits for late ranks before any data moves, so a
 group's timeout is measured there: with ``timeout`` set it runs even when checks are
@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from .agreement import CollectiveCall, agreement_vector, continues_while_joined, mismatch_error, some_joined
+from ..agreement import CollectiveCall, agreement_vector, continues_while_joined, mismatch_error, some_joined
 from .waits import Receives, abandon, describe_members, timed_out, wait_for_request
 
 __all__ = ["Agreement"]

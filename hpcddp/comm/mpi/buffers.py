@@ -7,7 +7,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .dtypes import DTYPES, host_array, mpi_datatype, numpy_view
+from ..base import MESSAGE_PIECE_BYTES
+from ..dtypes import DTYPES, host_array, mpi_datatype, numpy_view
 
 __all__ = [
     "bytes_view",
@@ -24,11 +25,6 @@ __all__ = [
     "staged_async",
     "write_back",
 ]
-
-MB = 1 << 20
-#: bytes per MPI call: MPI counts elements in 32-bit ints, and Open MPI's reductions of
-#: larger messages hold several temporary copies (2.2 GB of fp16 grew a rank to 11.8 GB)
-MESSAGE_PIECE_BYTES = 256 * MB
 
 
 def bytes_view(tensor: torch.Tensor) -> np.ndarray:

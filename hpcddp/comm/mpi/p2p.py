@@ -1,6 +1,6 @@
 """Point-to-point messages on a communicator: a header, then the data, outside the queue.
 
-Rule 6 of ``hpcddp.comm.engine``: a send or receive is a set of non-blocking requests
+Rule 6 of ``hpcddp.comm.mpi.engine``: a send or receive is a set of non-blocking requests
 posted by the calling thread, never queued behind collectives (a rank that posts isend
 then irecv while its peer does the same must not block in the first). Every message
 starts with a small header (dtype, shape, and the tag its data travels under), sent
@@ -28,11 +28,11 @@ import time
 
 import torch
 
-from . import oplog
-from ._mpi_buffers import staged
-from .agreement import CollectiveMismatchError
-from .base import Handle
-from .dtypes import dtype_name, host_array
+from .. import oplog
+from ..agreement import CollectiveMismatchError
+from ..base import Handle
+from ..dtypes import dtype_name, host_array
+from .buffers import staged
 
 __all__ = ["Message", "PointToPoint", "describe_tensors"]
 

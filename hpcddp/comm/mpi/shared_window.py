@@ -1,12 +1,6 @@
-"""Bytes that one rank fills and every rank reads: a buffer per rank, or one per node over MPI.
+"""Bytes that one rank fills and every rank reads, held once per node in MPI shared memory.
 
-    with comm.share_bytes(nbytes, root=0) as shared:   # collective
-        if comm.rank == 0:
-            fill(shared.array)                        # e.g. read a file into it
-        shared.share()                                # collective: root's bytes everywhere
-        use(shared.array)                             # read-only on every rank
-
-On MPI the buffer is one shared-memory window per node (``MPI_Win_allocate_shared`` on
+The buffer is one shared-memory window per node (``MPI_Win_allocate_shared`` on
 the node's ranks): root's node holds root's bytes, the first rank of each other node
 receives them (one ``MPI_Bcast`` between nodes, in pieces MPI can count) and the
 node's other ranks read that memory, so a node holds the bytes once, not once per
@@ -14,7 +8,7 @@ rank. A node whose shared-memory directory (``/dev/shm``, see
 ``hpcddp.env.shared_memory``) lacks room for the window gives each of its ranks its
 own buffer instead, with one warning, and broadcasts into them on the node; a window
 that still fails to allocate raises the same error on every rank. Other backends
-give each rank its own buffer and broadcast into it.
+give each rank its own buffer and broadcast into it (``hpcddp.comm.base.PrivateBytes``).
 """
 
 from __future__ import annotations
@@ -23,13 +17,13 @@ import logging
 import mmap
 
 import numpy as np
-import torch
 
-from ..env.mpi_import import import_mpi
-from ..env.shared_memory import BACKING_DIRECTORY_KNOB, free_bytes, window_backing_directory
-from ._mpi_buffers import MESSAGE_PIECE_BYTES, for_each_piece
+from ...env.mpi_import import import_mpi
+from ...env.shared_memory import BACKING_DIRECTORY_KNOB, free_bytes, window_backing_directory
+from ..base import PrivateBytes
+from .buffers import for_each_piece
 
-__all__ = ["NodeSharedBytes", "PrivateBytes", "allocate_window"]
+__all__ = ["NodeSharedBytes", "allocate_window"]
 
 log = logging.getLogger("hpcddp")
 
@@ -71,40 +65,6 @@ def allocate_window(MPI, nbytes: int, node):
         node: the node's communicator.
     """
     return MPI.Win.Allocate_shared(nbytes, 1, comm=node)
-
-
-class PrivateBytes:
-    """``nbytes`` bytes on every rank, filled by broadcasts of root's (any communicator).
-
-    Args:
-        comm: the ``Communicator`` (None: a world of one).
-        nbytes: the buffer's size, the same on every rank.
-        root: the rank that fills ``array`` before ``share()``.
-    """
-
-    def __init__(self, comm, nbytes: int, root: int) -> None:
-        self._comm, self._root = comm, root
-        #: the bytes (uint8); root writes them before ``share()``, every rank reads them after
-        self.array = np.empty(nbytes, dtype=np.uint8)
-
-    def share(self) -> None:
-        """Copy root's ``array`` into every rank's (collective)."""
-        if self._comm is None or self._comm.size == 1:
-            return
-        # In pieces: a GPU backend stages each piece on the device, not the whole buffer.
-        for start in range(0, len(self.array), MESSAGE_PIECE_BYTES):
-            piece = torch.from_numpy(self.array[start : start + MESSAGE_PIECE_BYTES])
-            self._comm.broadcast_async_(piece, self._root).wait()
-
-    def close(self) -> None:
-        """Release the buffer (collective where the backend shares memory)."""
-        self.array = np.empty(0, dtype=np.uint8)
-
-    def __enter__(self) -> PrivateBytes:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class NodeSharedBytes(PrivateBytes):

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Communicator, Handle, ReduceOp
+from ..base import Communicator, Handle, ReduceOp
 from .engine import Collective
 
 __all__ = ["GradientChannel"]

@@ -7,9 +7,9 @@ torch future callbacks, the stall inspector). There is one road: hpcddp's collec
 and the Horovod API (``hpcddp.horovod``) call the ``Communicator`` interface; the
 torch.distributed backend ``"hpcddp"``/``"mpi"`` (``hpcddp.torch_backend``) checks
 torch's arguments and calls the MPI communicator's ``plan_*`` methods. Either way
-``MPICommunicator`` plans each collective (its MPI calls, staging, names from ``names``,
-ops from ``reduction``, dtypes from ``dtypes``) and hands it to its ``Engine`` with
-``start`` or ``run``. No module outside ``hpcddp.comm`` makes MPI calls on a communicator.
+``MPICommunicator`` plans each collective (its MPI calls, staging, names from ``hpcddp.comm.names``,
+ops from ``hpcddp.comm.reduction``, dtypes from ``hpcddp.comm.dtypes``) and hands it to its ``Engine`` with
+``start`` or ``run``. No module outside ``hpcddp.comm.mpi`` makes MPI calls on a communicator.
 These rules hold for every collective on the road:
 
 1. **One runner.** On each communicator at most one thread at a time, the *runner*,
@@ -30,7 +30,7 @@ These rules hold for every collective on the road:
    on the runner runs queued operations, in order, until its own completes, so a
    callback that waits for a later work never waits for itself.
 4. **Every collective agrees first.** Before moving data the ranks compare what each
-   is about to run (op, shapes, dtypes, root, reduce op, splits: ``agreement``) with
+   is about to run (op, shapes, dtypes, root, reduce op, splits: ``hpcddp.comm.agreement``) with
    one small non-blocking allreduce (``MPI_Iallreduce``), the same primitive for every
    API and every operation (gradient buckets, barriers and object collectives
    included). Two APIs that disagree on one communicator therefore raise
@@ -39,7 +39,7 @@ These rules hold for every collective on the road:
    every rank raises it. ``check_collectives=False`` turns the step off (a rank's own
    argument errors then raise on that rank alone, before anything is sent). One
    communicator is checked another way: an optimizer's ``GradientChannel`` carries its
-   buckets alone and agrees once per step, on its parent (``channel``); its
+   buckets alone and agrees once per step, on its parent (``gradient_channel``); its
    collectives wait for that agreement (``Engine.gate``) and raise its error.
 5. **Completion on the runner.** A handle is completed (result or exception) by the
    runner after the operation's last MPI call; its ``on_done`` (a torch future's
@@ -67,7 +67,7 @@ These rules hold for every collective on the road:
 9. **A timeout fails the communicator for good** (``agreement.timeout``, a torch group's
    ``timeout=``): an agreement the other ranks do not join in time raises "Timed out",
    and every later operation raises the same error instead of pairing with the wrong
-   one (``hpcddp.comm.agreeing``). No thread stays behind, so exiting does not wait.
+   one (``hpcddp.comm.mpi.agreeing``). No thread stays behind, so exiting does not wait.
 """
 
 from __future__ import annotations
@@ -79,12 +79,12 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from . import oplog
-from ._mpi_buffers import explain_failure
+from .. import oplog
+from ..agreement import CollectiveCall
+from ..base import Handle
+from ..dtypes import dtype_name
 from .agreeing import Agreement
-from .agreement import CollectiveCall
-from .base import Handle
-from .dtypes import dtype_name
+from .buffers import explain_failure
 from .waits import wait_for_request
 
 __all__ = ["Collective", "Engine", "EngineHandle", "wait_for_request"]
@@ -115,7 +115,7 @@ class Collective(NamedTuple):
     tensor: Any = None
     #: what every rank agrees on first (rule 4); None: checks are off, or the body agrees itself
     call: CollectiveCall | None = None
-    #: how the log names it, made by the planner (``_mpi_small`` keeps one per signature); None: from ``tensor``
+    #: how the log names it, made by the planner (``small_allreduce`` keeps one per signature); None: from ``tensor``
     desc: oplog.Descriptor | None = None
 
 
@@ -166,7 +166,7 @@ class Engine:
         self._runner: int | None = None
         self._closed = False
         #: the agreement on another communicator that collectives submitted from now on wait
-        #: for, and whose error they raise without an MPI call (``hpcddp.comm.channel``)
+        #: for, and whose error they raise without an MPI call (``hpcddp.comm.mpi.gradient_channel``)
         self.gate: Handle | None = None
         self._thread = threading.Thread(target=self._serve, name=f"hpcddp-{name}", daemon=True)
         self._thread.start()
