@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from hpcddp.comm import oplog
-from hpcddp.comm.oplog import Descriptor, OperationLog, collective_tag, patient_collectives
+from hpcddp.comm.oplog import Descriptor, OperationLog, patient_collectives
 from hpcddp.fault.stall import explain_stall
 from hpcddp.fault.stall.report import exit_reason
 from hpcddp.fault.stall.verdict import Exit, judge, stable
@@ -225,8 +225,7 @@ def test_a_rank_that_does_not_answer_but_uses_the_cpu_is_only_slow():
 
 def test_log_numbers_operations_as_they_start_and_carries_their_tags():
     log = OperationLog("k", (0, 1))
-    with collective_tag("bucket 0 of step 5", 5):
-        pending = oplog.describe("allreduce", (3,), "float32")
+    pending = oplog.describe("allreduce", (3,), "float32", tag="bucket 0 of step 5", step=5)
     first = log.start(oplog.describe("barrier"))
     second = log.start(pending)
     assert (first, second) == (1, 2)
@@ -239,6 +238,8 @@ def test_log_numbers_operations_as_they_start_and_carries_their_tags():
     assert log.running() == (None, 0.0)
     with patient_collectives():
         assert oplog.describe("broadcast_object").patient
+        assert oplog.is_patient()
+    assert not oplog.is_patient()
 
 
 def test_rank_status_shows_waits_messages_and_closed_communicators():

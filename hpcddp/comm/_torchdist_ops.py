@@ -108,8 +108,21 @@ class TorchDistOps:
         padded[: source.shape[0]] = source
         return padded
 
-    def _verify(self, check: str | None, op: str, tensor=None, error: str | None = None, **fields) -> None:
-        """Run the agreement check when asked (raising on every rank); else raise ``error`` here."""
+    def _verify(
+        self,
+        check: str | None,
+        op: str,
+        tensor=None,
+        error: str | None = None,
+        *,
+        tag: str = "",
+        step: int | None = None,
+        **fields,
+    ) -> None:
+        """Run the agreement check when asked (raising on every rank); else raise ``error`` here.
+
+        ``tag`` and ``step`` label the agreement's collectives in the log (stall reports).
+        """
         if not self._checking(check):
             if error is not None:
                 raise ValueError(error)
@@ -118,10 +131,10 @@ class TorchDistOps:
         vector = torch.tensor(agreement_vector(call), dtype=torch.int64, device=self.device)
         # Tracked, so that the stall inspector sees a rank that never joins the agreement (one that exited).
         work = dist.all_reduce(vector, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
-        self._track(work, "agreement", vector)
+        self._track(work, "agreement", vector, tag=tag, step=step)
         work.wait()
         if disagrees(vector.tolist()):
-            raise mismatch_error(self.allgather_object(call))
+            raise mismatch_error(self._gather_objects(call, tag=tag, step=step))
 
     def reduce_async_(self, tensor: torch.Tensor, op: ReduceOp, root: int, *, check: str | None = None) -> Handle:
         check_average(tensor.dtype, op)
@@ -198,32 +211,45 @@ class TorchDistOps:
         return self._handle(work, "scatter", received, received).then(finish)
 
     def reducescatter_async(
-        self, tensor: torch.Tensor, op: ReduceOp, splits: list[int] | None = None, *, check: str | None = None
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp,
+        splits: list[int] | None = None,
+        *,
+        check: str | None = None,
+        tag: str = "",
+        step: int | None = None,
     ) -> Handle:
         if tensor.dim() == 0:
             raise ValueError("reducescatter needs a tensor with at least one dimension, got a scalar")
         check_average(tensor.dtype, op)
         splits = even_splits(tensor.shape[0], self.size) if splits is None else as_splits(splits)
         error = splits_error(splits, tensor.shape[0], self.size)
-        self._verify(check, "reducescatter", tensor, reduce_op=op, splits=splits, error=error)
+        self._verify(check, "reducescatter", tensor, error, tag=tag, step=step, reduce_op=op, splits=splits)
         # gloo has no reduce_scatter and NCCL's wants equal pieces: reduce all, keep this rank's rows.
         full = tensor.detach().to(self.device, copy=True).contiguous()
         work = dist.all_reduce(full, op=self._torch_op(op), group=self.group, async_op=True)
         start = sum(splits[: self.rank])
-        handle = self._handle(work, "reducescatter", full, full)
+        handle = self._handle(work, "reducescatter", full, full, tag=tag, step=step)
         if self._divides_after(op):
             handle.then(lambda out: out.div_(self.size))
         return handle.then(lambda out: out.narrow(0, start, splits[self.rank]).clone().to(tensor.device))
 
     def alltoall_async(
-        self, tensor: torch.Tensor, splits: list[int] | None = None, *, check: str | None = None
+        self,
+        tensor: torch.Tensor,
+        splits: list[int] | None = None,
+        *,
+        check: str | None = None,
+        tag: str = "",
+        step: int | None = None,
     ) -> Handle:
         if tensor.dim() == 0:
             raise ValueError("alltoall needs a tensor with at least one dimension, got a scalar")
         source = self._on_device(tensor.detach())
         rows = source.shape[0]
         splits, error = alltoall_splits(splits, rows, self.size)
-        self._verify(check, "alltoall", source, error=error)
+        self._verify(check, "alltoall", source, error=error, tag=tag, step=step)
         sent = torch.tensor(splits, dtype=torch.int64, device=self.device)
         received = torch.empty_like(sent)
         self._keep(dist.all_to_all_single(received, sent, group=self.group, async_op=True)).wait()
@@ -232,7 +258,7 @@ class TorchDistOps:
         work = dist.all_to_all_single(
             out, source, output_split_sizes=received_rows, input_split_sizes=splits, group=self.group, async_op=True
         )
-        handle = self._handle(work, "alltoall", source, out)
+        handle = self._handle(work, "alltoall", source, out, tag=tag, step=step)
         return handle.then(lambda res: (res.to(tensor.device), received.cpu()))
 
     def send_async(self, tensor: torch.Tensor, dest: int, tag: int = 0) -> Handle:

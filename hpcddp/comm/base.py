@@ -242,6 +242,11 @@ class Communicator(abc.ABC):
     disagreement every rank's handle raises CollectiveMismatchError and nothing is
     sent. None (the default, hpcddp's own bucket reductions) skips the check, as
     does ``check_collectives = False``.
+
+    The asynchronous ones the optimizer and the Horovod API start (allreduce, broadcast,
+    allgather, reducescatter, alltoall) also take keywords ``tag``, what the collective is
+    for ("bucket 2 of step 7", Horovod's ``name``: stall reports name it), and ``step``, the
+    training step it belongs to (compared across ranks, and reported).
     """
 
     #: backend name: "mpi", "gloo", "nccl" or "local"
@@ -262,7 +267,9 @@ class Communicator(abc.ABC):
         return check is not None and self.check_collectives and self.size > 1
 
     @abc.abstractmethod
-    def allreduce_async_(self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None) -> Handle:
+    def allreduce_async_(
+        self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None, tag: str = "", step: int | None = None
+    ) -> Handle:
         """Start reducing ``tensor`` in place across ranks."""
 
     def allreduce_(self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None) -> torch.Tensor:
@@ -276,11 +283,15 @@ class Communicator(abc.ABC):
         return self.allreduce_(tensor.clone(memory_format=torch.contiguous_format), op, check=check)
 
     @abc.abstractmethod
-    def broadcast_async_(self, tensor: torch.Tensor, root: int, *, check: str | None = None) -> Handle:
+    def broadcast_async_(
+        self, tensor: torch.Tensor, root: int, *, check: str | None = None, tag: str = "", step: int | None = None
+    ) -> Handle:
         """Start copying root's ``tensor`` into every rank's ``tensor``."""
 
     @abc.abstractmethod
-    def allgather_async(self, tensor: torch.Tensor, *, check: str | None = None) -> Handle:
+    def allgather_async(
+        self, tensor: torch.Tensor, *, check: str | None = None, tag: str = "", step: int | None = None
+    ) -> Handle:
         """Start concatenating every rank's ``tensor`` along dim 0 (first dims may differ)."""
 
     @abc.abstractmethod
@@ -327,7 +338,14 @@ class Communicator(abc.ABC):
         raise NotImplementedError(f"{self.name} communicator has no scatter")
 
     def reducescatter_async(
-        self, tensor: torch.Tensor, op: ReduceOp, splits: list[int] | None = None, *, check: str | None = None
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp,
+        splits: list[int] | None = None,
+        *,
+        check: str | None = None,
+        tag: str = "",
+        step: int | None = None,
     ) -> Handle:
         """Start reducing ``tensor`` and keep this rank's rows of the result.
 
@@ -340,7 +358,13 @@ class Communicator(abc.ABC):
         raise NotImplementedError(f"{self.name} communicator has no reducescatter")
 
     def alltoall_async(
-        self, tensor: torch.Tensor, splits: list[int] | None = None, *, check: str | None = None
+        self,
+        tensor: torch.Tensor,
+        splits: list[int] | None = None,
+        *,
+        check: str | None = None,
+        tag: str = "",
+        step: int | None = None,
     ) -> Handle:
         """Start sending ``splits[r]`` rows of ``tensor`` to each rank r; the result is
         ``(received rows concatenated in rank order, received splits as an int64 tensor)``.

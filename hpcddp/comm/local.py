@@ -27,14 +27,20 @@ class LocalCommunicator(Communicator):
         self._sent: dict[int, collections.deque] = collections.defaultdict(collections.deque)
         self._receiving: dict[int, collections.deque] = collections.defaultdict(collections.deque)
 
-    def allreduce_async_(self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None) -> Handle:
+    def allreduce_async_(
+        self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None, tag: str = "", step: int | None = None
+    ) -> Handle:
         return completed(tensor, "allreduce")
 
-    def broadcast_async_(self, tensor: torch.Tensor, root: int, *, check: str | None = None) -> Handle:
+    def broadcast_async_(
+        self, tensor: torch.Tensor, root: int, *, check: str | None = None, tag: str = "", step: int | None = None
+    ) -> Handle:
         self._check_rank(root, "root")
         return completed(tensor, "broadcast")
 
-    def allgather_async(self, tensor: torch.Tensor, *, check: str | None = None) -> Handle:
+    def allgather_async(
+        self, tensor: torch.Tensor, *, check: str | None = None, tag: str = "", step: int | None = None
+    ) -> Handle:
         return completed(tensor.detach().clone().reshape(-1, *tensor.shape[1:]), "allgather")
 
     def reduce_async_(self, tensor: torch.Tensor, op: ReduceOp, root: int, *, check: str | None = None) -> Handle:
@@ -59,7 +65,14 @@ class LocalCommunicator(Communicator):
         return completed(out.copy_(chunks[0].reshape(out.shape)), "scatter")
 
     def reducescatter_async(
-        self, tensor: torch.Tensor, op: ReduceOp, splits: list[int] | None = None, *, check: str | None = None
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp,
+        splits: list[int] | None = None,
+        *,
+        check: str | None = None,
+        tag: str = "",
+        step: int | None = None,
     ) -> Handle:
         if tensor.dim() == 0:
             raise ValueError("reducescatter needs a tensor with at least one dimension, got a scalar")
@@ -70,7 +83,13 @@ class LocalCommunicator(Communicator):
         return completed(tensor.detach().clone(), "reducescatter")
 
     def alltoall_async(
-        self, tensor: torch.Tensor, splits: list[int] | None = None, *, check: str | None = None
+        self,
+        tensor: torch.Tensor,
+        splits: list[int] | None = None,
+        *,
+        check: str | None = None,
+        tag: str = "",
+        step: int | None = None,
     ) -> Handle:
         if tensor.dim() == 0:
             raise ValueError("alltoall needs a tensor with at least one dimension, got a scalar")

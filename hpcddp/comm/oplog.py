@@ -24,17 +24,15 @@ from typing import NamedTuple
 __all__ = [
     "Descriptor",
     "OperationLog",
-    "collective_tag",
-    "current_tag",
     "describe",
     "is_collective_thread",
     "logs",
     "mark_collective_thread",
+    "is_patient",
     "patient_collectives",
     "rank_status",
     "register",
     "started_counts",
-    "submission_state",
     "wait_begins",
     "wait_ends",
     "unregister",
@@ -42,43 +40,26 @@ __all__ = [
 ]
 
 
-class _Tag(threading.local):
-    value: tuple[str, int | None] | None = None
+class _Patience(threading.local):
     patient = False
 
 
-_tag = _Tag()
-
-
-@contextlib.contextmanager
-def collective_tag(tag: str, step: int | None = None) -> Iterator[None]:
-    """Label the collectives submitted in this block (for stall reports).
-
-    Args:
-        tag: what the collective is for, e.g. "bucket 2 of step 7".
-        step: the training step it belongs to, compared across ranks.
-    """
-    previous = _tag.value
-    _tag.value = (tag, step)
-    try:
-        yield
-    finally:
-        _tag.value = previous
+_patience = _Patience()
 
 
 @contextlib.contextmanager
 def patient_collectives() -> Iterator[None]:
-    """Exempt the collectives submitted in this block from the stall timeout.
+    """Exempt the collectives submitted by this thread in this block from the stall timeout.
 
     For waits that are long by design, such as ranks waiting for rank 0 to write a
-    large checkpoint.
+    large checkpoint: a block of many collectives (of several APIs), not one call.
     """
-    previous = _tag.patient
-    _tag.patient = True
+    previous = _patience.patient
+    _patience.patient = True
     try:
         yield
     finally:
-        _tag.patient = previous
+        _patience.patient = previous
 
 
 class Descriptor(NamedTuple):
@@ -108,21 +89,23 @@ class Descriptor(NamedTuple):
         return text + (f" ({self.tag})" if self.tag else "")
 
 
-def current_tag() -> tuple[str, int | None]:
-    """The tag and step of ``collective_tag`` around this thread's submissions, or ("", None)."""
-    return _tag.value or ("", None)
+def is_patient() -> bool:
+    """True inside ``patient_collectives`` on this thread (``describe`` reads it: a cache key for planned descriptors)."""
+    return _patience.patient
 
 
-def submission_state() -> tuple:
-    """What ``describe`` reads from this thread now (tag, step, patience): a cache key for planned descriptors."""
-    return (_tag.value, _tag.patient)
+def describe(op: str, shape=None, dtype: str | None = None, *, tag: str = "", step: int | None = None) -> Descriptor:
+    """Return the descriptor of an operation submitted now by this thread (its patience included).
 
-
-def describe(op: str, shape=None, dtype: str | None = None) -> Descriptor:
-    """Return the descriptor of an operation submitted now by this thread (its tag and patience included)."""
+    Args:
+        op: the operation (``hpcddp.comm.names``).
+        shape: its tensor's shape, if any.
+        dtype: its tensor's dtype name, if any.
+        tag: what it is for, e.g. "bucket 2 of step 7" (stall reports name it).
+        step: the training step it belongs to, compared across ranks.
+    """
     mark_collective_thread()
-    tag, step = _tag.value or ("", None)
-    return Descriptor(0, op, None if shape is None else tuple(shape), dtype, tag, step, _tag.patient)
+    return Descriptor(0, op, None if shape is None else tuple(shape), dtype, tag, step, _patience.patient)
 
 
 # Thread objects, not idents: an ident is reused once its thread ends.

@@ -36,7 +36,6 @@ from typing import Any
 import torch
 
 from ..comm.base import Communicator, Handle, ReduceOp, ranks_text
-from ..comm.oplog import collective_tag
 from ..observe import timeline
 from .autograd_hooks import at_end_of_backward
 from .buckets import Bucket, adopt_grad, build_buckets, drop_unused_grads, probe_nonfinite
@@ -357,11 +356,12 @@ class Reducer:
             self._control.write(
                 bucket.control, self.has_data, self._saw_new_trainable, self._local_sums, stopped=self._stopped
             )
-        with collective_tag(f"bucket {index} of step {self.steps_taken}{self._owner}", self.steps_taken):
-            if index == 0 and self._channel is not None:
-                self._channel.open_step(bucket.buffer if bucket.wire is None else bucket.wire)
-            self.times.bucket_submit[index] = time.perf_counter()
-            self._handles.append(self._sender.start(bucket, self.num_reductions))
+        step = self.steps_taken
+        tag = f"bucket {index} of step {step}{self._owner}"
+        if index == 0 and self._channel is not None:
+            self._channel.open_step(bucket.buffer if bucket.wire is None else bucket.wire, tag=tag, step=step)
+        self.times.bucket_submit[index] = time.perf_counter()
+        self._handles.append(self._sender.start(bucket, self.num_reductions, tag=tag, step=step))
 
     # -- finishing ------------------------------------------------------------------------------
     def _finish(self, started: float) -> None:

@@ -29,13 +29,20 @@ class BucketSender:
         compressor = self.compressor
         self._codecs = [None if compressor is None else compressor.codec(b, self.comm) for b in buckets]
 
-    def start(self, bucket: Bucket, reduction: int) -> Handle:
-        """Start summing ``bucket`` over the ranks (reduction number ``reduction``)."""
+    def start(self, bucket: Bucket, reduction: int, *, tag: str, step: int) -> Handle:
+        """Start summing ``bucket`` over the ranks (reduction number ``reduction``).
+
+        Args:
+            bucket: the bucket, filled.
+            reduction: the reduction's number (compressors start after a few).
+            tag: its label, "bucket 2 of step 7" (stall reports, the step's agreement).
+            step: the optimizer's step it belongs to.
+        """
         codec = self._codecs[bucket.index]
-        handle = None if codec is None else codec.launch(reduction)
+        handle = None if codec is None else codec.launch(reduction, tag=tag, step=step)
         if handle is None:
             payload = bucket.buffer if bucket.wire is None else bucket.wire.copy_(bucket.buffer)
-            handle = self.comm.allreduce_async_(payload, ReduceOp.SUM)
+            handle = self.comm.allreduce_async_(payload, ReduceOp.SUM, tag=tag, step=step)
         return handle
 
     @staticmethod

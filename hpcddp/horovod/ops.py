@@ -7,7 +7,6 @@ from typing import Any
 import torch
 
 from ..comm.base import Handle, ReduceOp, parse_op
-from ..comm.oplog import collective_tag
 from .adasum import adasum_async, check_adasum
 from .basics import Adasum, Average, Sum
 from .compression import Compression
@@ -23,9 +22,14 @@ _in_flight: dict[str, Handle] = {}
 
 
 def start(name: str | None, launch) -> Handle:
-    """Run ``launch()`` (which starts a collective and returns its handle) under ``name``.
+    """Run ``launch(label)`` (which starts a collective and returns its handle) under ``name``.
 
     Raises ValueError, as Horovod does, while another operation of that name is in flight.
+
+    Args:
+        name: Horovod's ``name=`` argument, or None.
+        launch: starts the collective with ``label`` (``name`` or "") as its ``check`` and
+            ``tag``: the ranks agree under that name, and stall reports name it.
     """
     if name is not None:
         previous = _in_flight.get(name)
@@ -33,8 +37,7 @@ def start(name: str | None, launch) -> Handle:
             raise ValueError(
                 f"a collective named {name!r} is still in flight: synchronize it first or give this one another name"
             )
-    with collective_tag(name or ""):
-        handle = launch()
+    handle = launch(name or "")
     if name is not None:
         _in_flight[name] = handle
     return handle
@@ -78,9 +81,10 @@ def allreduce_handle(tensor, op: ReduceOp | str, name, prescale_factor, postscal
     integer_average = op is Average and not source.dtype.is_floating_point
     wire, ctx = compression.compress(source)
     if op is Adasum:
-        handle = start(name, lambda: adasum_async(comm, wire, check=name or ""))
+        handle = start(name, lambda label: adasum_async(comm, wire, check=label, tag=label))
     else:
-        handle = start(name, lambda: comm.allreduce_async_(wire, Sum if integer_average else op, check=name or ""))
+        reduce_op = Sum if integer_average else op
+        handle = start(name, lambda label: comm.allreduce_async_(wire, reduce_op, check=label, tag=label))
 
     def finish(out: torch.Tensor) -> torch.Tensor:
         out = compression.decompress(out, ctx)
@@ -152,7 +156,7 @@ def _grouped(tensors, op, name, prescale, postscale, in_place, process_set) -> H
         allreduce_handle(t, op, None if name is None else f"{name}.{i}", prescale, postscale, in_place, process_set)
         for i, t in enumerate(tensors)
     ]
-    return start(name, lambda: GroupHandle(handles, "grouped_allreduce"))
+    return start(name, lambda _label: GroupHandle(handles, "grouped_allreduce"))
 
 
 class GroupHandle(Handle):

@@ -22,7 +22,7 @@ __all__ = [
 def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle:
     """Start concatenating every rank's ``tensor`` along dim 0 (first dims may differ)."""
     comm = communicator_of(process_set)
-    return start(name, lambda: comm.allgather_async(tensor.detach(), check=name or ""))
+    return start(name, lambda label: comm.allgather_async(tensor.detach(), check=label, tag=label))
 
 
 class _Allgather(torch.autograd.Function):
@@ -51,7 +51,7 @@ def allgather(tensor, name=None, process_set=global_process_set) -> torch.Tensor
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> Handle:
     """Start one allgather per tensor; ``synchronize`` returns the list of results."""
     handles = [allgather_async(t, None if name is None else f"{name}.{i}", process_set) for i, t in enumerate(tensors)]
-    return start(name, lambda: GroupHandle(handles, "grouped_allgather"))
+    return start(name, lambda _label: GroupHandle(handles, "grouped_allgather"))
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set) -> list:
@@ -86,7 +86,8 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
     """Start overwriting ``tensor`` with root's in place (``root_rank`` is a global rank, as in Horovod)."""
     comm = communicator_of(process_set)
     root = set_rank(process_set, root_rank)
-    return start(name, lambda: comm.broadcast_async_(tensor.detach(), root, check=name or "")).then(lambda _: tensor)
+    handle = start(name, lambda label: comm.broadcast_async_(tensor.detach(), root, check=label, tag=label))
+    return handle.then(lambda _: tensor)
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
@@ -147,7 +148,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     if rows is not None and (len(rows) != comm.size or sum(rows) != (tensor.shape[0] if tensor.dim() else 1)):
         raise ValueError(f"splits must be {comm.size} row counts adding up to the first dimension, got {rows}")
     received_dtype = splits.dtype if isinstance(splits, torch.Tensor) else torch.int32
-    handle = start(name, lambda: comm.alltoall_async(tensor.detach(), rows, check=name or ""))
+    handle = start(name, lambda label: comm.alltoall_async(tensor.detach(), rows, check=label, tag=label))
     return handle.then(lambda out: (out[0], out[1].to(received_dtype)))
 
 
@@ -196,7 +197,8 @@ def _reducescatter_handle(tensor, op, name, process_set, prescale, postscale) ->
     if prescale != 1.0:
         source = scale_(source.clone(), prescale)
     integer_average = op is Average and not source.dtype.is_floating_point
-    handle = start(name, lambda: comm.reducescatter_async(source, Sum if integer_average else op, check=name or ""))
+    reduce_op = Sum if integer_average else op
+    handle = start(name, lambda label: comm.reducescatter_async(source, reduce_op, check=label, tag=label))
 
     def finish(out: torch.Tensor) -> torch.Tensor:
         if integer_average:
@@ -249,7 +251,7 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=glob
         )  # fmt: skip
         for i, t in enumerate(tensors)
     ]
-    return start(name, lambda: GroupHandle(handles, "grouped_reducescatter"))
+    return start(name, lambda _label: GroupHandle(handles, "grouped_reducescatter"))
 
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,

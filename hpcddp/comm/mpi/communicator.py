@@ -166,7 +166,15 @@ class MPICommunicator(Communicator):
 
     # -- plumbing: the one way in (hpcddp.comm.mpi.engine) ----------------------------------
     def call_for(
-        self, check: str | None, op: str, tensor=None, error: str | None = None, **fields
+        self,
+        check: str | None,
+        op: str,
+        tensor=None,
+        error: str | None = None,
+        *,
+        tag: str = "",
+        step: int | None = None,
+        **fields,
     ) -> CollectiveCall | None:
         """Return what the ranks agree on before ``op``, or None when checks are off (then ``error`` raises here).
 
@@ -175,13 +183,15 @@ class MPICommunicator(Communicator):
             op: the collective (``hpcddp.comm.names``).
             tensor: its tensor, or its tensors, if any.
             error: what is wrong with this rank's arguments: every rank raises it.
+            tag: what the collective is for (the optimizer's buckets: "bucket 2 of step 7"), named
+                in messages when ``check`` is empty.
+            step: the training step it belongs to, compared across ranks.
             fields: more for ``hpcddp.comm.agreement.describe_call`` (root, reduce_op, splits).
         """
         if not self.engine.agreement.runs or self.size == 1:
             if error is not None:
                 raise ValueError(error)
             return None
-        tag, step = oplog.current_tag()  # the optimizer's buckets: "bucket 2 of step 7", 7
         return describe_call(op, tensor, error=error, name=check or tag, step=step, **fields)
 
     def start(
@@ -280,7 +290,16 @@ class MPICommunicator(Communicator):
 
         return body
 
-    def plan_allreduce(self, tensors, op: ReduceOp, *, check: str | None = None, error: str | None = None):
+    def plan_allreduce(
+        self,
+        tensors,
+        op: ReduceOp,
+        *,
+        check: str | None = None,
+        error: str | None = None,
+        tag: str = "",
+        step: int | None = None,
+    ):
         """Return the in-place allreduce of ``tensors`` (a tensor, or a list of one dtype: one operation).
 
         Args:
@@ -288,18 +307,22 @@ class MPICommunicator(Communicator):
             op: the reduction.
             check: the tensor's name, for messages.
             error: what the caller found wrong with this rank's arguments: every rank raises it.
+            tag: what it is for, e.g. "bucket 2 of step 7" (stall reports).
+            step: the training step it belongs to, compared across ranks.
         """
         if error is None and self.size > 1:
-            small = self._small.plan(tensors, op, check)
+            small = self._small.plan(tensors, op, check, tag=tag, step=step)
             if small is not None:
                 return small
         if not isinstance(tensors, torch.Tensor) and len({t.dtype for t in tensors}) > 1:
             error = error or f"tensors of one dtype are reduced together, got {describe_tensors(tensors)}"
         make = functools.partial(self.allreduce_body, op=op)
-        return self.plan_each("allreduce", tensors, make, check=check, error=error, reduce_op=op)
+        return self.plan_each("allreduce", tensors, make, check=check, error=error, tag=tag, step=step, reduce_op=op)
 
-    def allreduce_async_(self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None) -> Handle:
-        return self.start(self.plan_allreduce(tensor, op, check=check))
+    def allreduce_async_(
+        self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None, tag: str = "", step: int | None = None
+    ) -> Handle:
+        return self.start(self.plan_allreduce(tensor, op, check=check, tag=tag, step=step))
 
     def allreduce_(self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None) -> torch.Tensor:
         return self.run(self.plan_allreduce(tensor, op, check=check))
@@ -341,20 +364,33 @@ class MPICommunicator(Communicator):
 
         return body
 
-    def plan_broadcast(self, tensors, root: int, *, check: str | None = None, error: str | None = None):
+    def plan_broadcast(
+        self,
+        tensors,
+        root: int,
+        *,
+        check: str | None = None,
+        error: str | None = None,
+        tag: str = "",
+        step: int | None = None,
+    ):
         """Return the broadcast of root's ``tensors`` (a tensor or a list: one operation) into every rank's."""
         self._check_root(root)
         make = functools.partial(self.broadcast_body, root=root)
-        return self.plan_each("broadcast", tensors, make, check=check, error=error, root=root)
+        return self.plan_each("broadcast", tensors, make, check=check, error=error, tag=tag, step=step, root=root)
 
-    def broadcast_async_(self, tensor: torch.Tensor, root: int, *, check: str | None = None) -> Handle:
-        return self.start(self.plan_broadcast(tensor, root, check=check))
+    def broadcast_async_(
+        self, tensor: torch.Tensor, root: int, *, check: str | None = None, tag: str = "", step: int | None = None
+    ) -> Handle:
+        return self.start(self.plan_broadcast(tensor, root, check=check, tag=tag, step=step))
 
-    def allgather_async(self, tensor: torch.Tensor, *, check: str | None = None) -> Handle:
+    def allgather_async(
+        self, tensor: torch.Tensor, *, check: str | None = None, tag: str = "", step: int | None = None
+    ) -> Handle:
         source = tensor.detach().cpu().contiguous()
         if source.dim() == 0:
             source = source.reshape(1)
-        call = self.call_for(check, "allgather", source)
+        call = self.call_for(check, "allgather", source, tag=tag, step=step)
         comm, MPI = self._comm, self._MPI
 
         def body() -> torch.Tensor:
@@ -364,7 +400,7 @@ class MPICommunicator(Communicator):
             comm.Allgatherv(bytes_view(source), [bytes_view(out), counts, displacements(counts), MPI.BYTE])
             return out.to(tensor.device)
 
-        return self.start(Collective("allgather", body, tensor, call))
+        return self.start(Collective("allgather", body, tensor, call, tag=tag, step=step))
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
         self._check_root(root)
@@ -460,7 +496,9 @@ class MPICommunicator(Communicator):
         make = functools.partial(self.reduce_body, op=op, root=root)
         return self.plan_each("reduce", tensors, make, check=check, error=error, root=root, reduce_op=op)
 
-    def plan_each(self, name: str, tensors, make_body, *, check, error, **fields) -> Collective:
+    def plan_each(
+        self, name: str, tensors, make_body, *, check, error, tag: str = "", step: int | None = None, **fields
+    ) -> Collective:
         """Return one collective over ``tensors`` (a tensor, or a list: one operation, one agreement).
 
         Args:
@@ -469,14 +507,16 @@ class MPICommunicator(Communicator):
             make_body: the runner's work for one tensor.
             check: the tensor's name, for messages.
             error: what the caller found wrong with this rank's arguments: every rank raises it.
+            tag: what it is for (stall reports).
+            step: the training step it belongs to, compared across ranks.
             fields: more for the agreement (root, reduce_op).
         """
         listed = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         error = error or next(filter(None, map(layout_error, listed)), None)
-        call = self.call_for(check, name, listed, error=error, **fields)
+        call = self.call_for(check, name, listed, error=error, tag=tag, step=step, **fields)
         bodies = [] if error else [make_body(t) for t in listed]
         body = bodies[0] if len(bodies) == 1 and listed[0] is tensors else _run_each(bodies, tensors)
-        return Collective(name, body, listed[0] if listed else None, call)
+        return Collective(name, body, listed[0] if listed else None, call, tag=tag, step=step)
 
     def reduce_body(self, tensor: torch.Tensor, op: ReduceOp, root: int):
         """Return the runner's work for reducing ``tensor`` onto ``root`` (the others' tensors stay)."""
@@ -564,7 +604,14 @@ class MPICommunicator(Communicator):
         return self.start(Collective("scatter", body, out, call))
 
     def reducescatter_async(
-        self, tensor: torch.Tensor, op: ReduceOp, splits: list[int] | None = None, *, check: str | None = None
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp,
+        splits: list[int] | None = None,
+        *,
+        check: str | None = None,
+        tag: str = "",
+        step: int | None = None,
     ) -> Handle:
         if tensor.dim() == 0:
             raise ValueError("reducescatter needs a tensor with at least one dimension, got a scalar")
@@ -572,7 +619,7 @@ class MPICommunicator(Communicator):
         rows = tensor.shape[0]
         splits = even_splits(rows, self.size) if splits is None else as_splits(splits)
         error = splits_error(splits, rows, self.size)
-        call = self.call_for(check, "reducescatter", tensor, reduce_op=op, splits=splits, error=error)
+        call = self.call_for(check, "reducescatter", tensor, error, tag=tag, step=step, reduce_op=op, splits=splits)
         buf = staged(tensor)
         row_numel = int(np.prod(tensor.shape[1:], dtype=np.int64))
         out = torch.empty((splits[self.rank], *tensor.shape[1:]), dtype=tensor.dtype) if error is None else None
@@ -584,17 +631,23 @@ class MPICommunicator(Communicator):
             divide_average_(out, op, self.size)
             return out.to(tensor.device)
 
-        return self.start(Collective("reducescatter", body, tensor, call))
+        return self.start(Collective("reducescatter", body, tensor, call, tag=tag, step=step))
 
     def alltoall_async(
-        self, tensor: torch.Tensor, splits: list[int] | None = None, *, check: str | None = None
+        self,
+        tensor: torch.Tensor,
+        splits: list[int] | None = None,
+        *,
+        check: str | None = None,
+        tag: str = "",
+        step: int | None = None,
     ) -> Handle:
         if tensor.dim() == 0:
             raise ValueError("alltoall needs a tensor with at least one dimension, got a scalar")
         source = tensor.detach().cpu().contiguous()
         rows = source.shape[0]
         splits, error = alltoall_splits(splits, rows, self.size)
-        call = self.call_for(check, "alltoall", source, error=error)
+        call = self.call_for(check, "alltoall", source, error=error, tag=tag, step=step)
         comm, MPI = self._comm, self._MPI
 
         def body():
@@ -611,7 +664,7 @@ class MPICommunicator(Communicator):
             )
             return out.to(tensor.device), torch.from_numpy(received_rows)
 
-        return self.start(Collective("alltoall", body, tensor, call))
+        return self.start(Collective("alltoall", body, tensor, call, tag=tag, step=step))
 
     # -- torch.distributed's _into forms: every rank sized its outputs -------------------------
     def plan_allgather_into(self, out, tensor: torch.Tensor, *, error: str | None = None) -> Collective:

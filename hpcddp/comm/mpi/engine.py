@@ -115,17 +115,22 @@ class Collective(NamedTuple):
     tensor: Any = None
     #: what every rank agrees on first (rule 4); None: checks are off, or the body agrees itself
     call: CollectiveCall | None = None
-    #: how the log names it, made by the planner (``small_allreduce`` keeps one per signature); None: from ``tensor``
+    #: how the log names it, made by the planner (``small_allreduce`` keeps one per signature); None: from
+    #: ``tensor``, ``tag`` and ``step``
     desc: oplog.Descriptor | None = None
+    #: what it is for, e.g. "bucket 2 of step 7" (stall reports)
+    tag: str = ""
+    #: the training step it belongs to, compared across ranks
+    step: int | None = None
 
 
 def _describe(collective: Collective) -> oplog.Descriptor:
     if collective.desc is not None:
         return collective.desc
-    tensor = collective.tensor
+    tensor, tag, step = collective.tensor, collective.tag, collective.step
     if tensor is None:
-        return oplog.describe(collective.name)
-    return oplog.describe(collective.name, tensor.shape, dtype_name(tensor.dtype))
+        return oplog.describe(collective.name, tag=tag, step=step)
+    return oplog.describe(collective.name, tensor.shape, dtype_name(tensor.dtype), tag=tag, step=step)
 
 
 class _Operation:

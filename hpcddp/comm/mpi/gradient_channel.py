@@ -57,23 +57,28 @@ class GradientChannel:
         self.comm = parent.duplicate(thread_name="buckets")
         self.comm.check_collectives = False
 
-    def open_step(self, bucket: torch.Tensor) -> Handle | None:
+    def open_step(self, bucket: torch.Tensor, *, tag: str, step: int) -> Handle | None:
         """Agree on this step's reduction on the parent; the channel's collectives submitted from now on wait for it.
 
-        Call it inside the ``collective_tag`` of bucket 0 (its name and step are what the
-        ranks compare). Returns the agreement's handle, or None when the parent runs no
-        agreements (checks off, no timeout).
+        Returns the agreement's handle, or None when the parent runs no agreements
+        (checks off, no timeout).
 
         Args:
             bucket: bucket 0's tensor as sent (shape and dtype are compared).
+            tag: bucket 0's label, "bucket 0 of step 7" (the ranks compare it, and stall reports name it).
+            step: the optimizer's step, which the ranks compare.
         """
         engine = self.comm.engine
         engine.check_open("allreduce")  # out of step since an earlier step stopped part-way here (``fail``)
         # A group's timeout (engine rule 9) is measured in agreements: with one set, each bucket agrees
         # on the channel too, so a rank that stops part-way through a step times out everywhere.
         engine.agreement.timeout = self.parent.engine.agreement.timeout
-        call = self.parent.call_for(None, "allreduce", bucket, reduce_op=ReduceOp.SUM)
-        gate = None if call is None else self.parent.start(Collective("allreduce", _nothing, bucket, call))
+        call = self.parent.call_for(None, "allreduce", bucket, tag=tag, step=step, reduce_op=ReduceOp.SUM)
+        gate = (
+            None
+            if call is None
+            else self.parent.start(Collective("allreduce", _nothing, bucket, call, tag=tag, step=step))
+        )
         engine.gate = gate
         return gate
 

@@ -21,13 +21,13 @@ bucket index)`` as one ``randn`` over the bucket's Qs in bucket order, the same 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ...comm.base import Communicator, ReduceOp
-from ...comm.oplog import current_tag
 from ..buckets import Bucket
 from .staged import BucketCodec, Compressor, StagedReduction
 
@@ -141,7 +141,7 @@ class _PowerSGDCodec(BucketCodec):
             if matrix.grad.data_ptr() in unapplied:
                 matrix.memory.add_(matrix.grad, alpha=1.0 / self.comm.size)
 
-    def launch(self, reduction: int) -> StagedReduction | None:
+    def launch(self, reduction: int, *, tag: str, step: int | None) -> StagedReduction | None:
         if not self._matrices or reduction < self.settings.start_powerSGD_iter:
             return None
         for matrix in self._matrices:
@@ -151,24 +151,22 @@ class _PowerSGDCodec(BucketCodec):
                 matrix.memory.copy_(matrix.grad)
             torch.matmul(matrix.memory, matrix.q, out=matrix.p)
         self._pack()
-        first = self.comm.allreduce_async_(self._first, ReduceOp.SUM)
-        stages = [self._second_stage, self._decompress]
-        return StagedReduction(
-            f"PowerSGD bucket {self.bucket.index}", [first], stages, current_tag(), self.bucket.buffer
-        )
+        first = self.comm.allreduce_async_(self._first, ReduceOp.SUM, tag=tag, step=step)
+        stages = [functools.partial(self._second_stage, tag=tag, step=step), self._decompress]
+        return StagedReduction(f"PowerSGD bucket {self.bucket.index}", [first], stages, self.bucket.buffer)
 
     def _pack(self) -> None:
         for view, slot in self._exact:
             slot.copy_(view)
 
-    def _second_stage(self):
+    def _second_stage(self, *, tag: str, step: int | None):
         # The summed P is the same on every rank: so is the decision. An inf or NaN in any rank's
         # gradient or memory shows here, and would stay in the memory for good.
         self._poisoned = not bool(torch.isfinite(self._p_part).all())
         for matrix in self._matrices:
             matrix.p.copy_(torch.linalg.qr(matrix.p).Q)
             torch.matmul(matrix.memory.t(), matrix.p, out=matrix.q)
-        return [self.comm.allreduce_async_(self._second, ReduceOp.SUM)]
+        return [self.comm.allreduce_async_(self._second, ReduceOp.SUM, tag=tag, step=step)]
 
     def _decompress(self):
         share = 1.0 / self.comm.size

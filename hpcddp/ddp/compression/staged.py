@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ...comm.base import Communicator, Handle
-from ...comm.oplog import collective_tag
 from ..buckets import Bucket
 
 __all__ = ["BucketCodec", "Compressor", "StagedReduction"]
@@ -44,8 +43,14 @@ class BucketCodec(abc.ABC):
     """
 
     @abc.abstractmethod
-    def launch(self, reduction: int) -> StagedReduction | None:
-        """Start reducing the bucket for reduction number ``reduction``; None: send it uncompressed."""
+    def launch(self, reduction: int, *, tag: str, step: int | None) -> StagedReduction | None:
+        """Start reducing the bucket for reduction number ``reduction``; None: send it uncompressed.
+
+        Args:
+            reduction: the reduction's number.
+            tag: the bucket's label, "bucket 2 of step 7": every stage's collectives carry it (stall reports).
+            step: the optimizer's step, carried the same way.
+        """
 
     @abc.abstractmethod
     def reset(self) -> None:
@@ -72,8 +77,7 @@ class StagedReduction(Handle):
         first: the first stage's collectives, in flight.
         stages: the stages after it; each waits for nothing itself: the previous
             stage's collectives are done when it runs. The last one writes the result.
-        tag: ``collective_tag`` arguments, so the later stages' collectives are labelled
-            as the first's (stall reports).
+            Their collectives carry the first's ``tag`` and ``step`` (the codec binds them).
         result: what ``wait()`` returns.
     """
 
@@ -82,13 +86,11 @@ class StagedReduction(Handle):
         name: str,
         first: Sequence[Handle],
         stages: Sequence[Stage],
-        tag: tuple[str, int | None],
         result: torch.Tensor,
     ) -> None:
         super().__init__(name)
         self._in_flight = list(first)
         self._stages = deque(stages)
-        self._tag = tag
         self._output = result
         starts = [h.started_at for h in first if h.started_at is not None]
         self.started_at = min(starts) if starts else None
@@ -100,8 +102,7 @@ class StagedReduction(Handle):
         for handle in self._in_flight:
             handle.wait()
         stage = self._stages.popleft()
-        with collective_tag(*self._tag):
-            self._in_flight = list(stage())
+        self._in_flight = list(stage())
 
     def _block(self, timeout: float | None) -> bool:
         # The stages run in the waiting thread: the timeout bounds each wait, not the whole.
