@@ -50,7 +50,7 @@ class SimulatedRank(LocalCommunicator):
         self.rank, self.size = rank, SIZE
         self._world, self._seq = world, 0
 
-    def allreduce_async_(self, tensor, op, *, check=None, tag="", step=None):
+    def allreduce_async_(self, tensor, op, *, check=None, label="", step=None):
         assert op is ReduceOp.SUM
         self._seq += 1
         return self._world.allreduce(self.rank, self._seq, tensor)

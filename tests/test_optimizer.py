@@ -19,15 +19,15 @@ class TwinRanks(Communicator):
         super().__init__(rank=0, size=2)
         self.calls = []
 
-    def allreduce_async_(self, tensor, op, *, check=None, tag="", step=None):
+    def allreduce_async_(self, tensor, op, *, check=None, label="", step=None):
         self.calls.append((tensor.numel(), tensor.dtype))
         assert op is ReduceOp.SUM
         return completed(tensor.mul_(2))
 
-    def broadcast_async_(self, tensor, root, *, check=None, tag="", step=None):
+    def broadcast_async_(self, tensor, root, *, check=None, label="", step=None):
         return completed(tensor)
 
-    def allgather_async(self, tensor, *, check=None, tag="", step=None):
+    def allgather_async(self, tensor, *, check=None, label="", step=None):
         return completed(torch.cat([tensor, tensor]))
 
     def broadcast_object(self, obj, root):

@@ -225,7 +225,7 @@ def test_a_rank_that_does_not_answer_but_uses_the_cpu_is_only_slow():
 
 def test_log_numbers_operations_as_they_start_and_carries_their_tags():
     log = OperationLog("k", (0, 1))
-    pending = oplog.describe("allreduce", (3,), "float32", tag="bucket 0 of step 5", step=5)
+    pending = oplog.describe("allreduce", (3,), "float32", label="bucket 0 of step 5", step=5)
     first = log.start(oplog.describe("barrier"))
     second = log.start(pending)
     assert (first, second) == (1, 2)

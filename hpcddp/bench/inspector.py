@@ -77,7 +77,9 @@ def synthetic_replies(num_ranks: int, group: str = "mpi") -> list[bytes]:
         oplog.register(log)
         try:
             for step in range(HISTORY + 1):
-                pending = oplog.describe("allreduce", (1 << 20,), "float32", tag=f"bucket 0 of step {step}", step=step)
+                pending = oplog.describe(
+                    "allreduce", (1 << 20,), "float32", label=f"bucket 0 of step {step}", step=step
+                )
                 if step < HISTORY:
                     log.finish(log.start(pending))
                 elif rank != late:

@@ -115,13 +115,13 @@ class TorchDistOps:
         tensor=None,
         error: str | None = None,
         *,
-        tag: str = "",
+        label: str = "",
         step: int | None = None,
         **fields,
     ) -> None:
         """Run the agreement check when asked (raising on every rank); else raise ``error`` here.
 
-        ``tag`` and ``step`` label the agreement's collectives in the log (stall reports).
+        ``label`` and ``step`` label the agreement's collectives in the log (stall reports).
         """
         if not self._checking(check):
             if error is not None:
@@ -131,10 +131,10 @@ class TorchDistOps:
         vector = torch.tensor(agreement_vector(call), dtype=torch.int64, device=self.device)
         # Tracked, so that the stall inspector sees a rank that never joins the agreement (one that exited).
         work = dist.all_reduce(vector, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
-        self._track(work, "agreement", vector, tag=tag, step=step)
+        self._track(work, "agreement", vector, label=label, step=step)
         work.wait()
         if disagrees(vector.tolist()):
-            raise mismatch_error(self._gather_objects(call, tag=tag, step=step))
+            raise mismatch_error(self._gather_objects(call, label=label, step=step))
 
     def reduce_async_(self, tensor: torch.Tensor, op: ReduceOp, root: int, *, check: str | None = None) -> Handle:
         check_average(tensor.dtype, op)
@@ -217,7 +217,7 @@ class TorchDistOps:
         splits: list[int] | None = None,
         *,
         check: str | None = None,
-        tag: str = "",
+        label: str = "",
         step: int | None = None,
     ) -> Handle:
         if tensor.dim() == 0:
@@ -225,12 +225,12 @@ class TorchDistOps:
         check_average(tensor.dtype, op)
         splits = even_splits(tensor.shape[0], self.size) if splits is None else as_splits(splits)
         error = splits_error(splits, tensor.shape[0], self.size)
-        self._verify(check, "reducescatter", tensor, error, tag=tag, step=step, reduce_op=op, splits=splits)
+        self._verify(check, "reducescatter", tensor, error, label=label, step=step, reduce_op=op, splits=splits)
         # gloo has no reduce_scatter and NCCL's wants equal pieces: reduce all, keep this rank's rows.
         full = tensor.detach().to(self.device, copy=True).contiguous()
         work = dist.all_reduce(full, op=self._torch_op(op), group=self.group, async_op=True)
         start = sum(splits[: self.rank])
-        handle = self._handle(work, "reducescatter", full, full, tag=tag, step=step)
+        handle = self._handle(work, "reducescatter", full, full, label=label, step=step)
         if self._divides_after(op):
             handle.then(lambda out: out.div_(self.size))
         return handle.then(lambda out: out.narrow(0, start, splits[self.rank]).clone().to(tensor.device))
@@ -241,7 +241,7 @@ class TorchDistOps:
         splits: list[int] | None = None,
         *,
         check: str | None = None,
-        tag: str = "",
+        label: str = "",
         step: int | None = None,
     ) -> Handle:
         if tensor.dim() == 0:
@@ -249,7 +249,7 @@ class TorchDistOps:
         source = self._on_device(tensor.detach())
         rows = source.shape[0]
         splits, error = alltoall_splits(splits, rows, self.size)
-        self._verify(check, "alltoall", source, error=error, tag=tag, step=step)
+        self._verify(check, "alltoall", source, error=error, label=label, step=step)
         sent = torch.tensor(splits, dtype=torch.int64, device=self.device)
         received = torch.empty_like(sent)
         self._keep(dist.all_to_all_single(received, sent, group=self.group, async_op=True)).wait()
@@ -258,7 +258,7 @@ class TorchDistOps:
         work = dist.all_to_all_single(
             out, source, output_split_sizes=received_rows, input_split_sizes=splits, group=self.group, async_op=True
         )
-        handle = self._handle(work, "alltoall", source, out, tag=tag, step=step)
+        handle = self._handle(work, "alltoall", source, out, label=label, step=step)
         return handle.then(lambda res: (res.to(tensor.device), received.cpu()))
 
     def send_async(self, tensor: torch.Tensor, dest: int, tag: int = 0) -> Handle:

@@ -244,7 +244,7 @@ class Communicator(abc.ABC):
     does ``check_collectives = False``.
 
     The asynchronous ones the optimizer and the Horovod API start (allreduce, broadcast,
-    allgather, reducescatter, alltoall) also take keywords ``tag``, what the collective is
+    allgather, reducescatter, alltoall) also take keywords ``label``, what the collective is
     for ("bucket 2 of step 7", Horovod's ``name``: stall reports name it), and ``step``, the
     training step it belongs to (compared across ranks, and reported).
     """
@@ -268,7 +268,7 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def allreduce_async_(
-        self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None, tag: str = "", step: int | None = None
+        self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None, label: str = "", step: int | None = None
     ) -> Handle:
         """Start reducing ``tensor`` in place across ranks."""
 
@@ -284,13 +284,13 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def broadcast_async_(
-        self, tensor: torch.Tensor, root: int, *, check: str | None = None, tag: str = "", step: int | None = None
+        self, tensor: torch.Tensor, root: int, *, check: str | None = None, label: str = "", step: int | None = None
     ) -> Handle:
         """Start copying root's ``tensor`` into every rank's ``tensor``."""
 
     @abc.abstractmethod
     def allgather_async(
-        self, tensor: torch.Tensor, *, check: str | None = None, tag: str = "", step: int | None = None
+        self, tensor: torch.Tensor, *, check: str | None = None, label: str = "", step: int | None = None
     ) -> Handle:
         """Start concatenating every rank's ``tensor`` along dim 0 (first dims may differ)."""
 
@@ -344,7 +344,7 @@ class Communicator(abc.ABC):
         splits: list[int] | None = None,
         *,
         check: str | None = None,
-        tag: str = "",
+        label: str = "",
         step: int | None = None,
     ) -> Handle:
         """Start reducing ``tensor`` and keep this rank's rows of the result.
@@ -363,7 +363,7 @@ class Communicator(abc.ABC):
         splits: list[int] | None = None,
         *,
         check: str | None = None,
-        tag: str = "",
+        label: str = "",
         step: int | None = None,
     ) -> Handle:
         """Start sending ``splits[r]`` rows of ``tensor`` to each rank r; the result is

@@ -28,18 +28,18 @@ class LocalCommunicator(Communicator):
         self._receiving: dict[int, collections.deque] = collections.defaultdict(collections.deque)
 
     def allreduce_async_(
-        self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None, tag: str = "", step: int | None = None
+        self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None, label: str = "", step: int | None = None
     ) -> Handle:
         return completed(tensor, "allreduce")
 
     def broadcast_async_(
-        self, tensor: torch.Tensor, root: int, *, check: str | None = None, tag: str = "", step: int | None = None
+        self, tensor: torch.Tensor, root: int, *, check: str | None = None, label: str = "", step: int | None = None
     ) -> Handle:
         self._check_rank(root, "root")
         return completed(tensor, "broadcast")
 
     def allgather_async(
-        self, tensor: torch.Tensor, *, check: str | None = None, tag: str = "", step: int | None = None
+        self, tensor: torch.Tensor, *, check: str | None = None, label: str = "", step: int | None = None
     ) -> Handle:
         return completed(tensor.detach().clone().reshape(-1, *tensor.shape[1:]), "allgather")
 
@@ -71,7 +71,7 @@ class LocalCommunicator(Communicator):
         splits: list[int] | None = None,
         *,
         check: str | None = None,
-        tag: str = "",
+        label: str = "",
         step: int | None = None,
     ) -> Handle:
         if tensor.dim() == 0:
@@ -88,7 +88,7 @@ class LocalCommunicator(Communicator):
         splits: list[int] | None = None,
         *,
         check: str | None = None,
-        tag: str = "",
+        label: str = "",
         step: int | None = None,
     ) -> Handle:
         if tensor.dim() == 0:

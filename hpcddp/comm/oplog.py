@@ -73,7 +73,8 @@ class Descriptor(NamedTuple):
     op: str
     shape: tuple[int, ...] | None = None
     dtype: str | None = None
-    tag: str = ""
+    #: what it is for, e.g. "bucket 2 of step 7"
+    label: str = ""
     step: int | None = None
     #: exempt from the stall timeout (see ``patient_collectives``)
     patient: bool = False
@@ -86,7 +87,7 @@ class Descriptor(NamedTuple):
         text = f"{self.op} #{self.seq}" if self.seq else self.op
         if self.shape is not None:
             text += f" of shape {list(self.shape)} {self.dtype}"
-        return text + (f" ({self.tag})" if self.tag else "")
+        return text + (f" ({self.label})" if self.label else "")
 
 
 def is_patient() -> bool:
@@ -94,18 +95,18 @@ def is_patient() -> bool:
     return _patience.patient
 
 
-def describe(op: str, shape=None, dtype: str | None = None, *, tag: str = "", step: int | None = None) -> Descriptor:
+def describe(op: str, shape=None, dtype: str | None = None, *, label: str = "", step: int | None = None) -> Descriptor:
     """Return the descriptor of an operation submitted now by this thread (its patience included).
 
     Args:
         op: the operation (``hpcddp.comm.names``).
         shape: its tensor's shape, if any.
         dtype: its tensor's dtype name, if any.
-        tag: what it is for, e.g. "bucket 2 of step 7" (stall reports name it).
+        label: what it is for, e.g. "bucket 2 of step 7" (stall reports name it).
         step: the training step it belongs to, compared across ranks.
     """
     mark_collective_thread()
-    return Descriptor(0, op, None if shape is None else tuple(shape), dtype, tag, step, _patience.patient)
+    return Descriptor(0, op, None if shape is None else tuple(shape), dtype, label, step, _patience.patient)
 
 
 # Thread objects, not idents: an ident is reused once its thread ends.

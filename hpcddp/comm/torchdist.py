@@ -136,7 +136,7 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
             )
 
     def _track(
-        self, work, name: str, tensor: torch.Tensor | None = None, *, tag: str = "", step: int | None = None
+        self, work, name: str, tensor: torch.Tensor | None = None, *, label: str = "", step: int | None = None
     ) -> GpuCompletion | None:
         """Record ``work`` for the stall inspector until it completes, and keep it (see ``_keep``).
 
@@ -147,11 +147,11 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
             work: the torch.distributed Work.
             name: the collective (``hpcddp.comm.names``).
             tensor: its tensor (shape and dtype are logged), if any.
-            tag: what it is for, e.g. "bucket 2 of step 7" (stall reports).
+            label: what it is for, e.g. "bucket 2 of step 7" (stall reports).
             step: the training step it belongs to.
         """
         shape, dtype = (None, None) if tensor is None else (tensor.shape, dtype_name(tensor.dtype))
-        seq = self.log.start(oplog.describe(name, shape, dtype, tag=tag, step=step))
+        seq = self.log.start(oplog.describe(name, shape, dtype, label=label, step=step))
         self._keep(work)
         if self.name == "nccl" and is_cuda_tensor(tensor):
             completion = GpuCompletion(work, tensor)
@@ -168,10 +168,10 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
                 self.log.finish(self._gpu_running.popleft()[0])
 
     def _handle(
-        self, work, name: str, tensor: torch.Tensor, result: Any, *, tag: str = "", step: int | None = None
+        self, work, name: str, tensor: torch.Tensor, result: Any, *, label: str = "", step: int | None = None
     ) -> WorkHandle:
         """Return a WorkHandle over ``work`` that yields ``result``, tracked as ``_track`` does."""
-        return WorkHandle(work, result, name, completion=self._track(work, name, tensor, tag=tag, step=step))
+        return WorkHandle(work, result, name, completion=self._track(work, name, tensor, label=label, step=step))
 
     def _keep(self, work):
         # gloo's worker thread may drop the last reference to a Work, whose destructor
@@ -198,49 +198,49 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
         return tensor.to(self.device).contiguous()
 
     def allreduce_async_(
-        self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None, tag: str = "", step: int | None = None
+        self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None, label: str = "", step: int | None = None
     ) -> Handle:
         check_average(tensor.dtype, op)
-        self._verify(check, "allreduce", tensor, tag=tag, step=step, reduce_op=op)
+        self._verify(check, "allreduce", tensor, label=label, step=step, reduce_op=op)
         staged = self._on_device(tensor)
         if self.size == 1:
             handle = completed(staged, "allreduce")
         else:
             work = dist.all_reduce(staged, op=self._torch_op(op), group=self.group, async_op=True)
-            handle = self._handle(work, "allreduce", staged, staged, tag=tag, step=step)
+            handle = self._handle(work, "allreduce", staged, staged, label=label, step=step)
         if self._divides_after(op):
             handle.then(lambda out: out.div_(self.size))
         return handle.then(lambda out: out if out is tensor else tensor.copy_(out))
 
     def broadcast_async_(
-        self, tensor: torch.Tensor, root: int, *, check: str | None = None, tag: str = "", step: int | None = None
+        self, tensor: torch.Tensor, root: int, *, check: str | None = None, label: str = "", step: int | None = None
     ) -> Handle:
-        self._verify(check, "broadcast", tensor, tag=tag, step=step, root=root)
+        self._verify(check, "broadcast", tensor, label=label, step=step, root=root)
         staged = self._on_device(tensor)
         work = dist.broadcast(staged, src=self._global(root), group=self.group, async_op=True)
-        handle = self._handle(work, "broadcast", staged, staged, tag=tag, step=step)
+        handle = self._handle(work, "broadcast", staged, staged, label=label, step=step)
         return handle.then(lambda out: out if out is tensor else tensor.copy_(out))
 
     def allgather_async(
-        self, tensor: torch.Tensor, *, check: str | None = None, tag: str = "", step: int | None = None
+        self, tensor: torch.Tensor, *, check: str | None = None, label: str = "", step: int | None = None
     ) -> Handle:
         source = self._on_device(tensor.detach())
         if source.dim() == 0:
             source = source.reshape(1)
-        self._verify(check, "allgather", source, tag=tag, step=step)
+        self._verify(check, "allgather", source, label=label, step=step)
         # torch.distributed gathers equal shapes only: pad the first dimension to
         # the longest rank's, then cut each piece back.
-        rows = self._gather_objects(source.shape[0], tag=tag, step=step)
+        rows = self._gather_objects(source.shape[0], label=label, step=step)
         padded = self._padded(source, max(rows))
         pieces = [torch.empty_like(padded) for _ in rows]
         work = dist.all_gather(pieces, padded, group=self.group, async_op=True)
-        handle = self._handle(work, "allgather", padded, pieces, tag=tag, step=step)
+        handle = self._handle(work, "allgather", padded, pieces, label=label, step=step)
         return handle.then(lambda out: torch.cat([p[:n] for p, n in zip(out, rows)]).to(tensor.device))
 
     @contextlib.contextmanager
-    def _blocking(self, name: str, *, tag: str = "", step: int | None = None) -> Iterator[None]:
+    def _blocking(self, name: str, *, label: str = "", step: int | None = None) -> Iterator[None]:
         """Around a blocking torch.distributed call: stall records and timeout messages."""
-        seq = self.log.start(oplog.describe(name, tag=tag, step=step), blocking=True)
+        seq = self.log.start(oplog.describe(name, label=label, step=step), blocking=True)
         try:
             yield
         except RuntimeError as err:
@@ -257,10 +257,10 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
     def allgather_object(self, obj: Any) -> list[Any]:
         return self._gather_objects(obj)
 
-    def _gather_objects(self, obj: Any, *, tag: str = "", step: int | None = None) -> list[Any]:
-        """``allgather_object``, logged as part of the collective of ``tag`` and ``step``."""
+    def _gather_objects(self, obj: Any, *, label: str = "", step: int | None = None) -> list[Any]:
+        """``allgather_object``, logged as part of the collective of ``label`` and ``step``."""
         out: list[Any] = [None] * self.size
-        with self._blocking("allgather_object", tag=tag, step=step):
+        with self._blocking("allgather_object", label=label, step=step):
             dist.all_gather_object(out, obj, group=self.group)
         return out
 

@@ -357,11 +357,11 @@ class Reducer:
                 bucket.control, self.has_data, self._saw_new_trainable, self._local_sums, stopped=self._stopped
             )
         step = self.steps_taken
-        tag = f"bucket {index} of step {step}{self._owner}"
+        label = f"bucket {index} of step {step}{self._owner}"
         if index == 0 and self._channel is not None:
-            self._channel.open_step(bucket.buffer if bucket.wire is None else bucket.wire, tag=tag, step=step)
+            self._channel.open_step(bucket.buffer if bucket.wire is None else bucket.wire, label=label, step=step)
         self.times.bucket_submit[index] = time.perf_counter()
-        self._handles.append(self._sender.start(bucket, self.num_reductions, tag=tag, step=step))
+        self._handles.append(self._sender.start(bucket, self.num_reductions, label=label, step=step))
 
     # -- finishing ------------------------------------------------------------------------------
     def _finish(self, started: float) -> None:

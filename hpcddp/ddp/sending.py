@@ -29,20 +29,20 @@ class BucketSender:
         compressor = self.compressor
         self._codecs = [None if compressor is None else compressor.codec(b, self.comm) for b in buckets]
 
-    def start(self, bucket: Bucket, reduction: int, *, tag: str, step: int) -> Handle:
+    def start(self, bucket: Bucket, reduction: int, *, label: str, step: int) -> Handle:
         """Start summing ``bucket`` over the ranks (reduction number ``reduction``).
 
         Args:
             bucket: the bucket, filled.
             reduction: the reduction's number (compressors start after a few).
-            tag: its label, "bucket 2 of step 7" (stall reports, the step's agreement).
+            label: its label, "bucket 2 of step 7" (stall reports, the step's agreement).
             step: the optimizer's step it belongs to.
         """
         codec = self._codecs[bucket.index]
-        handle = None if codec is None else codec.launch(reduction, tag=tag, step=step)
+        handle = None if codec is None else codec.launch(reduction, label=label, step=step)
         if handle is None:
             payload = bucket.buffer if bucket.wire is None else bucket.wire.copy_(bucket.buffer)
-            handle = self.comm.allreduce_async_(payload, ReduceOp.SUM, tag=tag, step=step)
+            handle = self.comm.allreduce_async_(payload, ReduceOp.SUM, label=label, step=step)
         return handle
 
     @staticmethod

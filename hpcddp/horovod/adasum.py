@@ -75,17 +75,17 @@ def combine(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return vectors[0].to(dtype)
 
 
-def adasum_async(comm: Communicator, tensor: torch.Tensor, *, check: str | None = "", tag: str = "") -> Handle:
+def adasum_async(comm: Communicator, tensor: torch.Tensor, *, check: str | None = "", label: str = "") -> Handle:
     """Start the Adasum of ``tensor`` over ``comm``'s ranks; the handle yields a new tensor of its shape.
 
     Args:
         comm: the communicator (its size a power of 2).
         tensor: a float16, float32 or float64 tensor of the same shape on every rank.
         check: the name under which the ranks agree on shape and dtype first.
-        tag: what it is for (Horovod's ``name``), as stall reports name it.
+        label: what it is for (Horovod's ``name``), as stall reports name it.
     """
     check_adasum(comm.size, tensor.dtype)
     # One row per rank: a rank whose tensor has another length fails the agreement on every rank.
     row = tensor.detach().reshape(1, -1).contiguous()
-    handle = comm.allgather_async(row, check=check, tag=tag)
+    handle = comm.allgather_async(row, check=check, label=label)
     return handle.then(lambda rows: combine(rows, tensor.dtype).reshape(tensor.shape))

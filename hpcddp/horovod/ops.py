@@ -29,7 +29,7 @@ def start(name: str | None, launch) -> Handle:
     Args:
         name: Horovod's ``name=`` argument, or None.
         launch: starts the collective with ``label`` (``name`` or "") as its ``check`` and
-            ``tag``: the ranks agree under that name, and stall reports name it.
+            ``label``: the ranks agree under that name, and stall reports name it.
     """
     if name is not None:
         previous = _in_flight.get(name)
@@ -81,10 +81,10 @@ def allreduce_handle(tensor, op: ReduceOp | str, name, prescale_factor, postscal
     integer_average = op is Average and not source.dtype.is_floating_point
     wire, ctx = compression.compress(source)
     if op is Adasum:
-        handle = start(name, lambda label: adasum_async(comm, wire, check=label, tag=label))
+        handle = start(name, lambda label: adasum_async(comm, wire, check=label, label=label))
     else:
         reduce_op = Sum if integer_average else op
-        handle = start(name, lambda label: comm.allreduce_async_(wire, reduce_op, check=label, tag=label))
+        handle = start(name, lambda label: comm.allreduce_async_(wire, reduce_op, check=label, label=label))
 
     def finish(out: torch.Tensor) -> torch.Tensor:
         out = compression.decompress(out, ctx)

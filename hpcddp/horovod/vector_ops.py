@@ -22,7 +22,7 @@ __all__ = [
 def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle:
     """Start concatenating every rank's ``tensor`` along dim 0 (first dims may differ)."""
     comm = communicator_of(process_set)
-    return start(name, lambda label: comm.allgather_async(tensor.detach(), check=label, tag=label))
+    return start(name, lambda label: comm.allgather_async(tensor.detach(), check=label, label=label))
 
 
 class _Allgather(torch.autograd.Function):
@@ -86,7 +86,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
     """Start overwriting ``tensor`` with root's in place (``root_rank`` is a global rank, as in Horovod)."""
     comm = communicator_of(process_set)
     root = set_rank(process_set, root_rank)
-    handle = start(name, lambda label: comm.broadcast_async_(tensor.detach(), root, check=label, tag=label))
+    handle = start(name, lambda label: comm.broadcast_async_(tensor.detach(), root, check=label, label=label))
     return handle.then(lambda _: tensor)
 
 
@@ -148,7 +148,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     if rows is not None and (len(rows) != comm.size or sum(rows) != (tensor.shape[0] if tensor.dim() else 1)):
         raise ValueError(f"splits must be {comm.size} row counts adding up to the first dimension, got {rows}")
     received_dtype = splits.dtype if isinstance(splits, torch.Tensor) else torch.int32
-    handle = start(name, lambda label: comm.alltoall_async(tensor.detach(), rows, check=label, tag=label))
+    handle = start(name, lambda label: comm.alltoall_async(tensor.detach(), rows, check=label, label=label))
     return handle.then(lambda out: (out[0], out[1].to(received_dtype)))
 
 
@@ -198,7 +198,7 @@ def _reducescatter_handle(tensor, op, name, process_set, prescale, postscale) ->
         source = scale_(source.clone(), prescale)
     integer_average = op is Average and not source.dtype.is_floating_point
     reduce_op = Sum if integer_average else op
-    handle = start(name, lambda label: comm.reducescatter_async(source, reduce_op, check=label, tag=label))
+    handle = start(name, lambda label: comm.reducescatter_async(source, reduce_op, check=label, label=label))
 
     def finish(out: torch.Tensor) -> torch.Tensor:
         if integer_average:

@@ -172,7 +172,7 @@ class MPICommunicator(Communicator):
         tensor=None,
         error: str | None = None,
         *,
-        tag: str = "",
+        label: str = "",
         step: int | None = None,
         **fields,
     ) -> CollectiveCall | None:
@@ -183,7 +183,7 @@ class MPICommunicator(Communicator):
             op: the collective (``hpcddp.comm.names``).
             tensor: its tensor, or its tensors, if any.
             error: what is wrong with this rank's arguments: every rank raises it.
-            tag: what the collective is for (the optimizer's buckets: "bucket 2 of step 7"), named
+            label: what the collective is for (the optimizer's buckets: "bucket 2 of step 7"), named
                 in messages when ``check`` is empty.
             step: the training step it belongs to, compared across ranks.
             fields: more for ``hpcddp.comm.agreement.describe_call`` (root, reduce_op, splits).
@@ -192,7 +192,7 @@ class MPICommunicator(Communicator):
             if error is not None:
                 raise ValueError(error)
             return None
-        return describe_call(op, tensor, error=error, name=check or tag, step=step, **fields)
+        return describe_call(op, tensor, error=error, name=check or label, step=step, **fields)
 
     def start(
         self, collective: Collective, *, wake: bool = True, on_done: Callable[[Handle], None] | None = None
@@ -297,7 +297,7 @@ class MPICommunicator(Communicator):
         *,
         check: str | None = None,
         error: str | None = None,
-        tag: str = "",
+        label: str = "",
         step: int | None = None,
     ):
         """Return the in-place allreduce of ``tensors`` (a tensor, or a list of one dtype: one operation).
@@ -307,22 +307,24 @@ class MPICommunicator(Communicator):
             op: the reduction.
             check: the tensor's name, for messages.
             error: what the caller found wrong with this rank's arguments: every rank raises it.
-            tag: what it is for, e.g. "bucket 2 of step 7" (stall reports).
+            label: what it is for, e.g. "bucket 2 of step 7" (stall reports).
             step: the training step it belongs to, compared across ranks.
         """
         if error is None and self.size > 1:
-            small = self._small.plan(tensors, op, check, tag=tag, step=step)
+            small = self._small.plan(tensors, op, check, label=label, step=step)
             if small is not None:
                 return small
         if not isinstance(tensors, torch.Tensor) and len({t.dtype for t in tensors}) > 1:
             error = error or f"tensors of one dtype are reduced together, got {describe_tensors(tensors)}"
         make = functools.partial(self.allreduce_body, op=op)
-        return self.plan_each("allreduce", tensors, make, check=check, error=error, tag=tag, step=step, reduce_op=op)
+        return self.plan_each(
+            "allreduce", tensors, make, check=check, error=error, label=label, step=step, reduce_op=op
+        )
 
     def allreduce_async_(
-        self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None, tag: str = "", step: int | None = None
+        self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None, label: str = "", step: int | None = None
     ) -> Handle:
-        return self.start(self.plan_allreduce(tensor, op, check=check, tag=tag, step=step))
+        return self.start(self.plan_allreduce(tensor, op, check=check, label=label, step=step))
 
     def allreduce_(self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None) -> torch.Tensor:
         return self.run(self.plan_allreduce(tensor, op, check=check))
@@ -371,26 +373,26 @@ class MPICommunicator(Communicator):
         *,
         check: str | None = None,
         error: str | None = None,
-        tag: str = "",
+        label: str = "",
         step: int | None = None,
     ):
         """Return the broadcast of root's ``tensors`` (a tensor or a list: one operation) into every rank's."""
         self._check_root(root)
         make = functools.partial(self.broadcast_body, root=root)
-        return self.plan_each("broadcast", tensors, make, check=check, error=error, tag=tag, step=step, root=root)
+        return self.plan_each("broadcast", tensors, make, check=check, error=error, label=label, step=step, root=root)
 
     def broadcast_async_(
-        self, tensor: torch.Tensor, root: int, *, check: str | None = None, tag: str = "", step: int | None = None
+        self, tensor: torch.Tensor, root: int, *, check: str | None = None, label: str = "", step: int | None = None
     ) -> Handle:
-        return self.start(self.plan_broadcast(tensor, root, check=check, tag=tag, step=step))
+        return self.start(self.plan_broadcast(tensor, root, check=check, label=label, step=step))
 
     def allgather_async(
-        self, tensor: torch.Tensor, *, check: str | None = None, tag: str = "", step: int | None = None
+        self, tensor: torch.Tensor, *, check: str | None = None, label: str = "", step: int | None = None
     ) -> Handle:
         source = tensor.detach().cpu().contiguous()
         if source.dim() == 0:
             source = source.reshape(1)
-        call = self.call_for(check, "allgather", source, tag=tag, step=step)
+        call = self.call_for(check, "allgather", source, label=label, step=step)
         comm, MPI = self._comm, self._MPI
 
         def body() -> torch.Tensor:
@@ -400,7 +402,7 @@ class MPICommunicator(Communicator):
             comm.Allgatherv(bytes_view(source), [bytes_view(out), counts, displacements(counts), MPI.BYTE])
             return out.to(tensor.device)
 
-        return self.start(Collective("allgather", body, tensor, call, tag=tag, step=step))
+        return self.start(Collective("allgather", body, tensor, call, label=label, step=step))
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
         self._check_root(root)
@@ -497,7 +499,7 @@ class MPICommunicator(Communicator):
         return self.plan_each("reduce", tensors, make, check=check, error=error, root=root, reduce_op=op)
 
     def plan_each(
-        self, name: str, tensors, make_body, *, check, error, tag: str = "", step: int | None = None, **fields
+        self, name: str, tensors, make_body, *, check, error, label: str = "", step: int | None = None, **fields
     ) -> Collective:
         """Return one collective over ``tensors`` (a tensor, or a list: one operation, one agreement).
 
@@ -507,16 +509,16 @@ class MPICommunicator(Communicator):
             make_body: the runner's work for one tensor.
             check: the tensor's name, for messages.
             error: what the caller found wrong with this rank's arguments: every rank raises it.
-            tag: what it is for (stall reports).
+            label: what it is for (stall reports).
             step: the training step it belongs to, compared across ranks.
             fields: more for the agreement (root, reduce_op).
         """
         listed = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         error = error or next(filter(None, map(layout_error, listed)), None)
-        call = self.call_for(check, name, listed, error=error, tag=tag, step=step, **fields)
+        call = self.call_for(check, name, listed, error=error, label=label, step=step, **fields)
         bodies = [] if error else [make_body(t) for t in listed]
         body = bodies[0] if len(bodies) == 1 and listed[0] is tensors else _run_each(bodies, tensors)
-        return Collective(name, body, listed[0] if listed else None, call, tag=tag, step=step)
+        return Collective(name, body, listed[0] if listed else None, call, label=label, step=step)
 
     def reduce_body(self, tensor: torch.Tensor, op: ReduceOp, root: int):
         """Return the runner's work for reducing ``tensor`` onto ``root`` (the others' tensors stay)."""
@@ -610,7 +612,7 @@ class MPICommunicator(Communicator):
         splits: list[int] | None = None,
         *,
         check: str | None = None,
-        tag: str = "",
+        label: str = "",
         step: int | None = None,
     ) -> Handle:
         if tensor.dim() == 0:
@@ -619,7 +621,7 @@ class MPICommunicator(Communicator):
         rows = tensor.shape[0]
         splits = even_splits(rows, self.size) if splits is None else as_splits(splits)
         error = splits_error(splits, rows, self.size)
-        call = self.call_for(check, "reducescatter", tensor, error, tag=tag, step=step, reduce_op=op, splits=splits)
+        call = self.call_for(check, "reducescatter", tensor, error, label=label, step=step, reduce_op=op, splits=splits)
         buf = staged(tensor)
         row_numel = int(np.prod(tensor.shape[1:], dtype=np.int64))
         out = torch.empty((splits[self.rank], *tensor.shape[1:]), dtype=tensor.dtype) if error is None else None
@@ -631,7 +633,7 @@ class MPICommunicator(Communicator):
             divide_average_(out, op, self.size)
             return out.to(tensor.device)
 
-        return self.start(Collective("reducescatter", body, tensor, call, tag=tag, step=step))
+        return self.start(Collective("reducescatter", body, tensor, call, label=label, step=step))
 
     def alltoall_async(
         self,
@@ -639,7 +641,7 @@ class MPICommunicator(Communicator):
         splits: list[int] | None = None,
         *,
         check: str | None = None,
-        tag: str = "",
+        label: str = "",
         step: int | None = None,
     ) -> Handle:
         if tensor.dim() == 0:
@@ -647,7 +649,7 @@ class MPICommunicator(Communicator):
         source = tensor.detach().cpu().contiguous()
         rows = source.shape[0]
         splits, error = alltoall_splits(splits, rows, self.size)
-        call = self.call_for(check, "alltoall", source, error=error, tag=tag, step=step)
+        call = self.call_for(check, "alltoall", source, error=error, label=label, step=step)
         comm, MPI = self._comm, self._MPI
 
         def body():
@@ -664,7 +666,7 @@ class MPICommunicator(Communicator):
             )
             return out.to(tensor.device), torch.from_numpy(received_rows)
 
-        return self.start(Collective("alltoall", body, tensor, call, tag=tag, step=step))
+        return self.start(Collective("alltoall", body, tensor, call, label=label, step=step))
 
     # -- torch.distributed's _into forms: every rank sized its outputs -------------------------
     def plan_allgather_into(self, out, tensor: torch.Tensor, *, error: str | None = None) -> Collective:

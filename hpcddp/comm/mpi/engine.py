@@ -116,10 +116,10 @@ class Collective(NamedTuple):
     #: what every rank agrees on first (rule 4); None: checks are off, or the body agrees itself
     call: CollectiveCall | None = None
     #: how the log names it, made by the planner (``small_allreduce`` keeps one per signature); None: from
-    #: ``tensor``, ``tag`` and ``step``
+    #: ``tensor``, ``label`` and ``step``
     desc: oplog.Descriptor | None = None
     #: what it is for, e.g. "bucket 2 of step 7" (stall reports)
-    tag: str = ""
+    label: str = ""
     #: the training step it belongs to, compared across ranks
     step: int | None = None
 
@@ -127,10 +127,10 @@ class Collective(NamedTuple):
 def _describe(collective: Collective) -> oplog.Descriptor:
     if collective.desc is not None:
         return collective.desc
-    tensor, tag, step = collective.tensor, collective.tag, collective.step
+    tensor, label, step = collective.tensor, collective.label, collective.step
     if tensor is None:
-        return oplog.describe(collective.name, tag=tag, step=step)
-    return oplog.describe(collective.name, tensor.shape, dtype_name(tensor.dtype), tag=tag, step=step)
+        return oplog.describe(collective.name, label=label, step=step)
+    return oplog.describe(collective.name, tensor.shape, dtype_name(tensor.dtype), label=label, step=step)
 
 
 class _Operation:

@@ -57,7 +57,7 @@ class GradientChannel:
         self.comm = parent.duplicate(thread_name="buckets")
         self.comm.check_collectives = False
 
-    def open_step(self, bucket: torch.Tensor, *, tag: str, step: int) -> Handle | None:
+    def open_step(self, bucket: torch.Tensor, *, label: str, step: int) -> Handle | None:
         """Agree on this step's reduction on the parent; the channel's collectives submitted from now on wait for it.
 
         Returns the agreement's handle, or None when the parent runs no agreements
@@ -65,7 +65,7 @@ class GradientChannel:
 
         Args:
             bucket: bucket 0's tensor as sent (shape and dtype are compared).
-            tag: bucket 0's label, "bucket 0 of step 7" (the ranks compare it, and stall reports name it).
+            label: bucket 0's label, "bucket 0 of step 7" (the ranks compare it, and stall reports name it).
             step: the optimizer's step, which the ranks compare.
         """
         engine = self.comm.engine
@@ -73,11 +73,11 @@ class GradientChannel:
         # A group's timeout (engine rule 9) is measured in agreements: with one set, each bucket agrees
         # on the channel too, so a rank that stops part-way through a step times out everywhere.
         engine.agreement.timeout = self.parent.engine.agreement.timeout
-        call = self.parent.call_for(None, "allreduce", bucket, tag=tag, step=step, reduce_op=ReduceOp.SUM)
+        call = self.parent.call_for(None, "allreduce", bucket, label=label, step=step, reduce_op=ReduceOp.SUM)
         gate = (
             None
             if call is None
-            else self.parent.start(Collective("allreduce", _nothing, bucket, call, tag=tag, step=step))
+            else self.parent.start(Collective("allreduce", _nothing, bucket, call, label=label, step=step))
         )
         engine.gate = gate
         return gate

@@ -62,7 +62,7 @@ class SmallAllreduces:
         self._plans: dict[tuple, _Plan | None] = {}
 
     def plan(
-        self, tensors, op: ReduceOp, check: str | None, *, tag: str = "", step: int | None = None
+        self, tensors, op: ReduceOp, check: str | None, *, label: str = "", step: int | None = None
     ) -> Collective | None:
         """Return the allreduce of ``tensors`` (one tensor, or a list of one) planned before, or None when it is not small.
 
@@ -70,7 +70,7 @@ class SmallAllreduces:
             tensors: what to reduce in place; the collective's result is this argument.
             op: the reduction.
             check: the tensor's name, for messages.
-            tag: what it is for (stall reports).
+            label: what it is for (stall reports).
             step: the training step it belongs to, compared across ranks.
         """
         if tensors.__class__ is list:
@@ -83,10 +83,10 @@ class SmallAllreduces:
             return None
         # Everything the descriptor and the agreement's call depend on: a new tag, step or
         # patience (the optimizer's buckets, a checkpoint's wait) or checks switched is a new plan.
-        key = (tensor.shape, tensor.dtype, op, check, tag, step, oplog.is_patient(), self._runs_agreement())
+        key = (tensor.shape, tensor.dtype, op, check, label, step, oplog.is_patient(), self._runs_agreement())
         plan = self._plans.get(key, False)
         if plan is False:
-            plan = self._make(tensor, op, check, tag, step, key)
+            plan = self._make(tensor, op, check, label, step, key)
         if plan is None:
             return None
         oplog.mark_collective_thread()
@@ -95,7 +95,7 @@ class SmallAllreduces:
         return Collective("allreduce", body, tensor, plan.call, plan.desc)
 
     def _make(
-        self, tensor: torch.Tensor, op: ReduceOp, check: str | None, tag: str, step: int | None, key: tuple
+        self, tensor: torch.Tensor, op: ReduceOp, check: str | None, label: str, step: int | None, key: tuple
     ) -> _Plan | None:
         carried = DTYPES.get(tensor.dtype)
         small = carried is not None and carried.native and 0 < tensor.nbytes < SMALL_BYTES
@@ -103,9 +103,9 @@ class SmallAllreduces:
         if small:
             check_reducible(tensor.dtype, op)
             plan = _Plan(
-                oplog.describe("allreduce", tensor.shape, dtype_name(tensor.dtype), tag=tag, step=step),
+                oplog.describe("allreduce", tensor.shape, dtype_name(tensor.dtype), label=label, step=step),
                 # A list of one, as the general path's plan_each describes it: the same fingerprint.
-                self._call_for(check, "allreduce", [tensor], tag=tag, step=step, reduce_op=op),
+                self._call_for(check, "allreduce", [tensor], label=label, step=step, reduce_op=op),
                 tensor.numel(),
                 tensor.nbytes,
                 mpi_datatype(self._MPI, tensor.dtype),

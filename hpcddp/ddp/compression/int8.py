@@ -127,7 +127,7 @@ class _Int8Codec(BucketCodec):
         torch.mul(quantized, scales, out=out.view(rows, -1, block))
         return out
 
-    def launch(self, reduction: int, *, tag: str, step: int | None) -> StagedReduction:
+    def launch(self, reduction: int, *, label: str, step: int | None) -> StagedReduction:
         grads = self.bucket.grads
         count = grads.numel()
         if self.settings.use_error_feedback:
@@ -137,13 +137,13 @@ class _Int8Codec(BucketCodec):
         self._values[count:].zero_()  # the padding: the buffer held other ranks' shards since
         wire = self._encode(self._values, self._send_error)
         tail = self._tail
-        handles = [] if tail.numel() == 0 else [self.comm.allreduce_async_(tail, ReduceOp.SUM, tag=tag, step=step)]
-        self._exchange = self.comm.alltoall_async(wire, tag=tag, step=step)
-        stages = [functools.partial(self._sum_own_shard, tag=tag, step=step), self._unpack]
+        handles = [] if tail.numel() == 0 else [self.comm.allreduce_async_(tail, ReduceOp.SUM, label=label, step=step)]
+        self._exchange = self.comm.alltoall_async(wire, label=label, step=step)
+        stages = [functools.partial(self._sum_own_shard, label=label, step=step), self._unpack]
         name = f"int8 bucket {self.bucket.index}"
         return StagedReduction(name, [*handles, self._exchange], stages, self.bucket.buffer)
 
-    def _sum_own_shard(self, *, tag: str, step: int | None):
+    def _sum_own_shard(self, *, label: str, step: int | None):
         shards = self._decode(self._exchange.wait()[0], self._values.view(self.comm.size, -1))
         total = self._own_values
         total.copy_(shards[0])
@@ -151,7 +151,9 @@ class _Int8Codec(BucketCodec):
             total.add_(shard)
         if self.settings.use_error_feedback:
             total.add_(self._own_error)
-        self._exchange = self.comm.allgather_async(self._encode(total, self._own_error).view(-1), tag=tag, step=step)
+        self._exchange = self.comm.allgather_async(
+            self._encode(total, self._own_error).view(-1), label=label, step=step
+        )
         return [self._exchange]
 
     def _unpack(self):

@@ -141,7 +141,7 @@ class _PowerSGDCodec(BucketCodec):
             if matrix.grad.data_ptr() in unapplied:
                 matrix.memory.add_(matrix.grad, alpha=1.0 / self.comm.size)
 
-    def launch(self, reduction: int, *, tag: str, step: int | None) -> StagedReduction | None:
+    def launch(self, reduction: int, *, label: str, step: int | None) -> StagedReduction | None:
         if not self._matrices or reduction < self.settings.start_powerSGD_iter:
             return None
         for matrix in self._matrices:
@@ -151,22 +151,22 @@ class _PowerSGDCodec(BucketCodec):
                 matrix.memory.copy_(matrix.grad)
             torch.matmul(matrix.memory, matrix.q, out=matrix.p)
         self._pack()
-        first = self.comm.allreduce_async_(self._first, ReduceOp.SUM, tag=tag, step=step)
-        stages = [functools.partial(self._second_stage, tag=tag, step=step), self._decompress]
+        first = self.comm.allreduce_async_(self._first, ReduceOp.SUM, label=label, step=step)
+        stages = [functools.partial(self._second_stage, label=label, step=step), self._decompress]
         return StagedReduction(f"PowerSGD bucket {self.bucket.index}", [first], stages, self.bucket.buffer)
 
     def _pack(self) -> None:
         for view, slot in self._exact:
             slot.copy_(view)
 
-    def _second_stage(self, *, tag: str, step: int | None):
+    def _second_stage(self, *, label: str, step: int | None):
         # The summed P is the same on every rank: so is the decision. An inf or NaN in any rank's
         # gradient or memory shows here, and would stay in the memory for good.
         self._poisoned = not bool(torch.isfinite(self._p_part).all())
         for matrix in self._matrices:
             matrix.p.copy_(torch.linalg.qr(matrix.p).Q)
             torch.matmul(matrix.memory.t(), matrix.p, out=matrix.q)
-        return [self.comm.allreduce_async_(self._second, ReduceOp.SUM, tag=tag, step=step)]
+        return [self.comm.allreduce_async_(self._second, ReduceOp.SUM, label=label, step=step)]
 
     def _decompress(self):
         share = 1.0 / self.comm.size

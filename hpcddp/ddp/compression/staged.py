@@ -43,12 +43,12 @@ class BucketCodec(abc.ABC):
     """
 
     @abc.abstractmethod
-    def launch(self, reduction: int, *, tag: str, step: int | None) -> StagedReduction | None:
+    def launch(self, reduction: int, *, label: str, step: int | None) -> StagedReduction | None:
         """Start reducing the bucket for reduction number ``reduction``; None: send it uncompressed.
 
         Args:
             reduction: the reduction's number.
-            tag: the bucket's label, "bucket 2 of step 7": every stage's collectives carry it (stall reports).
+            label: the bucket's label, "bucket 2 of step 7": every stage's collectives carry it (stall reports).
             step: the optimizer's step, carried the same way.
         """
 
@@ -77,7 +77,7 @@ class StagedReduction(Handle):
         first: the first stage's collectives, in flight.
         stages: the stages after it; each waits for nothing itself: the previous
             stage's collectives are done when it runs. The last one writes the result.
-            Their collectives carry the first's ``tag`` and ``step`` (the codec binds them).
+            Their collectives carry the first's ``label`` and ``step`` (the codec binds them).
         result: what ``wait()`` returns.
     """
 

@@ -228,7 +228,7 @@ def explain_stall(
         missing_lines.append(
             [
                 f"  rank {r} did not submit {reference.op} #{seq}"
-                + (f" ({reference.tag})" if reference.tag else "")
+                + (f" ({reference.label})" if reference.label else "")
                 + f": its last collective was {last or 'none'}{idle}, and {what_it_waits_in(statuses[r], size, known)}",
                 "    likely cause: " + _missing_cause(statuses[r], reference),
             ]
