@@ -243,9 +243,9 @@ class StallInspector:
 
     def _tick_rank0(self) -> None:
         alarmed = self._answer_alarms()
-        # After a rank left, look every tick: a rank waiting for it waits forever.
-        if not (alarmed or self._exits or self._stalled()):
-            self._silent_since.clear()
+        # After a rank left, look every tick: a rank waiting for it waits forever. While a rank
+        # is silent, ask every tick too, until it answers or has been silent ``lost_after``.
+        if not (alarmed or self._exits or self._silent_since or self._stalled()):
             return
         asked_at = time.monotonic()
         first, busy = self._gather()
@@ -262,14 +262,18 @@ class StallInspector:
         self._act(first, busy, verdict)
 
     def _unless_silent_briefly(self, verdict: str, statuses: dict, busy: set[int], asked_at: float) -> str:
-        """``verdict``, except "slow" for "lost" while no silent rank has been silent ``lost_after`` seconds."""
+        """``verdict``, except "silent" for "lost" while no silent rank has been silent ``lost_after`` seconds.
+
+        A rank is silent since the first round of questions it did not answer, after the
+        last word heard from it (a late answer to an earlier round counts).
+        """
         silent = {r for r, s in statuses.items() if s is None and r not in busy}
         self._silent_since = {r: self._silent_since.get(r, asked_at) for r in silent}
         if (
             verdict == "lost"
             and time.monotonic() - min(self._silent_since.values(), default=asked_at) < self.lost_after
         ):
-            return "slow"
+            return "silent"
         return verdict
 
     def _gather(self) -> tuple[dict, set[int]]:
@@ -293,6 +297,8 @@ class StallInspector:
                 if episode == self._episode:
                     statuses[answer["rank"]] = answer
                     pending.discard(answer["rank"])
+                elif answer is not None:
+                    self._silent_since.pop(answer["rank"], None)  # a late answer: alive, its silence starts anew
                 continue
             self._receive_byes()
             for r in pending & self._exits.keys():
@@ -378,6 +384,11 @@ class StallInspector:
             if longest < self.timeout:
                 return  # a rank left or alarmed, and nothing waits any more
             reason = self._too_long(longest)
+            if verdict == "silent" and reason is None:
+                report += (
+                    f"\n  a rank that stays silent {self.lost_after:g} s in all is taken for lost "
+                    f"(the stall timeout, at least {self.ANSWER_WITHIN_S:g} s)"
+                )
         self._report(report, reason, code)
 
     def _too_long(self, longest: float) -> str | None:
