@@ -43,15 +43,21 @@ SCRIPT = f"""
         pattern.match("a" * n + "b")
         return time.monotonic() - started
 
-    if os.environ["HOW"] == f"rank {{hpcddp.rank()}} busy":
-        print(f"rank {{hpcddp.rank()}} held the GIL for {{hold_the_gil({SILENT_S}):.1f}} s", flush=True)
-    elif os.environ["HOW"] == f"rank {{hpcddp.rank()}} stopped":
+    me = f"rank {{hpcddp.rank()}}"
+    how = [what.removeprefix(me + " ") for what in os.environ["HOW"].split(",") if what.startswith(me + " ")]
+    if "busy" in how:
+        print(f"{{me}} held the GIL for {{hold_the_gil({SILENT_S}):.1f}} s", flush=True)
+    elif "stopped" in how:
         os.kill(os.getpid(), signal.SIGSTOP)
-    elif os.environ["HOW"] == f"rank {{hpcddp.rank()}} paused":
+    elif "paused" in how:  # PAUSES times for PAUSE_S, awake 0.3 s in between
         import subprocess
-        subprocess.Popen(["sh", "-c", f"sleep {{os.environ['PAUSE_S']}}; kill -CONT {{os.getpid()}}"])
-        os.kill(os.getpid(), signal.SIGSTOP)
-        print(f"rank {{hpcddp.rank()}} resumed", flush=True)
+        for _ in range(int(os.environ.get("PAUSES", "1"))):
+            subprocess.Popen(["sh", "-c", f"sleep {{os.environ['PAUSE_S']}}; kill -CONT {{os.getpid()}}"])
+            os.kill(os.getpid(), signal.SIGSTOP)
+            time.sleep(0.3)
+        print(f"{{me}} resumed", flush=True)
+    elif "sleeping" in how:  # in Python, outside hpcddp: it answers the inspector but waits in no operation
+        time.sleep(float(os.environ["SLEEP_S"]))
     total = hpcddp.allreduce(torch.full((1,), float(hpcddp.rank() + 1)), op=hpcddp.ReduceOp.SUM)
     print(f"rank {{hpcddp.rank()}} sum {{int(total)}}", flush=True)
 """
@@ -74,10 +80,10 @@ def test_a_process_is_busy_while_it_computes_not_while_it_sleeps_or_once_stopped
     assert liveness.this_process()[1] == os.getpid()
 
 
-def launch(tmp_path, how, timeout_s=TIMEOUT_S, **env):
+def launch(tmp_path, how, timeout_s=TIMEOUT_S, num_ranks=2, **env):
     started = time.monotonic()
     env = {"HPCDDP_STALL_TIMEOUT": str(timeout_s), "HOW": how, **env}
-    result = run_script(2, SCRIPT, tmp_path, timeout=LIMIT_S, env=env, cwd=ROOT)
+    result = run_script(num_ranks, SCRIPT, tmp_path, timeout=LIMIT_S, env=env, cwd=ROOT)
     assert not result.timed_out, f"the job hung until the time limit:\n{result.stdout[-5000:]}"
     return result.stdout, time.monotonic() - started
 
@@ -117,3 +123,24 @@ def test_a_rank_paused_for_less_than_the_stall_timeout_past_the_stall_is_not_los
     assert "aborting" not in out, out[-5000:]
     assert "rank 0 sum 3" in out and "rank 1 sum 3" in out, out[-5000:]
     assert elapsed >= PAUSE_S
+
+
+def test_a_rank_that_wakes_briefly_between_pauses_longer_than_a_round_is_not_lost(tmp_path):
+    # Each pause outlasts a round of questions (10 s) but not the 12 s a rank must stay silent:
+    # rank 1 answers every round late. Before the fix its late answers were thrown away, and
+    # its silence counted from the first round it missed: lost about 35 s in, though alive.
+    out, _ = launch(tmp_path, "rank 1 paused", timeout_s=12, PAUSE_S="11.5", PAUSES="5")
+    assert "rank 1 resumed" in out, out[-5000:]
+    assert "aborting" not in out, out[-5000:]
+    assert "rank 0 sum 3" in out and "rank 1 sum 3" in out, out[-5000:]
+
+
+def test_a_stopped_rank_is_lost_while_rank_0_waits_in_no_operation(tmp_path):
+    # Rank 0 computes outside hpcddp (a long evaluation), rank 1 waits for rank 2, which is
+    # stopped for good. Rank 0 only asks when rank 1 alarms (every stall timeout); before the fix
+    # it forgot rank 2's silence between alarms and never counted it lost (until rank 0 itself
+    # waited a stall timeout and a lost_after more).
+    out, elapsed = launch(tmp_path, "rank 0 sleeping,rank 2 stopped", timeout_s=20, num_ranks=3, SLEEP_S="75")
+    assert re.search(r"rank 2 on node \S+ did not answer the inspector: dead, stopped", out), out[-5000:]
+    assert "aborting the job: ranks were lost" in out, out[-5000:]
+    assert elapsed < 75, f"{elapsed:.0f} s: not before rank 0 woke"
