@@ -57,16 +57,18 @@ class OrderedFuture(torch.futures.Future):
     """A torch future completed on an engine's runner, right after ``handle``.
 
     Args:
+        engine: the engine (``hpcddp.comm.mpi.engine.Engine``) that runs its callbacks.
         handle: the engine handle (``hpcddp.comm.mpi.engine.EngineHandle``) whose
             completion precedes this future's; may be set after construction, before
-            the future is handed out.
+            the future is handed out; None for a future completed before it is handed out.
         devices: the CUDA devices of its tensors (a stream-safe CUDA future); None or
             empty: a CPU future.
     """
 
-    def __init__(self, handle=None, devices: list[torch.device] | None = None) -> None:
+    def __init__(self, engine, handle=None, devices: list[torch.device] | None = None) -> None:
         super().__init__(devices=list(devices) if devices else None)
         self._devices = list(devices or [])
+        self._engine = engine
         self.handle = handle
 
     def wait(self) -> Any:
@@ -75,7 +77,7 @@ class OrderedFuture(torch.futures.Future):
         return super().wait()
 
     def then(self, callback: Callable[[torch.futures.Future], Any]) -> OrderedFuture:
-        result = OrderedFuture(devices=self._devices)
+        result = OrderedFuture(self._engine, devices=self._devices)
 
         def run() -> None:
             try:
@@ -94,7 +96,7 @@ class OrderedFuture(torch.futures.Future):
             else:
                 result.set_result(value)
 
-        result.handle = self.handle._engine.submit_callback(run)
+        result.handle = self._engine.submit_callback(run)
         return result
 
     def add_done_callback(self, callback: Callable[[torch.futures.Future], None]) -> None:
