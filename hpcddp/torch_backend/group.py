@@ -120,6 +120,13 @@ def output_tensors(value) -> list[torch.Tensor]:
     return []
 
 
+class _Coalescing(threading.local):
+    """Whether this thread is inside a coalesced call (``_coalesced``)."""
+
+    #: a class default: read on every collective, where getattr(local, name, default) costs a failed lookup
+    active = False
+
+
 class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
     """torch.distributed's collectives over one hpcddp MPI communicator.
 
@@ -155,7 +162,7 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
         self._on_shutdown = on_shutdown
         self._timeout = timeout if timeout is not None else default_pg_timeout
         self._name = ""
-        self._within_coalesced = threading.local()  # its operations record no events of their own
+        self._within_coalesced = _Coalescing()  # its operations record no events of their own
 
     # -- identity ---------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -216,7 +223,7 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
         """
         engine = self._comm.engine
         engine.check_open(event[0] or collective.name)
-        within = getattr(self._within_coalesced, "active", False)
+        within = self._within_coalesced.active
         profiled = begin(f"{self._backend_name}:{event[0]}", event[1]) if event[0] and not within else None
         devices = cuda_devices((event[1], result, collective.tensor))
         # A blocking call from Python waits at once: it runs the work itself, no thread wake-up.
@@ -253,13 +260,12 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
 
     # -- collectives ------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> _Work:
-        layouts = {t.layout for t in tensors} - {torch.strided}
-        if layouts:
-            layout = layouts.pop()
-            raise ValueError(
-                f"all_reduce of a {layout} tensor is not supported by the {self._backend_name!r} backend: "
-                "reduce tensor.to_dense(), or use a gloo group for sparse gradients"
-            )
+        for tensor in tensors:
+            if tensor.layout != torch.strided:
+                raise ValueError(
+                    f"all_reduce of a {tensor.layout} tensor is not supported by the {self._backend_name!r} backend: "
+                    "reduce tensor.to_dense(), or use a gloo group for sparse gradients"
+                )
         op = from_torch(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         return self._start(self._comm.plan_allreduce(tensors, op), opts, event=("all_reduce", tensors))
 
