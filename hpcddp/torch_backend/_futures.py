@@ -39,9 +39,15 @@ log = logging.getLogger("hpcddp")
 __all__ = ["OrderedFuture", "cuda_devices"]
 
 
+#: whether this torch can make CUDA tensors at all (``torch.cuda.is_available``'s own first test; ROCm too)
+_CUDA_BUILT = torch.cuda._is_compiled()
+
+
 def cuda_devices(tensors) -> list[torch.device]:
     """Return the CUDA devices of ``tensors`` (a tensor, or nested lists of them), in order of first use."""
     found: list[torch.device] = []
+    if not _CUDA_BUILT:  # nothing to look for, and the walk costs ~1.5 us of each collective
+        return found
     stack = [tensors]
     while stack:
         item = stack.pop()
@@ -57,16 +63,18 @@ class OrderedFuture(torch.futures.Future):
     """A torch future completed on an engine's runner, right after ``handle``.
 
     Args:
+        engine: the engine (``hpcddp.comm.mpi.engine.Engine``) that runs its callbacks.
         handle: the engine handle (``hpcddp.comm.mpi.engine.EngineHandle``) whose
             completion precedes this future's; may be set after construction, before
-            the future is handed out.
+            the future is handed out; None for a future completed before it is handed out.
         devices: the CUDA devices of its tensors (a stream-safe CUDA future); None or
             empty: a CPU future.
     """
 
-    def __init__(self, handle=None, devices: list[torch.device] | None = None) -> None:
+    def __init__(self, engine, handle=None, devices: list[torch.device] | None = None) -> None:
         super().__init__(devices=list(devices) if devices else None)
         self._devices = list(devices or [])
+        self._engine = engine
         self.handle = handle
 
     def wait(self) -> Any:
@@ -75,7 +83,7 @@ class OrderedFuture(torch.futures.Future):
         return super().wait()
 
     def then(self, callback: Callable[[torch.futures.Future], Any]) -> OrderedFuture:
-        result = OrderedFuture(devices=self._devices)
+        result = OrderedFuture(self._engine, devices=self._devices)
 
         def run() -> None:
             try:
@@ -94,7 +102,7 @@ class OrderedFuture(torch.futures.Future):
             else:
                 result.set_result(value)
 
-        result.handle = self.handle._engine.submit_callback(run)
+        result.handle = self._engine.submit_callback(run)
         return result
 
     def add_done_callback(self, callback: Callable[[torch.futures.Future], None]) -> None:

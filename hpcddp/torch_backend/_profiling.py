@@ -10,7 +10,7 @@ thread-local state: torch's ``_call_end_callbacks_on_jit_fut`` ends it from a fu
 callback with the state of the thread that began it (ending it from a plain Python
 thread leaves it open until the profiler stops). The operation's completion hands that
 future to one thread of this module, which completes it: also a blocking call that the
-calling thread ran itself ends its event elsewhere, as gloo's do. A Work's ``wait()``
+calling thread ran itself (``end``) ends its event elsewhere, as gloo's do. A Work's ``wait()``
 returns only once its event ended (``wait_ended``), as gloo's Work ends its event before
 it completes: a profiler stopped right after the wait has the event (without this, a
 loaded machine's ending thread lost that race now and then).
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["begin", "end_when_done", "wait_ended"]
+__all__ = ["begin", "end", "end_when_done", "wait_ended"]
 
 
 def begin(name: str, inputs: Sequence[torch.Tensor]) -> _Event | None:
@@ -55,6 +55,12 @@ def end_when_done(event: _Event | None, handle):
     if event is not None:
         handle.on_completion(lambda: _events.put(event))
     return handle
+
+
+def end(event: _Event | None) -> None:
+    """End ``event`` (from ``begin``): its operation completed in this thread. None: do nothing."""
+    if event is not None:
+        _events.put(event)
 
 
 def wait_ended(event: _Event | None) -> None:

@@ -33,7 +33,7 @@ from ._compile import run_eagerly_under_compile
 from ._exchange import ExchangeCollectives, like
 from ._futures import OrderedFuture, cuda_devices
 from ._p2p import PointToPoint
-from ._profiling import begin, end_when_done, wait_ended
+from ._profiling import begin, end, end_when_done, wait_ended
 
 __all__ = ["BACKEND_NAME", "ProcessGroupHPCDDP"]
 
@@ -69,6 +69,48 @@ class _Work(dist.Work):
         return output_tensors(self._future.value())
 
 
+class _CompletedWork(dist.Work):
+    """A blocking operation that the calling thread ran to its end; its torch future is made when asked for.
+
+    Args:
+        engine: the engine it ran on (its future's callbacks queue there).
+        value: the future's value.
+        error: the operation's error: ``wait()`` raises it, as a queued operation's.
+        profiled: its profiler event (``_profiling.begin``), already handed to be ended, or None.
+    """
+
+    def __init__(self, engine, value: Any = None, error: Exception | None = None, profiled=None) -> None:
+        super().__init__()
+        self._engine = engine
+        self._value, self._error = value, error
+        self._profiled = profiled
+        self._future: OrderedFuture | None = None
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        wait_ended(self._profiled)
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        if self._future is None:
+            future = OrderedFuture(self._engine)
+            if self._error is not None:
+                future.set_exception(self._error)
+            else:
+                future.set_result(self._value)
+            self._future = future
+        return self._future
+
+    def result(self) -> list[torch.Tensor]:
+        """The operation's output tensors (torch's deprecated ``Work.result``)."""
+        self.wait()
+        return output_tensors(self._value)
+
+
 def output_tensors(value) -> list[torch.Tensor]:
     """A completed future's value as ``Work.result()`` gives it: a list of tensors."""
     if isinstance(value, torch.Tensor):
@@ -76,6 +118,13 @@ def output_tensors(value) -> list[torch.Tensor]:
     if isinstance(value, (list, tuple)):
         return [t for item in value for t in output_tensors(item)]  # all_gather's outputs: one list per input
     return []
+
+
+class _Coalescing(threading.local):
+    """Whether this thread is inside a coalesced call (``_coalesced``)."""
+
+    #: a class default: read on every collective, where getattr(local, name, default) costs a failed lookup
+    active = False
 
 
 class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
@@ -113,7 +162,7 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
         self._on_shutdown = on_shutdown
         self._timeout = timeout if timeout is not None else default_pg_timeout
         self._name = ""
-        self._within_coalesced = threading.local()  # its operations record no events of their own
+        self._within_coalesced = _Coalescing()  # its operations record no events of their own
 
     # -- identity ---------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -172,10 +221,16 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
             result: the future's value, when it is not the collective's own result.
             event: the operation's profiler name (torch's: ``all_reduce``) and input tensors.
         """
-        self._comm.engine.check_open(event[0] or collective.name)
-        within = getattr(self._within_coalesced, "active", False)
+        engine = self._comm.engine
+        engine.check_open(event[0] or collective.name)
+        within = self._within_coalesced.active
         profiled = begin(f"{self._backend_name}:{event[0]}", event[1]) if event[0] and not within else None
-        future = OrderedFuture(devices=cuda_devices((event[1], result, collective.tensor)))
+        devices = cuda_devices((event[1], result, collective.tensor))
+        # A blocking call from Python waits at once: it runs the work itself, no thread wake-up.
+        wake = True if opts is None else bool(getattr(opts, "asyncOp", True))
+        if not (wake or devices):  # CUDA tensors keep the queued path: their future records stream events
+            return self._run(collective, result, profiled)
+        future = OrderedFuture(engine, devices=devices)
 
         def complete(handle) -> None:
             if handle._error is not None:
@@ -183,21 +238,34 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
             else:
                 future.set_result(handle._result if result is None else result)
 
-        # A blocking call from Python waits at once: it runs the work itself, no thread wake-up.
-        wake = True if opts is None else bool(getattr(opts, "asyncOp", True))
         handle = end_when_done(profiled, self._comm.start(collective, wake=wake, on_done=complete))
         future.handle = handle
         return _Work(handle, future, profiled)
 
+    def _run(self, collective: Collective, result: Any, profiled) -> _CompletedWork:
+        """Run the blocking ``collective`` in this thread when the queue is idle (``Engine.run``); return its Work.
+
+        Args:
+            collective: from one of the communicator's ``plan_*`` methods.
+            result: the future's value, when it is not the collective's own result.
+            profiled: its profiler event (``_profiling.begin``), or None.
+        """
+        try:
+            value = self._comm.run(collective)
+        except Exception as err:  # noqa: BLE001 - raised by the Work's wait(), as the queued path raises it
+            return _CompletedWork(self._comm.engine, error=err, profiled=profiled)
+        finally:
+            end(profiled)
+        return _CompletedWork(self._comm.engine, value if result is None else result, profiled=profiled)
+
     # -- collectives ------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> _Work:
-        layouts = {t.layout for t in tensors} - {torch.strided}
-        if layouts:
-            layout = layouts.pop()
-            raise ValueError(
-                f"all_reduce of a {layout} tensor is not supported by the {self._backend_name!r} backend: "
-                "reduce tensor.to_dense(), or use a gloo group for sparse gradients"
-            )
+        for tensor in tensors:
+            if tensor.layout != torch.strided:
+                raise ValueError(
+                    f"all_reduce of a {tensor.layout} tensor is not supported by the {self._backend_name!r} backend: "
+                    "reduce tensor.to_dense(), or use a gloo group for sparse gradients"
+                )
         op = from_torch(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         return self._start(self._comm.plan_allreduce(tensors, op), opts, event=("all_reduce", tensors))
 
@@ -283,4 +351,4 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
 
 
 # torch.compile(DDP(model)): DDP's buffer broadcast calls these back from C++ (see _compile).
-run_eagerly_under_compile(_Work, ProcessGroupHPCDDP, ExchangeCollectives, PointToPoint)
+run_eagerly_under_compile(_Work, _CompletedWork, ProcessGroupHPCDDP, ExchangeCollectives, PointToPoint)

@@ -386,6 +386,61 @@ def test_a_messages_future_completes_without_a_wait(gloo):
     assert [v[0].tolist() for v in values] == [[float(rank)] * 3, [float((rank - 1) % size)] * 3]
 
 
+def blocking_all_reduce(tensor):
+    """The default group's Work for a blocking all_reduce, as ``dist.all_reduce(tensor)`` gets it before waiting."""
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False
+    return dist.distributed_c10d._get_default_group().allreduce([tensor], opts)
+
+
+def test_a_blocking_all_reduce_returns_a_completed_work_and_future(gloo):
+    size = dist.get_world_size()
+    tensor = torch.ones(4)
+    work = blocking_all_reduce(tensor)
+    assert work.is_completed()  # run in the calling thread, nothing left for wait()
+    future = work.get_future()
+    assert future.done() and future is work.get_future()
+    assert future.value()[0] is tensor
+    seen = []
+    (result,) = future.then(lambda fut: seen.append(fut.done()) or fut.value()).wait()
+    assert seen == [True]
+    assert work.wait() is True
+    exact(result, torch.full((4,), float(size)))
+    exact(work.result()[0], torch.full((4,), float(size)))
+
+
+def test_a_blocking_all_reduce_raises_the_queued_paths_error_on_every_rank(gloo):
+    rank, _ = rank_size()
+    mismatched = torch.ones(2 + min(rank, 1))
+    queued = dist.all_reduce(mismatched.clone(), async_op=True)
+    with pytest.raises(CollectiveMismatchError) as raised:
+        queued.wait()
+    work = blocking_all_reduce(mismatched.clone())
+    assert work.is_completed()
+    for attempt in (work.wait, work.get_future().wait, lambda: dist.all_reduce(mismatched.clone())):
+        with pytest.raises(CollectiveMismatchError) as again:
+            attempt()
+        assert str(again.value) == str(raised.value)
+    tensor = torch.ones(2)  # the group still works
+    dist.all_reduce(tensor)
+    exact(tensor, torch.full((2,), float(dist.get_world_size())))
+
+
+def test_an_async_all_reduce_stays_pending_and_a_blocking_one_runs_after_it(gloo):
+    rank, size = rank_size()
+    if rank == 0:
+        time.sleep(0.3)  # the other ranks' async work cannot complete before rank 0 joins
+    first, second = torch.full((3,), float(rank)), torch.ones(2)
+    work = dist.all_reduce(first, async_op=True)
+    if rank != 0:
+        assert not work.is_completed()
+    dist.all_reduce(second)  # queued behind the pending work: the order every rank shares
+    assert work.is_completed()
+    work.wait()
+    exact(first, torch.full((3,), float(sum(range(size)))))
+    exact(second, torch.full((2,), float(size)))
+
+
 def test_mismatched_shapes_and_dtypes_raise_on_every_rank(gloo):
     rank, size = rank_size()
     with pytest.raises(
