@@ -1,4 +1,4 @@
-"""The package layout keeps its promises (docs/architecture.md): rooms import only rooms below
+"""The package layout keeps its promises (docs/architecture.md): layers import only layers below
 them, no import circles, and the flat package root holds only the public API.
 
 Imports are read from the source (every ``import`` statement, also those inside
@@ -12,7 +12,7 @@ from .conftest import ROOT
 
 PACKAGE = Path(ROOT) / "hpcddp"
 
-# The rooms from the bottom up (docs/architecture.md): a module imports its own room or a
+# The layers from the bottom up (docs/architecture.md): a module imports its own layer or a
 # lower one. runtime.lifecycle is init(), which composes the features, so it sits above them.
 LEVELS = {
     "env": 0,
@@ -97,21 +97,21 @@ def test_no_import_circles():
     assert circle is None, "import circle: " + " -> ".join(circle)
 
 
-def _room(module: str) -> str:
+def _layer(module: str) -> str:
     parts = module.split(".")
     if module == "hpcddp.runtime.lifecycle":
         return "runtime.lifecycle"
     return parts[1] if len(parts) > 1 else "hpcddp"
 
 
-def test_rooms_import_only_rooms_below_them():
+def test_layers_import_only_layers_below_them():
     modules = _modules()
     upward = []
     for name, path in sorted(modules.items()):
-        room = _room(name)
+        layer = _layer(name)
         for imported in sorted(_imports(name, path, modules)):
-            other = _room(imported)
-            if other != room and LEVELS[other] >= LEVELS[room] and not name.startswith(imported + "."):
+            other = _layer(imported)
+            if other != layer and LEVELS[other] >= LEVELS[layer] and not name.startswith(imported + "."):
                 upward.append(f"{name} -> {imported}")
     assert not upward, "imports that climb (see LEVELS and docs/architecture.md):\n" + "\n".join(upward)
 

@@ -113,11 +113,18 @@ def describe(op: str, shape=None, dtype: str | None = None, *, label: str = "", 
 _collective_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
 
+class _Marked(threading.local):
+    done = False
+
+
+_marked = _Marked()
+
+
 def mark_collective_thread() -> None:
     """Note that the calling thread takes part in collectives (it submitted one, or steps an averager)."""
-    thread = threading.current_thread()
-    if thread not in _collective_threads:
-        _collective_threads.add(thread)
+    if not _marked.done:  # once per thread: this runs on every small collective's hot path
+        _collective_threads.add(threading.current_thread())
+        _marked.done = True
 
 
 def is_collective_thread(thread: threading.Thread) -> bool:

@@ -166,7 +166,10 @@ class Engine:
         self.size = comm.Get_size()
         #: rule 4's agreement and rule 9's timeout: its ``check_collectives``, ``timeout``, ``label``
         self.agreement = Agreement(comm, MPI, log.members, messages)
-        self._cond = threading.Condition()
+        # The condition's lock entered directly where no wait is needed: Condition.__enter__ is a
+        # Python frame, and run() takes it twice per small blocking collective (its hot path).
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._items: collections.deque[_Operation] = collections.deque()
         self._runner: int | None = None
         self._closed = False
@@ -236,7 +239,7 @@ class Engine:
         """
         me = threading.get_ident()
         gate = self.gate
-        with self._cond:
+        with self._lock:
             self.check_open(collective.name)
             nested = self._runner == me
             # An agreement still running elsewhere is waited for in the queue, not holding the runner.
@@ -309,7 +312,7 @@ class Engine:
                 self._cond.notify()
 
     def _release(self) -> None:
-        with self._cond:
+        with self._lock:
             self._runner = None
             if self._items or self._closed:
                 self._cond.notify_all()
