@@ -228,7 +228,9 @@ class ProcessGroupHPCDDP(ExchangeCollectives, PointToPoint, dist.ProcessGroup):
         devices = cuda_devices((event[1], result, collective.tensor))
         # A blocking call from Python waits at once: it runs the work itself, no thread wake-up.
         wake = True if opts is None else bool(getattr(opts, "asyncOp", True))
-        if not (wake or devices):  # CUDA tensors keep the queued path: their future records stream events
+        # CUDA tensors keep the queued path (their future records stream events), and so do the parts
+        # of a coalesced call, whose handles ``_coalesced`` chains (torch hands them its blocking opts).
+        if not (wake or devices or within):
             return self._run(collective, result, profiled)
         future = OrderedFuture(engine, devices=devices)
 

@@ -109,3 +109,22 @@ def test_async_all_gather_coalesced_fails_its_future_on_a_mismatch():
     future = dist.all_gather_coalesced(outputs, inputs, async_op=True)  # torch returns the future itself
     with pytest.raises(Exception, match="allgather"):
         future.wait()
+
+
+def test_coalesced_reduce_scatter_blocking_matches_gloo(gloo):
+    # torch hands each part of a blocking coalesced reduce_scatter its blocking options: the parts
+    # must still return Works the coalescing chains (a completed one broke it: AttributeError).
+    rank, size = dist.get_rank(), dist.get_world_size()
+    inputs = [torch.arange(2.0 * size) + 10 * rank, torch.full((3 * size,), float(rank + 1))]
+
+    def reduced(group):
+        outputs = [torch.empty(2), torch.empty(3)]
+        with dist._coalescing_manager(group=group):
+            for out, source in zip(outputs, inputs):
+                dist.reduce_scatter_tensor(out, source, group=group)
+        return outputs
+
+    mine, reference = reduced(None), reduced(gloo)
+    for a, b in zip(mine, reference):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(mine[1], torch.full((3,), size * (size + 1) / 2), rtol=0, atol=0)
