@@ -69,7 +69,7 @@ def available_paths(requested: Sequence[str] = PATHS, known: Sequence[str] = PAT
     unknown = [p for p in requested if p not in known]
     if unknown:
         raise ValueError(f"paths must be among {', '.join(known)}, got {', '.join(unknown)}")
-    return [p for p in requested if p != "mpi4py" or mpi_comm() is not None]
+    return [p for p in requested if not p.startswith("mpi") or mpi_comm() is not None]
 
 
 @dataclass

@@ -17,9 +17,11 @@ from .metrics import median
 __all__ = ["LATENCY_PATHS", "LatencyResult", "available_latency_paths", "latency_as_dicts", "measure_latency"]
 
 #: every path, in the order columns are printed: ``hpcddp.allreduce_``; mpi4py's
-#: ``Allreduce(IN_PLACE, ...)`` on numpy; ``dist.all_reduce`` on a group of hpcddp's
-#: torch backend (the one registered as "mpi" and "hpcddp"); ``dist.all_reduce`` on gloo
-LATENCY_PATHS = ("hpcddp", "mpi4py", "torch-mpi", "gloo")
+#: ``Allreduce(IN_PLACE, ...)`` on numpy; the MPI floor of a checked allreduce (mpi4py: the
+#: agreement's ``Iallreduce`` of 5 int64, waited for, then that ``Allreduce``: what hpcddp's
+#: MPI calls cost without its Python); ``dist.all_reduce`` on a group of hpcddp's torch backend
+#: (the one registered as "mpi" and "hpcddp"); ``dist.all_reduce`` on gloo
+LATENCY_PATHS = ("hpcddp", "mpi4py", "mpi-floor", "torch-mpi", "gloo")
 
 
 @dataclass
@@ -33,7 +35,7 @@ class LatencyResult:
 
 
 def available_latency_paths(requested: Sequence[str] = LATENCY_PATHS) -> list[str]:
-    """Return the requested paths that can run here (mpi4py needs ranks started by MPI).
+    """Return the requested paths that can run here (mpi4py and mpi-floor need ranks started by MPI).
 
     Args:
         requested: names from ``LATENCY_PATHS``.
@@ -46,13 +48,21 @@ def _runner(path: str, count: int) -> tuple[Callable[[], None], torch.Tensor]:
     tensor = torch.zeros(count, dtype=torch.float32)
     if path == "hpcddp":
         return (lambda: hpcddp.allreduce_(tensor, op="sum")), tensor
-    if path == "mpi4py":
+    if path in ("mpi4py", "mpi-floor"):
         from ..env.mpi_import import import_mpi
 
         MPI = import_mpi()
         comm = mpi_comm().Dup()  # its own, so its messages never pair with hpcddp's
         array = tensor.numpy()
-        return (lambda: comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)), tensor
+        if path == "mpi4py":
+            return (lambda: comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)), tensor
+        agreement, agreed = np.zeros(5, dtype=np.int64), np.empty(5, dtype=np.int64)
+
+        def checked() -> None:
+            comm.Iallreduce(agreement, agreed, op=MPI.MIN).Wait()
+            comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
+
+        return checked, tensor
     import torch.distributed as dist
 
     from ._torchdist import ensure_process_group, hpcddp_process_group

@@ -236,9 +236,10 @@ def allreduce(min_size, max_size, iters, warmup, paths, span, out_of_place, op, 
 )
 @click.option(
     "--paths",
-    default="hpcddp,mpi4py,torch-mpi,gloo",
+    default="hpcddp,mpi4py,mpi-floor,torch-mpi,gloo",
     show_default=True,
-    help="Comma-separated: hpcddp (hpcddp.allreduce_), mpi4py (raw Allreduce), torch-mpi (dist.all_reduce on "
+    help="Comma-separated: hpcddp (hpcddp.allreduce_), mpi4py (raw Allreduce), mpi-floor (mpi4py: the agreement's "
+    "Iallreduce, then Allreduce: hpcddp's MPI calls), torch-mpi (dist.all_reduce on "
     'hpcddp\'s torch backend, the one named "mpi"), gloo (dist.all_reduce on gloo).',
 )
 @json_option

@@ -65,6 +65,7 @@ def test_latency_reports_every_path_against_mpi4py(tmp_path):
     if hpcddp.backend() == "mpi":
         assert rows["mpi4py"]["vs_mpi4py"] == 1.0
         assert rows["hpcddp"]["vs_mpi4py"] == rows["hpcddp"]["time_us"] / rows["mpi4py"]["time_us"]
+        assert rows["mpi-floor"]["time_us"] > 0
 
 
 def test_train_two_steps_reports_every_variant(tmp_path):
