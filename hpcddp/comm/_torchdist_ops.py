@@ -127,12 +127,15 @@ class TorchDistOps:
             if error is not None:
                 raise ValueError(error)
             return
-        call = describe_call(op, tensor, error=error, name=check, **fields)
+        call = describe_call(op, tensor, error=error, name=check or label, step=step, **fields)
         vector = torch.tensor(agreement_vector(call), dtype=torch.int64, device=self.device)
         # Tracked, so that the stall inspector sees a rank that never joins the agreement (one that exited).
         work = dist.all_reduce(vector, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
         self._track(work, "agreement", vector, label=label, step=step)
-        work.wait()
+        try:
+            work.wait()
+        except RuntimeError as err:
+            raise explain_timeout(err, op) from None
         if disagrees(vector.tolist()):
             raise mismatch_error(self._gather_objects(call, label=label, step=step))
 

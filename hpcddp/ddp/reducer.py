@@ -358,10 +358,16 @@ class Reducer:
             )
         step = self.steps_taken
         label = f"bucket {index} of step {step}{self._owner}"
+        check = None
         if index == 0 and self._channel is not None:
             self._channel.open_step(bucket.buffer if bucket.wire is None else bucket.wire, label=label, step=step)
+        elif index == 0 and bucket.buffer.device.type == "cpu":
+            # gloo: bucket 0 agrees, once per step, on the step and the optimizer (its label), so a rank
+            # a step ahead (a skipped backward) raises on every rank instead of averaging silently.
+            # Not on GPUs: the agreement's answer would cost a host sync inside backward.
+            check = ""
         self.times.bucket_submit[index] = time.perf_counter()
-        self._handles.append(self._sender.start(bucket, self.num_reductions, label=label, step=step))
+        self._handles.append(self._sender.start(bucket, self.num_reductions, label=label, step=step, check=check))
 
     # -- finishing ------------------------------------------------------------------------------
     def _finish(self, started: float) -> None:
