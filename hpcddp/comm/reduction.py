@@ -48,6 +48,10 @@ class ReduceOp(enum.Enum):
     BOR = "bor"
     BXOR = "bxor"
 
+    # Members are singletons compared by identity: hash them so too, in C (Enum's own
+    # __hash__ is a Python call, on the key of every planned small allreduce).
+    __hash__ = object.__hash__
+
     @property
     def bitwise(self) -> bool:
         """True for the integer-only ops BAND, BOR and BXOR."""

@@ -32,6 +32,7 @@ class Agreement:
 
     def __init__(self, comm, MPI, members, messages: Receives | None = None) -> None:
         self.comm, self._MPI, self._messages = comm, MPI, messages
+        self._MIN = MPI.MIN
         self.size = comm.Get_size()
         #: run the agreement before each collective (rule 4)
         self.check_collectives = True
@@ -63,14 +64,16 @@ class Agreement:
             vector: this rank's vector.
             op: the collective it is for (for the timeout's message).
         """
+        if self.timeout is None:
+            wait_for_request(self.comm.Iallreduce(vector, self._reduced, op=self._MIN), self._messages)
+            return self._reduced
         self._within_timeout(vector, self._reduced, op)
-        if self.timeout is not None:
-            self._within_timeout(self._confirmation, self._confirmed, op)
+        self._within_timeout(self._confirmation, self._confirmed, op)
         return self._reduced
 
     def _within_timeout(self, vector: np.ndarray, reduced: np.ndarray, op: str) -> None:
         """MIN-reduce ``vector`` into ``reduced``; on timeout fail the communicator for good (rule 9) and raise."""
-        request = self.comm.Iallreduce(vector, reduced, op=self._MPI.MIN)
+        request = self.comm.Iallreduce(vector, reduced, op=self._MIN)
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         if not wait_for_request(request, self._messages, deadline):
             self.failure = timed_out(op, self.label, self.timeout)
@@ -85,6 +88,8 @@ class Agreement:
         arguments) on every rank alike when they differ. Ranks that joined (Horovod's
         join) let sum and average allreduces of the others go on.
         """
+        if not self.check_collectives and self.timeout is None:
+            return  # switched off after the collective was planned
         if self.size == 1:
             if call.error is not None:
                 raise mismatch_error([call])

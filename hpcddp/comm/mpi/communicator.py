@@ -144,8 +144,7 @@ class MPICommunicator(Communicator):
         oplog.register(self.log)
         self.p2p = PointToPoint(self._comm, MPI, self.log, self.global_ranks)
         self.engine = Engine(self._comm, MPI, self.log, name=thread_name, messages=self.p2p)
-        agreement = self.engine.agreement
-        self._small = SmallAllreduces(self._comm, MPI, self.call_for, lambda: agreement.runs)
+        self._small = SmallAllreduces(self._comm, MPI, self.call_for, self.engine.agreement)
         #: gloo's monitoredBarrier over this communicator's messages (``hpcddp.comm.mpi.monitored_barrier``)
         self.monitored = MonitoredBarrier(self.p2p)
         self._duplicates: weakref.WeakSet[MPICommunicator] = weakref.WeakSet()

@@ -77,6 +77,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from threading import get_ident
 from typing import Any, NamedTuple
 
 from .. import oplog
@@ -237,10 +238,12 @@ class Engine:
 
         The hot path of small blocking collectives: no handle, no queue, no wake-up.
         """
-        me = threading.get_ident()
+        me = get_ident()
         gate = self.gate
-        with self._lock:
-            self.check_open(collective.name)
+        lock = self._lock
+        with lock:
+            if self.agreement.failure is not None or self._closed:
+                self.check_open(collective.name)
             nested = self._runner == me
             # An agreement still running elsewhere is waited for in the queue, not holding the runner.
             claimed = not nested and self._runner is None and not self._items and (gate is None or gate.poll())
@@ -248,12 +251,12 @@ class Engine:
                 self._runner = me
         if not (nested or claimed):
             return self.submit(collective, wake=False).wait()
-        pending = _describe(collective)
+        pending = collective.desc or _describe(collective)
         seq = self.log.start(pending, blocking=True)
         try:
             if gate is not None:
                 gate.wait()
-            if collective.call is not None and self.agreement.runs:
+            if collective.call is not None:
                 self.agreement.agree(collective.call)
             return collective.body()
         except BaseException as err:
@@ -261,7 +264,10 @@ class Engine:
         finally:
             self.log.finish(seq)
             if claimed:
-                self._release()
+                with lock:
+                    self._runner = None
+                    if self._items or self._closed:
+                        self._cond.notify_all()
 
     def check_open(self, name: str) -> None:
         """Raise RuntimeError when ``name`` cannot run here: the communicator is closed, or an operation timed out."""
@@ -336,7 +342,7 @@ class Engine:
                 if op.after is not None:
                     op.after.wait()  # its error is this operation's: raised alike on every rank, nothing sent
                 handle.started_at = time.perf_counter()
-                if op.call is not None and self.agreement.runs:
+                if op.call is not None:
                     self.agreement.agree(op.call)
                 result = op.body()
             except BaseException as err:  # noqa: BLE001 - handed to the waiting thread

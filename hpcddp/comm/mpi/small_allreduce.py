@@ -12,8 +12,8 @@ pair, and a mismatch still raises on every rank.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -22,6 +22,7 @@ from .. import oplog
 from ..agreement import CollectiveCall
 from ..dtypes import DTYPES, dtype_name, mpi_datatype
 from ..reduction import ReduceOp, check_reducible, divide_average_, mpi_op
+from .agreeing import Agreement
 from .engine import Collective
 from .hierarchy import HIERARCHY_MIN_BYTES
 
@@ -51,14 +52,14 @@ class SmallAllreduces:
         comm: the mpi4py communicator the collectives run on.
         MPI: the mpi4py ``MPI`` module.
         call_for: the communicator's ``call_for`` (what the ranks agree on, None with checks off).
-        runs_agreement: returns whether collectives agree first now (checks on, or a timeout armed).
+        agreement: the communicator's agreement (whether it runs now is part of a plan's key).
     """
 
-    def __init__(self, comm, MPI, call_for: Callable[..., CollectiveCall | None], runs_agreement) -> None:
+    def __init__(self, comm, MPI, call_for: Callable[..., CollectiveCall | None], agreement: Agreement) -> None:
         self._comm, self._MPI = comm, MPI
         self._size = comm.Get_size()
         self._call_for = call_for
-        self._runs_agreement = runs_agreement
+        self._agreement = agreement
         self._plans: dict[tuple, _Plan | None] = {}
 
     def plan(
@@ -81,9 +82,19 @@ class SmallAllreduces:
             tensor = tensors
         if not (tensor.is_cpu and tensor.is_contiguous()):
             return None
-        # Everything the descriptor and the agreement's call depend on: a new tag, step or
+        # Everything the descriptor and the agreement's call depend on: a new label, step or
         # patience (the optimizer's buckets, a checkpoint's wait) or checks switched is a new plan.
-        key = (tensor.shape, tensor.dtype, op, check, label, step, oplog.is_patient(), self._runs_agreement())
+        agreement = self._agreement
+        key = (
+            tensor.shape,
+            tensor.dtype,
+            op,
+            check,
+            label,
+            step,
+            oplog.is_patient(),
+            agreement.check_collectives or agreement.timeout is not None,
+        )
         plan = self._plans.get(key, False)
         if plan is False:
             plan = self._make(tensor, op, check, label, step, key)
@@ -91,8 +102,7 @@ class SmallAllreduces:
             return None
         oplog.mark_collective_thread()
         target = tensor.detach() if tensor.requires_grad else tensor  # a parameter, reduced in place as data
-        body = functools.partial(self._reduce, plan, target, tensors)
-        return Collective("allreduce", body, tensor, plan.call, plan.desc)
+        return Collective("allreduce", partial(self._reduce, plan, target, tensors), tensor, plan.call, plan.desc)
 
     def _make(
         self, tensor: torch.Tensor, op: ReduceOp, check: str | None, label: str, step: int | None, key: tuple
