@@ -26,7 +26,12 @@ TRAIN = """
     hpcddp.init()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-    optimizer = hpcddp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    compression = {"": None, "int8": "int8", "powersgd": hpcddp.PowerSGD(start_powerSGD_iter=0)}[
+        os.environ.get("TEST_COMPRESSION", "")
+    ]
+    optimizer = hpcddp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), compression=compression
+    )
 
     def train(steps, skip=lambda step: False):
         for step in range(steps):
@@ -142,11 +147,14 @@ def test_a_skipped_backward_is_named_on_every_rank_at_the_next_collective(tmp_pa
     assert elapsed < 60, f"{elapsed:.0f} s"
 
 
-@pytest.mark.parametrize("backend", ["mpi", "gloo"])
-def test_a_skipped_backward_between_two_reductions_is_caught_by_the_step_count(tmp_path, backend):
+@pytest.mark.parametrize(
+    "backend,compression", [("mpi", ""), ("gloo", ""), ("mpi", "powersgd"), ("gloo", "int8"), ("gloo", "powersgd")]
+)
+def test_a_skipped_backward_between_two_reductions_is_caught_by_the_step_count(tmp_path, backend, compression):
     # No other collective in the loop: rank 1's next reduction has the same bucket shapes as
     # rank 0's, one step ahead. Without the step in the agreement the ranks would average
-    # rank 0's step 1 gradients with rank 1's of step 2, silently (on gloo until 2026-11-28).
+    # rank 0's step 1 gradients with rank 1's of step 2, silently (on gloo until 2026-11-28,
+    # compressed on gloo until 2026-11-29).
     result, _ = launch(
         tmp_path,
         TRAIN
@@ -154,7 +162,7 @@ def test_a_skipped_backward_between_two_reductions_is_caught_by_the_step_count(t
     train(4, skip=lambda step: hpcddp.rank() == 1 and step == 1)
     print("UNREACHABLE", flush=True)
     """,
-        env={"HPCDDP_BACKEND": backend},
+        env={"HPCDDP_BACKEND": backend, "TEST_COMPRESSION": compression},
     )
     out = result.stdout
     assert result.returncode != 0 and "UNREACHABLE" not in out, out
@@ -382,3 +390,29 @@ def test_sys_exit_in_a_thread_that_ran_a_collective_ends_only_that_thread(tmp_pa
         "SUM 2 on rank 0",
         "SUM 2 on rank 1",
     ], result.stdout[-3000:]
+
+
+def test_on_gpus_a_skipped_backward_is_caught_after_the_buckets_and_their_sums_dropped(tmp_path):
+    # nccl reads the step's agreement once the buckets are waited for (no host sync inside
+    # backward); gloo here, told to answer as on a GPU, runs that path on CPUs.
+    result, _ = launch(
+        tmp_path,
+        TRAIN
+        + """
+    from hpcddp.comm.torchdist_channel import TorchDistGradientChannel
+    TorchDistGradientChannel.answer_at_launch = staticmethod(lambda bucket: False)
+    train(1)
+    try:
+        train(2, skip=lambda step: hpcddp.rank() == 1 and step == 0)
+    except hpcddp.CollectiveMismatchError as err:
+        print(f"rank {hpcddp.rank()} RAISED {err}", flush=True)
+        grads = [p.grad for p in model.parameters()]
+        print(f"rank {hpcddp.rank()} GRADS {grads.count(None)} of {len(grads)} None", flush=True)
+    """,
+        env={"HPCDDP_BACKEND": "gloo"},
+    )
+    out = result.stdout
+    assert result.returncode == 0, out
+    for rank in (0, 1):
+        assert f"rank {rank} RAISED" in out and f"rank {rank} GRADS 4 of 4 None" in out, out
+    assert "optimizer step differs (rank 0 1, rank 1 2); rank 1 took a step without reducing gradients" in out, out

@@ -5,18 +5,28 @@ from __future__ import annotations
 
 import datetime
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from . import oplog
 from ._cuda_events import GpuCompletion
-from .agreement import agreement_vector, describe_call, disagrees, mismatch_error
+from .agreement import CollectiveCall, agreement_vector, describe_call, disagrees, mismatch_error
 from .base import Handle, ReduceOp, alltoall_splits, as_splits, even_splits, splits_error
 from .reduction import check_average
 
-__all__ = ["TorchDistOps", "WorkHandle", "explain_timeout"]
+__all__ = ["Agreeing", "TorchDistOps", "WorkHandle", "explain_timeout"]
+
+
+class Agreeing(NamedTuple):
+    """An agreement in flight on a torch.distributed group (``TorchDistOps.start_agreement``)."""
+
+    call: CollectiveCall
+    vector: torch.Tensor
+    work: Any
+    label: str
+    step: int | None
 
 
 class WorkHandle(Handle):
@@ -128,16 +138,34 @@ class TorchDistOps:
                 raise ValueError(error)
             return
         call = describe_call(op, tensor, error=error, name=check or label, step=step, **fields)
-        vector = torch.tensor(agreement_vector(call), dtype=torch.int64, device=self.device)
+        self.finish_agreement(self.start_agreement(call, label=label, step=step))
+
+    def start_agreement(self, call: CollectiveCall, *, label: str = "", step: int | None = None) -> Agreeing:
+        """Start the ranks' comparison of ``call`` (one small MIN allreduce); ``finish_agreement`` checks it.
+
+        On a GPU the vector travels without a host sync: only ``finish_agreement`` waits for it.
+
+        Args:
+            call: what this rank is about to run.
+            label: what it is for (stall reports).
+            step: the training step it belongs to.
+        """
+        vector = torch.tensor(agreement_vector(call), dtype=torch.int64)
+        if self.device.type == "cuda":
+            vector = vector.pin_memory().to(self.device, non_blocking=True)
         # Tracked, so that the stall inspector sees a rank that never joins the agreement (one that exited).
         work = dist.all_reduce(vector, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
         self._track(work, "agreement", vector, label=label, step=step)
+        return Agreeing(call, vector, work, label, step)
+
+    def finish_agreement(self, agreeing: Agreeing) -> None:
+        """Wait for ``agreeing``; raise CollectiveMismatchError on every rank alike when the calls differ."""
         try:
-            work.wait()
+            agreeing.work.wait()
         except RuntimeError as err:
-            raise explain_timeout(err, op) from None
-        if disagrees(vector.tolist()):
-            raise mismatch_error(self._gather_objects(call, label=label, step=step))
+            raise explain_timeout(err, agreeing.call.op) from None
+        if disagrees(agreeing.vector.tolist()):
+            raise mismatch_error(self._gather_objects(agreeing.call, label=agreeing.label, step=agreeing.step))
 
     def reduce_async_(self, tensor: torch.Tensor, op: ReduceOp, root: int, *, check: str | None = None) -> Handle:
         check_average(tensor.dtype, op)

@@ -400,9 +400,13 @@ class Communicator(abc.ABC):
         raise NotImplementedError(f"{self.name} communicator cannot split")
 
     def gradient_channel(self) -> Any:
-        """Return a ``GradientChannel`` for one optimizer's buckets, or None: each bucket is then agreed on here.
+        """Return the channel one optimizer's buckets run on, agreed once per step; None: no agreement at all.
 
-        Collective. MPI's (``hpcddp.comm.mpi.gradient_channel``) agrees once per step instead of once per bucket.
+        Collective. A channel has ``comm`` (where the buckets run), ``open_step(bucket, label=,
+        step=)`` at bucket 0, ``confirm_step()`` once the buckets completed, ``refused_step()``,
+        ``failed``, ``fail(reason)`` and ``close()``: MPI's (``hpcddp.comm.mpi.gradient_channel``)
+        carries the buckets on a communicator of their own; torch.distributed's
+        (``hpcddp.comm.torchdist_channel``) on its group.
         """
         return None
 

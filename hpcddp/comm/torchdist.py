@@ -20,6 +20,7 @@ from .base import Communicator, Handle, ReduceOp, completed, split_ranks_error
 from .dtypes import dtype_name
 from .reduction import check_average, to_torch
 from .rendezvous import DEFAULT_GROUP_LOCK, made_default_group
+from .torchdist_channel import TorchDistGradientChannel
 
 __all__ = ["TorchDistCommunicator"]
 
@@ -296,6 +297,10 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
         child = TorchDistCommunicator(self.name, self.device, group=group)
         child.check_collectives = self.check_collectives
         return child
+
+    def gradient_channel(self) -> TorchDistGradientChannel:
+        """Return the step agreement of one optimizer's buckets, which run on this group (``torchdist_channel``)."""
+        return TorchDistGradientChannel(self)
 
     def close(self) -> None:
         oplog.unregister(self.log)

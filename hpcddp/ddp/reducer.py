@@ -18,9 +18,11 @@ The states of one reduction (IDLE, PASS, LAUNCHED) are described in docs/archite
 ("The reducer's states"); they change only under ``_lock``.
 
 Every rank therefore launches the same buckets in the same order, each tagged with the
-optimizer's step. On MPI the buckets run on a communicator of their own and the ranks
-compare the step once, before bucket 0 (``hpcddp.comm.mpi.gradient_channel``: why that is enough);
-elsewhere they compare each bucket before reducing it (``hpcddp.comm.mpi.engine``, rule 4).
+optimizer's step, and the ranks compare the step once, at bucket 0, through the
+communicator's gradient channel: on MPI the buckets run on a communicator of their own
+(``hpcddp.comm.mpi.gradient_channel``: why that is enough); on gloo and nccl on the
+optimizer's group, the agreement answered at bucket 0 on CPUs and read before the sums
+are used on GPUs (``hpcddp.comm.torchdist_channel``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ..comm.agreement import CollectiveMismatchError
 from ..comm.base import Communicator, Handle, ReduceOp, ranks_text
 from ..observe import timeline
 from .autograd_hooks import at_end_of_backward
@@ -117,7 +120,7 @@ class Reducer:
         self._owner = next_optimizer_label(comm)
         self._lock = threading.RLock()
         self._bucket_args = (bucket_cap_bytes, first_bucket_bytes, wire_dtype)
-        # The buckets' own communicator, checked once per step (hpcddp.comm.mpi.gradient_channel); None: each bucket is.
+        # Where the buckets run, checked once per step (Communicator.gradient_channel); None: not checked (one rank).
         self._channel = comm.gradient_channel() if comm.size > 1 else None
         if self._channel is not None:
             weakref.finalize(self, self._channel.close)
@@ -358,16 +361,10 @@ class Reducer:
             )
         step = self.steps_taken
         label = f"bucket {index} of step {step}{self._owner}"
-        check = None
         if index == 0 and self._channel is not None:
             self._channel.open_step(bucket.buffer if bucket.wire is None else bucket.wire, label=label, step=step)
-        elif index == 0 and bucket.buffer.device.type == "cpu":
-            # gloo: bucket 0 agrees, once per step, on the step and the optimizer (its label), so a rank
-            # a step ahead (a skipped backward) raises on every rank instead of averaging silently.
-            # Not on GPUs: the agreement's answer would cost a host sync inside backward.
-            check = ""
         self.times.bucket_submit[index] = time.perf_counter()
-        self._handles.append(self._sender.start(bucket, self.num_reductions, label=label, step=step, check=check))
+        self._handles.append(self._sender.start(bucket, self.num_reductions, label=label, step=step))
 
     # -- finishing ------------------------------------------------------------------------------
     def _finish(self, started: float) -> None:
@@ -384,6 +381,8 @@ class Reducer:
                 copy_out_start = time.perf_counter()
                 self._sender.copy_out(bucket)
                 self.times.done(bucket, handle, copy_out_start, recorder, self.num_reductions)
+            if self._channel is not None:
+                self._confirm_step()
         except BaseException as err:
             self._stopped_part_way(err)
             raise
@@ -407,7 +406,7 @@ class Reducer:
     def _finish_abandoned(self) -> None:
         """Wait for a reduction nobody finished (an exception part-way), so no bucket is written while it is sent."""
         channel = self._channel
-        if channel is not None and (channel.refused_step() or channel.comm.engine.failed):
+        if channel is not None and (channel.refused_step() or channel.failed):
             return  # its collectives raise the step's error on every rank (or this rank is out of step)
         if channel is not None and self._next_launch < len(self._buckets):
             if self._sender.compressor is not None:
@@ -424,6 +423,15 @@ class Reducer:
             return
         for handle in self._handles:
             handle.wait()
+
+    def _confirm_step(self) -> None:
+        """Raise on every rank, the step's sums dropped, when its agreement (read after the buckets on GPUs) failed."""
+        try:
+            self._channel.confirm_step()
+        except CollectiveMismatchError:
+            for bucket in self._buckets:
+                reset_bucket_grads(bucket, True)  # summed with another step's or optimizer's: never applied
+            raise
 
     def _refuse_stopped_step(self, stopped: list[int]) -> None:
         """Some rank's backward stopped part-way: drop this step's sums on every rank and raise."""

@@ -29,7 +29,7 @@ class BucketSender:
         compressor = self.compressor
         self._codecs = [None if compressor is None else compressor.codec(b, self.comm) for b in buckets]
 
-    def start(self, bucket: Bucket, reduction: int, *, label: str, step: int, check: str | None = None) -> Handle:
+    def start(self, bucket: Bucket, reduction: int, *, label: str, step: int) -> Handle:
         """Start summing ``bucket`` over the ranks (reduction number ``reduction``).
 
         Args:
@@ -37,14 +37,12 @@ class BucketSender:
             reduction: the reduction's number (compressors start after a few).
             label: its label, "bucket 2 of step 7" (stall reports, the step's agreement).
             step: the optimizer's step it belongs to.
-            check: run the agreement on this bucket's call (its name for messages; "" names it by
-                ``label``); None: none (a compressed bucket's stages never agree here).
         """
         codec = self._codecs[bucket.index]
         handle = None if codec is None else codec.launch(reduction, label=label, step=step)
         if handle is None:
             payload = bucket.buffer if bucket.wire is None else bucket.wire.copy_(bucket.buffer)
-            handle = self.comm.allreduce_async_(payload, ReduceOp.SUM, check=check, label=label, step=step)
+            handle = self.comm.allreduce_async_(payload, ReduceOp.SUM, label=label, step=step)
         return handle
 
     @staticmethod

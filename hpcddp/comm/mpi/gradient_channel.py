@@ -82,6 +82,14 @@ class GradientChannel:
         engine.gate = gate
         return gate
 
+    def confirm_step(self) -> None:
+        """Nothing left to check once the buckets completed: they waited for the step's agreement."""
+
+    @property
+    def failed(self) -> bool:
+        """True once the channel is out of step (``fail``, or a timeout): every later collective here raises."""
+        return self.comm.engine.failed
+
     def refused_step(self) -> bool:
         """Return True when the current step's agreement failed: every rank raised its error, none sent a bucket."""
         gate = self.comm.engine.gate
