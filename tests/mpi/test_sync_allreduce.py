@@ -32,40 +32,46 @@ def test_blocking_allreduce_of_every_supported_kind():
     torch.testing.assert_close(t, expected)
 
 
-def test_small_allreduce_repeated_then_mismatched_raises_on_every_rank():
-    # The same small signature again and again (its plan is kept), then one rank changes
+# 8 elements, and 1.2 MB: above the two-level allreduce's threshold, planned on a flat communicator.
+SIZES = [8, 300_000]
+
+
+@pytest.mark.parametrize("count", SIZES)
+def test_planned_allreduce_repeated_then_mismatched_raises_on_every_rank(count):
+    # The same signature again and again (its plan is kept), then one rank changes
     # shape, dtype or op: every rank raises, and the next matching call still sums right.
     n, rank = hpcddp.size(), hpcddp.rank()
-    t = torch.full((8,), float(rank + 1))
+    t = torch.full((count,), float(rank + 1))
     for _ in range(3):
         t.fill_(rank + 1)
         hpcddp.allreduce_(t, op="sum")
-        assert t.tolist() == [n * (n + 1) / 2] * 8
+        assert np.array_equal(t.numpy(), np.full(count, n * (n + 1) / 2, dtype=np.float32))
     last = n - 1
     mismatches = [
-        (torch.ones(8 if rank != last else 9), "sum"),
-        (torch.ones(8, dtype=torch.float32 if rank != last else torch.float64), "sum"),
-        (torch.ones(8), "sum" if rank != last else "max"),
+        (torch.ones(count if rank != last else count + 1), "sum"),
+        (torch.ones(count, dtype=torch.float32 if rank != last else torch.float64), "sum"),
+        (torch.ones(count), "sum" if rank != last else "max"),
     ]
     for tensor, op in mismatches:
         with pytest.raises(hpcddp.CollectiveMismatchError):
             hpcddp.allreduce_(tensor, op=op)
     t.fill_(rank + 1)
     hpcddp.allreduce_(t, op="average")
-    assert t.tolist() == [(n + 1) / 2] * 8
+    assert np.array_equal(t.numpy(), np.full(count, (n + 1) / 2, dtype=np.float32))
 
 
-def test_small_allreduce_pairs_with_a_rank_whose_tensor_is_not_contiguous():
+@pytest.mark.parametrize("count", SIZES)
+def test_planned_allreduce_pairs_with_a_rank_whose_tensor_is_not_contiguous(count):
     # Rank 0 passes a view (the general path), the others a contiguous tensor of the
     # same shape (the planned path): the same MPI calls, so they sum together.
     n, rank = hpcddp.size(), hpcddp.rank()
-    base = torch.full((4, 2), float(rank + 1))
-    tensor = base[:, 0] if rank == 0 else torch.full((4,), float(rank + 1))
+    base = torch.full((count, 2), float(rank + 1))
+    tensor = base[:, 0] if rank == 0 else torch.full((count,), float(rank + 1))
     hpcddp.allreduce_(tensor, op="sum")
-    assert tensor.tolist() == [n * (n + 1) / 2] * 4
+    assert np.array_equal(tensor.numpy(), np.full(count, n * (n + 1) / 2, dtype=np.float32))
 
 
-def test_small_allreduce_with_checks_off_then_on_still_agrees():
+def test_planned_allreduce_with_checks_off_then_on_still_agrees():
     # A kept plan knows whether checks were on: switching them must not reuse the other's.
     n, rank, comm = hpcddp.size(), hpcddp.rank(), hpcddp.communicator()
     t = torch.ones(3)

@@ -8,7 +8,7 @@
   what ``hpcddp.comm.agreement`` describes), and the timeout measured there.
 - ``waits``: how a rank waits for an MPI request (spin, yield, sleep) and gives up.
 - ``buffers``: torch tensors as MPI buffers (staging through host memory, pieces MPI can count).
-- ``small_allreduce``: small in-place allreduces, planned once per signature.
+- ``planned_allreduce``: in-place allreduces of contiguous CPU tensors, planned once per signature.
 - ``hierarchy``: the two-level allreduce (inside nodes, then between them).
 - ``gradient_channel``: an optimizer's buckets on a communicator of their own, agreed once per step.
 - ``p2p``: sends and receives, outside the collectives' queue.

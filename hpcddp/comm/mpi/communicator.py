@@ -62,8 +62,8 @@ from .gradient_channel import GradientChannel
 from .hierarchy import HIERARCHY_MIN_BYTES, hierarchy_for
 from .monitored_barrier import MonitoredBarrier
 from .p2p import PointToPoint, describe_tensors
+from .planned_allreduce import PlannedAllreduces
 from .shared_window import NodeSharedBytes
-from .small_allreduce import SmallAllreduces
 from .waits import wait_for_request
 
 __all__ = ["MPICommunicator"]
@@ -144,7 +144,9 @@ class MPICommunicator(Communicator):
         oplog.register(self.log)
         self.p2p = PointToPoint(self._comm, MPI, self.log, self.global_ranks)
         self.engine = Engine(self._comm, MPI, self.log, name=thread_name, messages=self.p2p)
-        self._small = SmallAllreduces(self._comm, MPI, self.call_for, self.engine.agreement)
+        self._planned = PlannedAllreduces(
+            self._comm, MPI, self.call_for, self.engine.agreement, hierarchical=self._hierarchy is not None
+        )
         #: gloo's monitoredBarrier over this communicator's messages (``hpcddp.comm.mpi.monitored_barrier``)
         self.monitored = MonitoredBarrier(self.p2p)
         self._duplicates: weakref.WeakSet[MPICommunicator] = weakref.WeakSet()
@@ -310,9 +312,9 @@ class MPICommunicator(Communicator):
             step: the training step it belongs to, compared across ranks.
         """
         if error is None and self.size > 1:
-            small = self._small.plan(tensors, op, check, label=label, step=step)
-            if small is not None:
-                return small
+            planned = self._planned.plan(tensors, op, check, label=label, step=step)
+            if planned is not None:
+                return planned
         if not isinstance(tensors, torch.Tensor) and len({t.dtype for t in tensors}) > 1:
             error = error or f"tensors of one dtype are reduced together, got {describe_tensors(tensors)}"
         make = functools.partial(self.allreduce_body, op=op)

@@ -116,7 +116,7 @@ class Collective(NamedTuple):
     tensor: Any = None
     #: what every rank agrees on first (rule 4); None: checks are off, or the body agrees itself
     call: CollectiveCall | None = None
-    #: how the log names it, made by the planner (``small_allreduce`` keeps one per signature); None: from
+    #: how the log names it, made by the planner (``planned_allreduce`` keeps one per signature); None: from
     #: ``tensor``, ``label`` and ``step``
     desc: oplog.Descriptor | None = None
     #: what it is for, e.g. "bucket 2 of step 7" (stall reports)

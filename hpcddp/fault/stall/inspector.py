@@ -213,7 +213,7 @@ class StallInspector:
             self._send(None, 0, _ALARM)
         if self._unanswered_since is not None and now - self._unanswered_since > self.lost_after + 2 * self._interval:
             # Rank 0 answers every alarm within moments: it is gone, or cut off from here, or busy.
-            doing = what_it_waits_in(oplog.rank_status(self.rank), self.size, {}).removeprefix("it waits in ")
+            doing = what_it_waits_in(oplog.rank_status(self.rank), self.size, {})
             where = f"rank {self.rank} on {self.hosts[self.rank]} waits in {doing} and rank 0 on {self.hosts[0]}"
             if self._busy([0], (r for r in range(1, self.size) if r not in self._exits)):
                 self._unanswered_since = time.monotonic()
@@ -372,7 +372,7 @@ class StallInspector:
         if self._stop.is_set():
             return  # this rank is leaving: what it saw may be the others leaving too
         report = explain_stall(statuses, self._exits, self.size, self.timeout, self.hosts, busy)
-        reason, code = None, 1
+        reason, code, sooner = None, 1, None
         if verdict == "lost":
             reason = "ranks were lost"
         elif verdict == "exited":
@@ -384,20 +384,27 @@ class StallInspector:
             if longest < self.timeout:
                 return  # a rank left or alarmed, and nothing waits any more
             reason = self._too_long(longest)
-            if verdict == "silent" and reason is None:
-                report += (
-                    f"\n  a rank that stays silent {self.lost_after:g} s in all is taken for lost "
-                    f"(the stall timeout, at least {self.ANSWER_WITHIN_S:g} s)"
+            if verdict == "silent":
+                sooner = (
+                    f"a rank silent for {self.lost_after:g} s in all is taken for lost (the stall timeout, "
+                    f"at least {self.ANSWER_WITHIN_S:g} s) and ends it sooner"
                 )
-        self._report(report, reason, code)
+        self._report(report, reason, code, sooner)
 
     def _too_long(self, longest: float) -> str | None:
         if self.abort_after and longest >= self.abort_after:
             return f"the stall has lasted {longest:.0f} s (stall_abort_after={self.abort_after:g} s)"
         return None
 
-    def _report(self, report: str, reason: str | None, code: int = 1) -> None:
-        """Abort for ``reason`` (with stall_action="abort"), else warn at most once per ``timeout``."""
+    def _report(self, report: str, reason: str | None, code: int = 1, sooner: str | None = None) -> None:
+        """Abort for ``reason`` (with stall_action="abort"), else warn at most once per ``timeout``.
+
+        Args:
+            report: what the ranks wait in.
+            reason: why the job ends now, or None.
+            code: the exit code it ends with.
+            sooner: what would end the job before ``stall_abort_after`` (a silent rank), for the warning.
+        """
         if reason is not None and self.action == "abort":
             from ..abort import abort_job
 
@@ -409,6 +416,8 @@ class StallInspector:
             outcome = f"{reason}; stall_action={self.action!r}: the job goes on"
         elif self.action == "abort" and self.abort_after:
             outcome = f"the job ends if it lasts {self.abort_after:g} s (stall_abort_after, HPCDDP_STALL_ABORT_AFTER)"
+            if sooner is not None:
+                outcome += f"; {sooner}"
         else:
             outcome = (
                 f"the job never ends for it (stall_action={self.action!r}, stall_abort_after={self.abort_after:g})"

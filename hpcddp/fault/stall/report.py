@@ -62,7 +62,7 @@ def _oldest(statuses: dict) -> tuple[str, object, float, dict] | None:
 
 
 def what_it_waits_in(status: dict, size: int, members: dict) -> str:
-    """Return what a rank waits in, in words ("it waits in allreduce #12 ...").
+    """Return what a rank waits in, in words ("allreduce #12 ...", "no collective").
 
     Args:
         status: the rank's ``oplog.rank_status``.
@@ -72,14 +72,14 @@ def what_it_waits_in(status: dict, size: int, members: dict) -> str:
     for key, comm in status["comms"].items():
         if comm["running"]:
             desc, _ = comm["running"][0]
-            return f"it waits in {desc}{_where(members.get(key), _num_members(comm), size)}"
+            return f"{desc}{_where(members.get(key), _num_members(comm), size)}"
     for comm in status["comms"].values():
         for kind, peer, tag, age in comm["p2p"]:
             source = "any rank" if peer is None else f"rank {peer}"
-            return f"it waits in {kind} {'from' if kind == 'recv' else 'to'} {source} (tag {tag}, {age:.0f} s)"
+            return f"{kind} {'from' if kind == 'recv' else 'to'} {source} (tag {tag}, {age:.0f} s)"
     if status["waits"]:
-        return f"it waits in {status['waits'][0][1]}"
-    return "it waits in no collective"
+        return str(status["waits"][0][1])
+    return "no collective"
 
 
 def _missing_cause(status: dict, reference) -> str:
@@ -218,7 +218,7 @@ def explain_stall(
         if comm is not None and comm["started"] > seq:
             missing_lines.append(
                 [
-                    f"  rank {r} is past #{seq} (its history no longer holds it); {what_it_waits_in(statuses[r], size, known)}"
+                    f"  rank {r} is past #{seq} (its history no longer holds it); it waits in {what_it_waits_in(statuses[r], size, known)}"
                 ]
             )
             continue
@@ -229,7 +229,7 @@ def explain_stall(
             [
                 f"  rank {r} did not submit {reference.op} #{seq}"
                 + (f" ({reference.label})" if reference.label else "")
-                + f": its last collective was {last or 'none'}{idle}, and {what_it_waits_in(statuses[r], size, known)}",
+                + f": its last collective was {last or 'none'}{idle}, and it waits in {what_it_waits_in(statuses[r], size, known)}",
                 "    likely cause: " + _missing_cause(statuses[r], reference),
             ]
         )

@@ -1,13 +1,18 @@
-"""Small allreduces planned once per signature: the latency path of ``allreduce_`` and torch's ``all_reduce``.
+"""In-place allreduces planned once per signature: the latency path of ``allreduce_`` and torch's ``all_reduce``.
 
 A small allreduce's time was mostly Python's: planning it (the agreement's call, the
 log's descriptor, the MPI datatype and op, a numpy view of the tensor) took 12-16 us
-where MPI's own Allreduce of 8 floats takes about 2 us here. A training loop's small
-reductions (a loss, a metric, a count) repeat the same few signatures, so their plans
-are made once and kept. The MPI calls are the general path's exactly (the agreement,
-then ``Allreduce(IN_PLACE, ...)`` of the same count and datatype), so a rank on this
-path and a rank on the general one (a non-contiguous tensor of the same shape) still
-pair, and a mismatch still raises on every rank.
+where MPI's own Allreduce of 8 floats takes about 2 us here, and 20-25 us of a 1 MiB
+allreduce's 240. A training loop's reductions (a loss, a metric, a count, a buffer
+averaged each step) repeat the same few signatures, so their plans are made once and
+kept. Every in-place allreduce of a contiguous CPU tensor of MPI's own dtypes takes this
+path, up to the two-level allreduce's threshold on a hierarchical communicator (from
+there on the general path's two steps) and up to one MPI message otherwise. The MPI
+calls are the general path's exactly (the agreement, then ``Allreduce(IN_PLACE, ...)``
+of the same count and datatype), so a rank on this path and a rank on the general one
+(a non-contiguous tensor of the same shape) still pair, and a mismatch still raises on
+every rank. Plans of a training step's gradient buckets (a step set) never repeat and
+are not kept.
 """
 
 from __future__ import annotations
@@ -20,17 +25,14 @@ import torch
 
 from .. import oplog
 from ..agreement import CollectiveCall
+from ..base import MESSAGE_PIECE_BYTES
 from ..dtypes import DTYPES, dtype_name, mpi_datatype
 from ..reduction import ReduceOp, check_reducible, divide_average_, mpi_op
 from .agreeing import Agreement
 from .engine import Collective
 from .hierarchy import HIERARCHY_MIN_BYTES
 
-__all__ = ["SMALL_BYTES", "SmallAllreduces"]
-
-#: tensors below this size take the planned path: the two-level allreduce's threshold, so
-#: always MPI's flat Allreduce, as the general path (which goes two-level from it on)
-SMALL_BYTES = HIERARCHY_MIN_BYTES
+__all__ = ["PlannedAllreduces"]
 #: signatures kept per communicator (a loop has a handful; a stream of new shapes starts over)
 _MAX_PLANS = 256
 
@@ -45,18 +47,23 @@ class _Plan(NamedTuple):
     average: bool
 
 
-class SmallAllreduces:
-    """The in-place allreduces of small contiguous CPU tensors of one communicator, planned once per signature.
+class PlannedAllreduces:
+    """The in-place allreduces of contiguous CPU tensors of one communicator, planned once per signature.
 
     Args:
         comm: the mpi4py communicator the collectives run on.
         MPI: the mpi4py ``MPI`` module.
         call_for: the communicator's ``call_for`` (what the ranks agree on, None with checks off).
         agreement: the communicator's agreement (whether it runs now is part of a plan's key).
+        hierarchical: the communicator's allreduces go two-level from ``HIERARCHY_MIN_BYTES`` on.
     """
 
-    def __init__(self, comm, MPI, call_for: Callable[..., CollectiveCall | None], agreement: Agreement) -> None:
+    def __init__(
+        self, comm, MPI, call_for: Callable[..., CollectiveCall | None], agreement: Agreement, hierarchical: bool
+    ) -> None:
         self._comm, self._MPI = comm, MPI
+        #: tensors below this size take the planned path: always one flat ``Allreduce``, as on the general path
+        self.max_bytes = HIERARCHY_MIN_BYTES if hierarchical else MESSAGE_PIECE_BYTES
         self._size = comm.Get_size()
         self._call_for = call_for
         self._agreement = agreement
@@ -65,7 +72,7 @@ class SmallAllreduces:
     def plan(
         self, tensors, op: ReduceOp, check: str | None, *, label: str = "", step: int | None = None
     ) -> Collective | None:
-        """Return the allreduce of ``tensors`` (one tensor, or a list of one) planned before, or None when it is not small.
+        """Return the allreduce of ``tensors`` (one tensor, or a list of one), planned, or None when it cannot be.
 
         Args:
             tensors: what to reduce in place; the collective's result is this argument.
@@ -108,9 +115,8 @@ class SmallAllreduces:
         self, tensor: torch.Tensor, op: ReduceOp, check: str | None, label: str, step: int | None, key: tuple
     ) -> _Plan | None:
         carried = DTYPES.get(tensor.dtype)
-        small = carried is not None and carried.native and 0 < tensor.nbytes < SMALL_BYTES
         plan = None
-        if small:
+        if carried is not None and carried.native and 0 < tensor.nbytes < self.max_bytes:
             check_reducible(tensor.dtype, op)
             plan = _Plan(
                 oplog.describe("allreduce", tensor.shape, dtype_name(tensor.dtype), label=label, step=step),
@@ -122,9 +128,10 @@ class SmallAllreduces:
                 mpi_op(self._MPI, tensor.dtype, op),
                 op is ReduceOp.AVERAGE,
             )
-        if len(self._plans) >= _MAX_PLANS:
-            self._plans.clear()
-        self._plans[key] = plan
+        if step is None:
+            if len(self._plans) >= _MAX_PLANS:
+                self._plans.clear()
+            self._plans[key] = plan
         return plan
 
     def _reduce(self, plan: _Plan, tensor: torch.Tensor, result: Any) -> Any:
