@@ -416,3 +416,77 @@ def test_on_gpus_a_skipped_backward_is_caught_after_the_buckets_and_their_sums_d
     for rank in (0, 1):
         assert f"rank {rank} RAISED" in out and f"rank {rank} GRADS 4 of 4 None" in out, out
     assert "optimizer step differs (rank 0 1, rank 1 2); rank 1 took a step without reducing gradients" in out, out
+
+
+TWO_OPTIMIZERS = """
+    import os, torch, torch.distributed as dist, hpcddp
+    from hpcddp.comm.torchdist_channel import TorchDistGradientChannel
+    if os.environ.get("TEST_DEFERRED"):  # read the agreements after the buckets, as on GPUs
+        TorchDistGradientChannel.answer_at_launch = staticmethod(lambda bucket: False)
+    hpcddp.init()
+    rank = hpcddp.rank()
+    torch.manual_seed(0)
+    A = torch.nn.ModuleList([torch.nn.Linear(16, 16, bias=False) for _ in range(3)])
+    B = torch.nn.ModuleList([torch.nn.Linear(16, 16, bias=False) for _ in range(3)])
+    one_bucket_per_weight = dict(first_bucket_mb=0.0001, bucket_cap_mb=0.0001)
+    oa = hpcddp.DistributedOptimizer(torch.optim.SGD(A.parameters(), lr=0.1), A.named_parameters(), **one_bucket_per_weight)
+    ob = hpcddp.DistributedOptimizer(torch.optim.SGD(B.parameters(), lr=0.1), B.named_parameters(), **one_bucket_per_weight)
+    swapped = os.environ.get("TEST_SWAP") and rank == 1
+
+    def forward(x):
+        a, b = A[0](x), B[0](x)
+        if swapped:  # A's and B's middle buckets launch in the other order in backward
+            b = B[1](b); a = A[1](a)
+        else:
+            a = A[1](a); b = B[1](b)
+        return A[2](a).pow(2).mean() + B[2](b).pow(2).mean()
+
+    params = list(A.parameters()) + list(B.parameters())
+    for step in range(3):  # the first pass only learns the order; later ones launch as gradients arrive
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * rank + step))
+        local = torch.autograd.grad(forward(x), params)
+        expected = []
+        for g in local:  # the average, by torch.distributed itself
+            gathered = [torch.empty_like(g) for _ in range(hpcddp.size())]
+            dist.all_gather(gathered, g)
+            expected.append(torch.stack(gathered).mean(0))
+        oa.zero_grad(); ob.zero_grad()
+        try:
+            forward(x).backward()
+        except hpcddp.CollectiveMismatchError as err:
+            print(f"rank {rank} RAISED at step {step}: {err}", flush=True)
+            try:  # the other optimizer's step was refused with it: its sums are never applied either
+                oa.step(); ob.step()
+            except hpcddp.CollectiveMismatchError:
+                print(f"rank {rank} STEP RAISED", flush=True)
+            grads = [p.grad for p in params]
+            print(f"rank {rank} GRADS {sum(g is None for g in grads)} of {len(grads)} None", flush=True)
+            break
+        error = max((p.grad - e).abs().max().item() for p, e in zip(params, expected))
+        print(f"rank {rank} step {step} max error {error:.1e}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("deferred", ["", "1"])
+def test_two_optimizers_whose_buckets_interleave_in_another_order_raise_on_gloo(tmp_path, deferred):
+    # On gloo both optimizers' buckets share one group: bucket 1 of one would pair with
+    # bucket 1 of the other past the step's check, a wrong average without an error
+    # (found by review, 2026-11-28). Every bucket agrees once two optimizers share it.
+    result, _ = launch(tmp_path, TWO_OPTIMIZERS, env={"HPCDDP_BACKEND": "gloo", "TEST_SWAP": "1", "TEST_DEFERRED": deferred})
+    out = result.stdout
+    for rank in (0, 1):
+        assert f"rank {rank} step 0 max error 0.0e+00" in out, out  # the learning pass launches in index order
+        assert f"rank {rank} RAISED at step 1" in out, out
+        if deferred:  # read after the buckets: every sum of the refused steps dropped
+            assert f"rank {rank} STEP RAISED" in out and f"rank {rank} GRADS 6 of 6 None" in out, out
+    assert "the ranks reached their optimizers' buckets in another order" in out, out
+    assert "max error" not in out.split("RAISED")[1], out
+
+
+def test_two_optimizers_in_the_same_order_average_exactly_on_gloo(tmp_path):
+    result, _ = launch(tmp_path, TWO_OPTIMIZERS, env={"HPCDDP_BACKEND": "gloo"})
+    out = result.stdout
+    assert result.returncode == 0, out
+    for rank in (0, 1):
+        for step in range(3):
+            assert re.search(rf"rank {rank} step {step} max error (\d\.\de-0[89]|0\.0e\+00)", out), out

@@ -402,8 +402,8 @@ class Communicator(abc.ABC):
     def gradient_channel(self) -> Any:
         """Return the channel one optimizer's buckets run on, agreed once per step; None: no agreement at all.
 
-        Collective. A channel has ``comm`` (where the buckets run), ``open_step(bucket, label=,
-        step=)`` at bucket 0, ``confirm_step()`` once the buckets completed, ``refused_step()``,
+        Collective. A channel has ``comm`` (where the buckets run), ``before_bucket(index, bucket,
+        label=, step=)`` before each bucket, ``confirm_step()`` once the buckets completed, ``refused_step()``,
         ``failed``, ``fail(reason)`` and ``close()``: MPI's (``hpcddp.comm.mpi.gradient_channel``)
         carries the buckets on a communicator of their own; torch.distributed's
         (``hpcddp.comm.torchdist_channel``) on its group.

@@ -20,7 +20,7 @@ from .base import Communicator, Handle, ReduceOp, completed, split_ranks_error
 from .dtypes import dtype_name
 from .reduction import check_average, to_torch
 from .rendezvous import DEFAULT_GROUP_LOCK, made_default_group
-from .torchdist_channel import TorchDistGradientChannel
+from .torchdist_channel import GroupChannels, TorchDistGradientChannel
 
 __all__ = ["TorchDistCommunicator"]
 
@@ -82,6 +82,8 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
         self.name = backend
         self.device = device
         self._recent_works: collections.deque = collections.deque(maxlen=_KEPT_WORKS)
+        #: what the optimizers' gradient channels on this group share (``torchdist_channel``)
+        self.gradient_channels = GroupChannels()
         # nccl's collectives in launch order, until their kernels ran (NCCL runs them in that order)
         self._gpu_running: collections.deque = collections.deque()
         self._gpu_lock = threading.Lock()

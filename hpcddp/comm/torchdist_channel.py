@@ -14,10 +14,19 @@ ranks would average one step's gradients with another's, silently. As MPI's
   is launched would be a host sync inside backward, so the agreement travels ahead of
   bucket 0 on the same stream and is read (``confirm_step``) once the step's buckets
   are waited for, where the reducer reads the control numbers anyway. A mismatch drops
-  the step's gradients and raises on every rank: the buckets did move, but their sums
-  are never applied. (Buckets of other shapes pairing up, two optimizers reached in
-  another order, can stall NCCL before the answer is read: the stall inspector and
-  NCCL's timeout report it; never a wrong sum.)
+  the step's gradients (and the compression memory) and raises on every rank: the
+  buckets did move, but their sums are never applied. (Buckets of other shapes pairing
+  up, two optimizers reached in another order, can stall NCCL before the answer is
+  read: the stall inspector and NCCL's timeout report it; never a wrong sum.)
+- **Every bucket agrees once two optimizers share the group.** MPI gives each
+  optimizer's buckets a communicator of their own, so a bucket can only pair with the
+  same bucket of the same optimizer. Here they share the optimizer's group: two
+  optimizers whose buckets interleave in another order on another rank (layers run in
+  another order) would pair one's bucket 2 with the other's bucket 1, both past the
+  step's check. From the second channel made on a communicator on (made at the same
+  point on every rank: an optimizer's constructor is collective) every bucket of every
+  channel there agrees, as above (at launch on CPUs, read with the step's on GPUs),
+  its label naming the bucket and the optimizer.
 
 The layouts (bucket sizes, dtypes, compression) were compared when the buckets were
 built (``hpcddp.ddp.consistency.check_same_layout``). With checks off there is no
@@ -26,13 +35,25 @@ agreement, as on any communicator.
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from ._torchdist_ops import Agreeing
 from .agreement import CollectiveMismatchError, describe_call
 from .reduction import ReduceOp
 
-__all__ = ["TorchDistGradientChannel"]
+__all__ = ["GroupChannels", "TorchDistGradientChannel"]
+
+
+class GroupChannels:
+    """What the gradient channels of one torch.distributed group share: how many were made, and the
+    agreements to read later (GPUs), in the order they were issued on the group."""
+
+    def __init__(self) -> None:
+        #: channels made on the group so far (the same count on every rank: constructors are collective)
+        self.made = 0
+        self.in_flight: collections.deque[tuple[TorchDistGradientChannel, Agreeing]] = collections.deque()
 
 
 class TorchDistGradientChannel:
@@ -45,34 +66,43 @@ class TorchDistGradientChannel:
     def __init__(self, comm) -> None:
         #: the communicator the buckets' collectives run on: the optimizer's own
         self.comm = comm
+        self._group: GroupChannels = comm.gradient_channels
+        self._group.made += 1
         self._failure: str | None = None
-        self._refused = False
-        self._agreeing: Agreeing | None = None
+        #: the error this step was refused with, every rank alike (None: not refused)
+        self._refusal: CollectiveMismatchError | None = None
+        self._in_flight = 0  # this channel's agreements in ``GroupChannels.in_flight``
 
     @property
     def failed(self) -> bool:
         """True once this rank left a step part-way (``fail``): its gradient collectives are out of step."""
         return self._failure is not None
 
-    def open_step(self, bucket: torch.Tensor, *, label: str, step: int) -> None:
-        """Agree on this step's reduction: at once on CPU tensors, later (``confirm_step``) on GPU ones.
+    def before_bucket(self, index: int, bucket: torch.Tensor, *, label: str, step: int) -> None:
+        """Agree on bucket 0 (the step), or on every bucket where optimizers share the group: now on CPU tensors,
+        at ``confirm_step`` on GPU ones.
 
         Args:
-            bucket: bucket 0's tensor as sent (shape and dtype are compared).
-            label: bucket 0's label, "bucket 0 of step 7" (the ranks compare it, and stall reports name it).
+            index: the bucket's index.
+            bucket: its tensor as sent (shape and dtype are compared).
+            label: its label, "bucket 0 of step 7" (the ranks compare it, and stall reports name it).
             step: the optimizer's step, which the ranks compare.
         """
-        if self._failure is not None:
-            raise RuntimeError(f"allreduce was not run: {self._failure}")
-        self._refused, self._agreeing = False, None
+        if index == 0:
+            if self._failure is not None:
+                raise RuntimeError(f"allreduce was not run: {self._failure}")
+            if self._in_flight:
+                self.confirm_step()  # a step left unconfirmed (an exception before its end): read in order first
+            self._refusal = None
+        elif self._group.made < 2:
+            return
         if not self.comm.check_collectives:
             return
         call = describe_call("allreduce", bucket, name=label, step=step, reduce_op=ReduceOp.SUM)
-        agreeing = self.comm.start_agreement(call, label=label, step=step)
+        self._group.in_flight.append((self, self.comm.start_agreement(call, label=label, step=step)))
+        self._in_flight += 1
         if self.answer_at_launch(bucket):
-            self._finish(agreeing)
-        else:
-            self._agreeing = agreeing
+            self.confirm_step()
 
     @staticmethod
     def answer_at_launch(bucket: torch.Tensor) -> bool:
@@ -80,21 +110,31 @@ class TorchDistGradientChannel:
         return bucket.device.type != "cuda"
 
     def confirm_step(self) -> None:
-        """Raise the step's CollectiveMismatchError (on every rank alike) unless its agreement held."""
-        agreeing, self._agreeing = self._agreeing, None
-        if agreeing is not None:
-            self._finish(agreeing)
+        """Raise the step's CollectiveMismatchError (on every rank alike) unless its agreements held.
 
-    def _finish(self, agreeing: Agreeing) -> None:
-        try:
-            self.comm.finish_agreement(agreeing)
-        except CollectiveMismatchError:
-            self._refused = True
-            raise
+        The group's agreements are read in the order they were issued, up to this channel's
+        last: the k-th agreement of every rank paired, so every rank finds the same first
+        mismatch, gathers the calls that paired there, and refuses the steps of the same
+        channels (those with an agreement from there on), whichever optimizer it confirms first.
+        """
+        if self._refusal is not None:
+            raise self._refusal
+        queue = self._group.in_flight
+        while self._in_flight:
+            owner, agreeing = queue.popleft()
+            owner._in_flight -= 1
+            try:
+                self.comm.finish_agreement(agreeing)
+            except CollectiveMismatchError as err:
+                refused = {owner} | {other for other, _ in queue}
+                queue.clear()
+                for channel in refused:
+                    channel._refusal, channel._in_flight = err, 0
+                raise
 
     def refused_step(self) -> bool:
         """Return True when the current step's agreement failed: every rank raised its error."""
-        return self._refused
+        return self._refusal is not None
 
     def fail(self, reason: str) -> None:
         """Refuse every later step on this rank: it left a step part-way, so the ranks are out of step.

@@ -361,8 +361,10 @@ class Reducer:
             )
         step = self.steps_taken
         label = f"bucket {index} of step {step}{self._owner}"
-        if index == 0 and self._channel is not None:
-            self._channel.open_step(bucket.buffer if bucket.wire is None else bucket.wire, label=label, step=step)
+        if self._channel is not None:
+            self._channel.before_bucket(
+                index, bucket.buffer if bucket.wire is None else bucket.wire, label=label, step=step
+            )
         self.times.bucket_submit[index] = time.perf_counter()
         self._handles.append(self._sender.start(bucket, self.num_reductions, label=label, step=step))
 
@@ -406,8 +408,15 @@ class Reducer:
     def _finish_abandoned(self) -> None:
         """Wait for a reduction nobody finished (an exception part-way), so no bucket is written while it is sent."""
         channel = self._channel
-        if channel is not None and (channel.refused_step() or channel.failed):
-            return  # its collectives raise the step's error on every rank (or this rank is out of step)
+        if channel is not None and channel.refused_step():
+            # Every rank refused the step alike; buckets launched before the refusal (gloo agrees
+            # on each bucket where optimizers share a group) complete on every rank: not written while sent.
+            for handle in self._handles:
+                with contextlib.suppress(Exception):
+                    handle.wait()
+            return
+        if channel is not None and channel.failed:
+            return  # this rank is out of step: the others wait in buckets it never launched
         if channel is not None and self._next_launch < len(self._buckets):
             if self._sender.compressor is not None:
                 self._stopped_part_way(None)  # the other ranks wait in collectives this rank never started
@@ -431,6 +440,7 @@ class Reducer:
         except CollectiveMismatchError:
             for bucket in self._buckets:
                 reset_bucket_grads(bucket, True)  # summed with another step's or optimizer's: never applied
+            self._sender.reset()  # nor kept in the compression memory
             raise
 
     def _refuse_stopped_step(self, stopped: list[int]) -> None:

@@ -67,7 +67,8 @@ class InitConfig:
     """Before each collective called through hpcddp's API, let the ranks compare shapes,
     dtypes, roots and ops (one small message) and raise CollectiveMismatchError on every
     rank when they differ, instead of aborting or returning garbage; hpcddp's own gradient
-    buckets are never checked. Environment: HPCDDP_CHECK_COLLECTIVES (0 turns it off)."""
+    buckets are compared once per step (the step, the optimizer, bucket 0's shape), not
+    one by one. Environment: HPCDDP_CHECK_COLLECTIVES (0 turns it off)."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

@@ -14,7 +14,7 @@ with one agreement per step:
 - **Buckets pair with the same bucket of the same step.** Every rank launches them
   strictly in index order (``hpcddp.ddp.reducer``), with a layout (each bucket's
   size and dtype, the compression) the ranks compared when the buckets were built.
-- **The step is agreed before any bucket moves.** ``open_step`` runs, on the parent
+- **The step is agreed before any bucket moves.** ``before_bucket`` runs, at bucket 0, on the parent
   communicator at bucket 0's place in its order, the agreement that bucket 0 ran
   before: step, optimizer, shape, dtype. The channel's collectives of that step wait
   for it; if it fails (a rank skipped a backward pass, is a step ahead, called
@@ -57,17 +57,20 @@ class GradientChannel:
         self.comm = parent.duplicate(thread_name="buckets")
         self.comm.check_collectives = False
 
-    def open_step(self, bucket: torch.Tensor, *, label: str, step: int) -> Handle | None:
-        """Agree on this step's reduction on the parent; the channel's collectives submitted from now on wait for it.
+    def before_bucket(self, index: int, bucket: torch.Tensor, *, label: str, step: int) -> Handle | None:
+        """At bucket 0, agree on this step's reduction on the parent; the channel's collectives wait for it.
 
-        Returns the agreement's handle, or None when the parent runs no agreements
-        (checks off, no timeout).
+        Returns the agreement's handle, or None for the other buckets and when the
+        parent runs no agreements (checks off, no timeout).
 
         Args:
-            bucket: bucket 0's tensor as sent (shape and dtype are compared).
-            label: bucket 0's label, "bucket 0 of step 7" (the ranks compare it, and stall reports name it).
+            index: the bucket's index; only bucket 0 opens a step.
+            bucket: the bucket's tensor as sent (bucket 0's shape and dtype are compared).
+            label: its label, "bucket 0 of step 7" (the ranks compare it, and stall reports name it).
             step: the optimizer's step, which the ranks compare.
         """
+        if index != 0:
+            return None
         engine = self.comm.engine
         engine.check_open("allreduce")  # out of step since an earlier step stopped part-way here (``fail``)
         # A group's timeout (engine rule 9) is measured in agreements: with one set, each bucket agrees
