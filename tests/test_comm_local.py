@@ -64,7 +64,7 @@ def test_agreement_vectors_and_message():
     assert disagrees(combined)
     message = mismatch_message([a, b])
     assert message.startswith(
-        "allreduce of tensor 'grad': the ranks disagree: shape differs (rank 0 [2, 3], rank 1 [2, 4])"
+        "allreduce of tensor 'grad': the ranks disagree: shape differs (rank 0: [2, 3]; rank 1: [2, 4])"
     )
     bad = CollectiveCall("alltoall", error="splits must add up")
     assert disagrees(agreement_vector(bad))

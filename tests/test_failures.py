@@ -166,7 +166,7 @@ def test_a_skipped_backward_between_two_reductions_is_caught_by_the_step_count(t
     )
     out = result.stdout
     assert result.returncode != 0 and "UNREACHABLE" not in out, out
-    assert "optimizer step differs (rank 0 1, rank 1 2); rank 1 took a step without reducing gradients" in out, out
+    assert "optimizer step differs (rank 0: 1; rank 1: 2); rank 1 took a step without reducing gradients" in out, out
 
 
 def test_stall_warn_mode_names_the_silent_rank_and_keeps_going(tmp_path):
@@ -356,7 +356,9 @@ def test_different_tensor_sizes_end_the_job_with_the_cause(tmp_path, check):
     assert result.returncode != 0 and "UNREACHABLE" not in out, out
     if check:
         # The agreement before the collective: every rank names the cause, nothing is sent.
-        assert "CollectiveMismatchError: allreduce: the ranks disagree: shape differs (rank 0 [10], rank 1 [12])" in out
+        assert (
+            "CollectiveMismatchError: allreduce: the ranks disagree: shape differs (rank 0: [10]; rank 1: [12])" in out
+        )
         return
     # Unchecked, Open MPI either detects the truncation (small messages) or the ranks stall.
     truncated = re.search(
@@ -415,7 +417,7 @@ def test_on_gpus_a_skipped_backward_is_caught_after_the_buckets_and_their_sums_d
     assert result.returncode == 0, out
     for rank in (0, 1):
         assert f"rank {rank} RAISED" in out and f"rank {rank} GRADS 4 of 4 None" in out, out
-    assert "optimizer step differs (rank 0 1, rank 1 2); rank 1 took a step without reducing gradients" in out, out
+    assert "optimizer step differs (rank 0: 1; rank 1: 2); rank 1 took a step without reducing gradients" in out, out
 
 
 TWO_OPTIMIZERS = """
@@ -472,7 +474,9 @@ def test_two_optimizers_whose_buckets_interleave_in_another_order_raise_on_gloo(
     # On gloo both optimizers' buckets share one group: bucket 1 of one would pair with
     # bucket 1 of the other past the step's check, a wrong average without an error
     # (found by review, 2026-11-28). Every bucket agrees once two optimizers share it.
-    result, _ = launch(tmp_path, TWO_OPTIMIZERS, env={"HPCDDP_BACKEND": "gloo", "TEST_SWAP": "1", "TEST_DEFERRED": deferred})
+    result, _ = launch(
+        tmp_path, TWO_OPTIMIZERS, env={"HPCDDP_BACKEND": "gloo", "TEST_SWAP": "1", "TEST_DEFERRED": deferred}
+    )
     out = result.stdout
     for rank in (0, 1):
         assert f"rank {rank} step 0 max error 0.0e+00" in out, out  # the learning pass launches in index order

@@ -225,7 +225,7 @@ def mismatch_message(all_calls: Sequence[CollectiveCall]) -> str:
             }.get(field, field.replace("_", " "))
             if field == "bucket" and differences:
                 break  # tags also differ whenever a step or a shape does: that is said already
-            parts = ", ".join(f"{ranks_text(ranks)} {_show(value)}" for value, ranks in groups.items())
+            parts = "; ".join(f"{ranks_text(ranks)}: {_show(value)}" for value, ranks in groups.items())
             differences.append(f"{label} differs ({parts})")
     return f"{what}: the ranks disagree: {'; '.join(differences)}; {_cause(ranked)}"
 
@@ -243,9 +243,11 @@ def _cause(ranked: list[tuple[int, CollectiveCall]]) -> str:
     steps = sorted({s.step for _, s in ranked if _is_bucket(s)})
     if len(steps) > 1:
         ahead = ranks_text([r for r, s in ranked if s.step == steps[-1]])
+        behind = ranks_text([r for r, s in ranked if s.step == steps[0]])
         return (
-            f"{ahead} took a step without reducing gradients: it skipped a backward pass or called step() without "
-            "one; every rank must run the same number of backward passes (wrap uneven data in hpcddp.join(optimizer))"
+            f"{ahead} took a step without reducing gradients (it skipped a backward pass or called step() without "
+            f"one), or {behind} reduced twice in one step (a second backward pass, or a step() left out); every "
+            "rank must run the same backward passes and steps (wrap uneven data in hpcddp.join(optimizer))"
         )
     if len({s.name for _, s in ranked if _is_bucket(s)}) > 1:
         return (

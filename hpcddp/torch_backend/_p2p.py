@@ -30,14 +30,17 @@ class _MessageWork(dist.Work):
         self._describe = describe
         self._future = torch.futures.Future()
         self._watch_lock, self._watched = threading.Lock(), False
+        self._settle_lock = threading.RLock()  # a callback run by set_result may settle again
 
     def _settle(self) -> None:
-        if self._future.done() or not self._message.poll():
-            return
-        try:
-            self._future.set_result([self._message.wait()])
-        except Exception as err:  # noqa: BLE001 - raised again by wait()
-            self._future.set_exception(err)
+        # The future's own thread (get_future) and a waiting thread may both settle it: once only.
+        with self._settle_lock:
+            if self._future.done() or not self._message.poll():
+                return
+            try:
+                self._future.set_result([self._message.wait()])
+            except Exception as err:  # noqa: BLE001 - raised again by wait()
+                self._future.set_exception(err)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         """Complete the message; raise "Timed out" after ``timeout``, or the group's enforced timeout, as gloo does."""

@@ -445,13 +445,13 @@ def test_mismatched_shapes_and_dtypes_raise_on_every_rank(gloo):
     rank, size = rank_size()
     with pytest.raises(
         CollectiveMismatchError,
-        match=r"allreduce: the ranks disagree: shape differs \(rank 0 \[2\], ranks? 1[, 2]* \[3\]\)",
+        match=r"allreduce: the ranks disagree: shape differs \(rank 0: \[2\]; ranks? 1[, 2]*: \[3\]\)",
     ):
         dist.all_reduce(torch.ones(2 + min(rank, 1)))
     dtype = torch.float32 if rank == 0 else torch.float64
     with pytest.raises(
         CollectiveMismatchError,
-        match=r"broadcast: the ranks disagree: dtype differs \(rank 0 float32, ranks? 1[, 2]* float64\)",
+        match=r"broadcast: the ranks disagree: dtype differs \(rank 0: float32; ranks? 1[, 2]*: float64\)",
     ):
         dist.broadcast(torch.ones(4, dtype=dtype), src=0)
     with pytest.raises(CollectiveMismatchError, match=r"allgather_into: the ranks disagree: shape differs"):
