@@ -17,7 +17,10 @@ ranks would average one step's gradients with another's, silently. As MPI's
   the step's gradients (and the compression memory) and raises on every rank: the
   buckets did move, but their sums are never applied. (Buckets of other shapes pairing
   up, two optimizers reached in another order, can stall NCCL before the answer is
-  read: the stall inspector and NCCL's timeout report it; never a wrong sum.)
+  read; and a rank whose script runs another collective where the others launch bucket
+  0 learns of the mismatch at once, and waits to gather the calls while the others wait
+  in their buckets: the stall inspector ends the job naming both, NCCL's timeout too;
+  never a wrong sum.)
 - **Every bucket agrees once two optimizers share the group.** MPI gives each
   optimizer's buckets a communicator of their own, so a bucket can only pair with the
   same bucket of the same optimizer. Here they share the optimizer's group: two

@@ -387,7 +387,7 @@ class StallInspector:
             if verdict == "silent":
                 sooner = (
                     f"a rank silent for {self.lost_after:g} s in all is taken for lost (the stall timeout, "
-                    f"at least {self.ANSWER_WITHIN_S:g} s) and ends it sooner"
+                    f"at least {self.ANSWER_WITHIN_S:g} s), which ends the job"
                 )
         self._report(report, reason, code, sooner)
 
@@ -403,7 +403,7 @@ class StallInspector:
             report: what the ranks wait in.
             reason: why the job ends now, or None.
             code: the exit code it ends with.
-            sooner: what would end the job before ``stall_abort_after`` (a silent rank), for the warning.
+            sooner: what ends the job before ``stall_abort_after`` (a silent rank), for the warning.
         """
         if reason is not None and self.action == "abort":
             from ..abort import abort_job
@@ -422,4 +422,6 @@ class StallInspector:
             outcome = (
                 f"the job never ends for it (stall_action={self.action!r}, stall_abort_after={self.abort_after:g})"
             )
+            if sooner is not None and self.action == "abort":
+                outcome += f", but {sooner}"
         log.warning("%s\n[hpcddp stall inspector] still waiting; %s", report, outcome)
