@@ -72,9 +72,9 @@ class Agreement:
         return self._reduced
 
     def _within_timeout(self, vector: np.ndarray, reduced: np.ndarray, op: str) -> None:
-        """MIN-reduce ``vector`` into ``reduced``; on timeout fail the communicator for good (rule 9) and raise."""
+        """MIN-reduce ``vector`` into ``reduced`` within the timeout (set); on timeout fail the communicator for good (rule 9) and raise."""
         request = self.comm.Iallreduce(vector, reduced, op=self._MIN)
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.timeout
         if not wait_for_request(request, self._messages, deadline):
             self.failure = timed_out(op, self.label, self.timeout)
             abandon(request, vector, reduced)
@@ -88,7 +88,7 @@ class Agreement:
         arguments) on every rank alike when they differ. Ranks that joined (Horovod's
         join) let sum and average allreduces of the others go on.
         """
-        if not self.check_collectives and self.timeout is None:
+        if not self.runs:
             return  # switched off after the collective was planned
         if self.size == 1:
             if call.error is not None:

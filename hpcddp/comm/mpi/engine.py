@@ -240,9 +240,8 @@ class Engine:
         """
         me = get_ident()
         gate = self.gate
-        lock = self._lock
-        with lock:
-            if self.agreement.failure is not None or self._closed:
+        with self._lock:
+            if self.agreement.failure is not None or self._closed:  # the common case without a call
                 self.check_open(collective.name)
             nested = self._runner == me
             # An agreement still running elsewhere is waited for in the queue, not holding the runner.
@@ -264,10 +263,7 @@ class Engine:
         finally:
             self.log.finish(seq)
             if claimed:
-                with lock:
-                    self._runner = None
-                    if self._items or self._closed:
-                        self._cond.notify_all()
+                self._release()
 
     def check_open(self, name: str) -> None:
         """Raise RuntimeError when ``name`` cannot run here: the communicator is closed, or an operation timed out."""

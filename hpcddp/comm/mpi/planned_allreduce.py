@@ -91,17 +91,7 @@ class PlannedAllreduces:
             return None
         # Everything the descriptor and the agreement's call depend on: a new label, step or
         # patience (the optimizer's buckets, a checkpoint's wait) or checks switched is a new plan.
-        agreement = self._agreement
-        key = (
-            tensor.shape,
-            tensor.dtype,
-            op,
-            check,
-            label,
-            step,
-            oplog.is_patient(),
-            agreement.check_collectives or agreement.timeout is not None,
-        )
+        key = (tensor.shape, tensor.dtype, op, check, label, step, oplog.is_patient(), self._agreement.runs)
         plan = self._plans.get(key, False)
         if plan is False:
             plan = self._make(tensor, op, check, label, step, key)
