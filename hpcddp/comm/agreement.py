@@ -71,15 +71,15 @@ class CollectiveCall(NamedTuple):
     step: int | None = None
     #: a problem this rank found with its own arguments (compared as "some rank has one")
     error: str | None = None
-    #: the user's name for the tensor, reported but not compared; a gradient bucket's tag
-    #: (which bucket of which DistributedOptimizer), compared
+    #: the tensor's name (Horovod's ``name=``), or a gradient bucket's tag (which bucket of which
+    #: DistributedOptimizer); compared
     name: str = ""
 
     def compared(self) -> tuple:
-        # Two optimizers' buckets of the same shapes, reached in another order on another rank,
-        # would otherwise be summed together: the tag tells them apart.
-        bucket = self.name if self.step is not None else None
-        return (self.op, self.shape, self.dtype, self.root, self.reduce_op, self.splits, self.step, bucket)
+        # The name is compared: two optimizers' buckets of the same shapes reached in another order on
+        # another rank, or Horovod collectives named "x" and "y" submitted in another order (Horovod
+        # matches them by name; hpcddp runs them in the order submitted), would otherwise be summed together.
+        return (self.op, self.shape, self.dtype, self.root, self.reduce_op, self.splits, self.step, self.name)
 
 
 def describe_call(
@@ -211,7 +211,7 @@ def mismatch_message(all_calls: Sequence[CollectiveCall]) -> str:
             "backward pass or called step() without one, or ran out of data; every rank must run the same number "
             "of backward passes (wrap uneven data in hpcddp.join(optimizer))"
         )
-    fields = ("op", "shape", "dtype", "root", "reduce_op", "splits", "step", "bucket")
+    fields = ("op", "shape", "dtype", "root", "reduce_op", "splits", "step", "name")
     differences = []
     for index, field in enumerate(fields):
         groups: dict[Any, list[int]] = {}
@@ -221,18 +221,19 @@ def mismatch_message(all_calls: Sequence[CollectiveCall]) -> str:
             label = {
                 "shape": "shape" if first.op not in ROWS_MAY_DIFFER else "shape after the first dimension",
                 "step": "optimizer step",
-                "bucket": "gradient bucket",
+                "name": "gradient bucket" if _is_bucket(first) else "tensor name",
             }.get(field, field.replace("_", " "))
-            if field == "bucket" and differences:
-                break  # tags also differ whenever a step or a shape does: that is said already
-            parts = "; ".join(f"{ranks_text(ranks)}: {_show(value)}" for value, ranks in groups.items())
+            if field == "name" and differences and _is_bucket(first):
+                break  # a bucket's tag also differs whenever its step or shape does: that is said already
+            shown = (lambda v: repr(v) if v else "no name") if field == "name" and not _is_bucket(first) else _show
+            parts = "; ".join(f"{ranks_text(ranks)}: {shown(value)}" for value, ranks in groups.items())
             differences.append(f"{label} differs ({parts})")
     return f"{what}: the ranks disagree: {'; '.join(differences)}; {_cause(ranked)}"
 
 
 def _named(calls: Sequence[CollectiveCall]) -> str:
-    names = sorted({s.name for s in calls if s.name and not _is_bucket(s)})
-    return f" of tensor {', '.join(map(repr, names))}" if names else ""
+    names = {s.name for s in calls if not _is_bucket(s)}
+    return f" of tensor {next(iter(names))!r}" if len(names) == 1 and "" not in names else ""
 
 
 def _is_bucket(call: CollectiveCall) -> bool:
@@ -254,6 +255,11 @@ def _cause(ranked: list[tuple[int, CollectiveCall]]) -> str:
             "the ranks reached their optimizers' buckets in another order (several DistributedOptimizers whose "
             "parts of the model run in a different order on different ranks); every rank must reduce the same "
             "buckets in the same order"
+        )
+    if len({s.name for _, s in ranked}) > 1 and len({s.compared()[:-1] for _, s in ranked}) == 1:
+        return (
+            "hpcddp runs a communicator's collectives in the order each rank submits them, where Horovod matches "
+            "them by name: every rank must submit its named collectives in the same order, under the same names"
         )
     return "every rank must call the same collectives in the same order with matching arguments"
 

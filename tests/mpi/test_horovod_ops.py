@@ -180,6 +180,25 @@ def test_duplicate_name_in_flight_is_refused():
     assert hvd.synchronize(pending).tolist() == [1.0, 1.0]
 
 
+def test_named_collectives_in_another_order_raise_on_every_rank_never_a_crossed_sum():
+    # Horovod matches collectives by name; hpcddp runs them in the order submitted. Same shapes,
+    # so only the names tell "x" (1 + rank) from "y" (10 * (1 + rank)): before names were compared,
+    # rank 0's x was summed with rank 1's y (x = 21, y = 12 at two ranks) without an error.
+    n, me = hvd.size(), hvd.rank()
+    if n == 1:
+        pytest.skip("needs two ranks")
+    x, y = torch.full((4,), 1.0 + me), torch.full((4,), 10.0 * (1 + me))
+    order = [("x", x), ("y", y)] if me % 2 == 0 else [("y", y), ("x", x)]
+    handles = [hvd.allreduce_async(t, name=name, op=hvd.Sum) for name, t in order]
+    for handle in handles:
+        with pytest.raises(hpcddp.CollectiveMismatchError, match=r"tensor name differs \(ranks? 0.*: 'x'.*Horovod"):
+            hvd.synchronize(handle)
+    # The communicator is in step on every rank: the same names in the same order sum exactly.
+    handles = {name: hvd.allreduce_async(t, name=name, op=hvd.Sum) for name, t in (("x", x), ("y", y))}
+    assert hvd.synchronize(handles["x"]).tolist() == [sum(1.0 + r for r in range(n))] * 4
+    assert hvd.synchronize(handles["y"]).tolist() == [sum(10.0 * (1 + r) for r in range(n))] * 4
+
+
 def test_broadcast_optimizer_state_keeps_option_types():
     model = torch.nn.Linear(2, 2)
     options = {"lr": 0.1 * (hvd.rank() + 1), "betas": (0.9 - 0.1 * hvd.rank(), 0.999)}
