@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hpcddp.comm.agreement import CollectiveCall, agreement_vector, describe_call, disagrees, mismatch_message
-from hpcddp.comm.base import ReduceOp, even_splits, parse_op, splits_error
+from hpcddp.comm.base import Handle, ReduceOp, even_splits, parse_op, splits_error
 from hpcddp.comm.local import LocalCommunicator
 from hpcddp.env.settings import read_settings
 from hpcddp.runtime.config import InitConfig
@@ -69,6 +69,23 @@ def test_agreement_vectors_and_message():
     bad = CollectiveCall("alltoall", error="splits must add up")
     assert disagrees(agreement_vector(bad))
     assert "rank 1: splits must add up" in mismatch_message([CollectiveCall("alltoall"), bad])
+    # Names are compared too (Horovod's name=): the same shape under another name is a mismatch.
+    x, y, unnamed = (describe_call("allreduce", torch.ones(4), reduce_op=ReduceOp.SUM, name=n) for n in ("x", "y", ""))
+    assert disagrees([min(p, q) for p, q in zip(agreement_vector(x), agreement_vector(y))])
+    message = mismatch_message([x, y, unnamed])
+    assert message.startswith(
+        "allreduce: the ranks disagree: tensor name differs (rank 0: 'x'; rank 1: 'y'; rank 2: no name); "
+    )
+    assert "where Horovod matches them by name" in message
+
+
+def test_a_completion_hook_that_raises_is_logged_and_the_others_still_run(caplog):
+    handle, seen = Handle("allreduce"), []
+    handle.on_completion(lambda: 1 / 0)
+    handle.on_completion(lambda: seen.append("second"))
+    handle.set_result(5)  # in an engine's runner: an exception here would stop every later collective
+    assert seen == ["second"] and handle.wait() == 5
+    assert "a completion hook of allreduce failed" in caplog.text and "ZeroDivisionError" in caplog.text
 
 
 def test_check_collectives_from_the_environment():

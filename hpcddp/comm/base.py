@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +33,7 @@ __all__ = [
 MESSAGE_PIECE_BYTES = 256 * (1 << 20)
 
 _HOOKS_LOCK = threading.Lock()  # completion hooks are rare: one lock for all handles
+log = logging.getLogger("hpcddp")
 
 
 class Handle:
@@ -78,7 +80,8 @@ class Handle:
     def on_completion(self, hook: Callable[[], None]) -> None:
         """Call ``hook()`` once when the operation completes, in the completing thread (at once if it has).
 
-        For observers (profiler events): ``hook`` must be quick and must not raise.
+        For observers (profiler events) and a torch future's completion: ``hook`` must be quick;
+        an exception it raises is logged, so that it cannot stop the thread that completes handles.
         """
         with _HOOKS_LOCK:
             if not self._done.is_set():
@@ -90,7 +93,10 @@ class Handle:
         with _HOOKS_LOCK:
             hooks, self._completion_hooks = self._completion_hooks, []
         for hook in hooks:
-            hook()
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - the completing thread (an engine's runner) goes on
+                log.exception("hpcddp: a completion hook of %s failed", self.name or "an operation")
 
     def then(self, finisher: Callable[[Any], Any]) -> Handle:
         """Apply ``finisher`` to the result when waited on; returns self for chaining."""
