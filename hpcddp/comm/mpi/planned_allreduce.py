@@ -11,8 +11,9 @@ there on the general path's two steps) and up to one MPI message otherwise. The 
 calls are the general path's exactly (the agreement, then ``Allreduce(IN_PLACE, ...)``
 of the same count and datatype), so a rank on this path and a rank on the general one
 (a non-contiguous tensor of the same shape) still pair, and a mismatch still raises on
-every rank. Plans of a training step's gradient buckets (a step set) never repeat and
-are not kept.
+every rank. A training step's gradient buckets (a step set) keep one plan per bucket
+signature too; each launch only writes its label and step into the plan's descriptor and
+agreement call.
 """
 
 from __future__ import annotations
@@ -89,39 +90,44 @@ class PlannedAllreduces:
             tensor = tensors
         if not (tensor.is_cpu and tensor.is_contiguous()):
             return None
-        # Everything the descriptor and the agreement's call depend on: a new label, step or
-        # patience (the optimizer's buckets, a checkpoint's wait) or checks switched is a new plan.
-        key = (tensor.shape, tensor.dtype, op, check, label, step, oplog.is_patient(), self._agreement.runs)
+        # Everything the descriptor and the agreement's call depend on: a new label, patience (a
+        # checkpoint's wait) or checks switched is a new plan. A bucket's label and step change every
+        # step: its plan is kept without them, and each launch writes them into its copies.
+        stepped = step is not None
+        kept_label = "" if stepped else label
+        key = (tensor.shape, tensor.dtype, op, check, kept_label, stepped, oplog.is_patient(), self._agreement.runs)
         plan = self._plans.get(key, False)
         if plan is False:
-            plan = self._make(tensor, op, check, label, step, key)
+            plan = self._make(tensor, op, check, kept_label, key)
         if plan is None:
             return None
         oplog.mark_collective_thread()
+        desc, call = plan.desc, plan.call
+        if stepped:
+            desc = desc._replace(label=label, step=step)
+            if call is not None:
+                call = call._replace(step=step, name=check or label)
         target = tensor.detach() if tensor.requires_grad else tensor  # a parameter, reduced in place as data
-        return Collective("allreduce", partial(self._reduce, plan, target, tensors), tensor, plan.call, plan.desc)
+        return Collective("allreduce", partial(self._reduce, plan, target, tensors), tensor, call, desc)
 
-    def _make(
-        self, tensor: torch.Tensor, op: ReduceOp, check: str | None, label: str, step: int | None, key: tuple
-    ) -> _Plan | None:
+    def _make(self, tensor: torch.Tensor, op: ReduceOp, check: str | None, label: str, key: tuple) -> _Plan | None:
         carried = DTYPES.get(tensor.dtype)
         plan = None
         if carried is not None and carried.native and 0 < tensor.nbytes < self.max_bytes:
             check_reducible(tensor.dtype, op)
             plan = _Plan(
-                oplog.describe("allreduce", tensor.shape, dtype_name(tensor.dtype), label=label, step=step),
+                oplog.describe("allreduce", tensor.shape, dtype_name(tensor.dtype), label=label),
                 # A list of one, as the general path's plan_each describes it: the same fingerprint.
-                self._call_for(check, "allreduce", [tensor], label=label, step=step, reduce_op=op),
+                self._call_for(check, "allreduce", [tensor], label=label, reduce_op=op),
                 tensor.numel(),
                 tensor.nbytes,
                 mpi_datatype(self._MPI, tensor.dtype),
                 mpi_op(self._MPI, tensor.dtype, op),
                 op is ReduceOp.AVERAGE,
             )
-        if step is None:
-            if len(self._plans) >= _MAX_PLANS:
-                self._plans.clear()
-            self._plans[key] = plan
+        if len(self._plans) >= _MAX_PLANS:
+            self._plans.clear()
+        self._plans[key] = plan
         return plan
 
     def _reduce(self, plan: _Plan, tensor: torch.Tensor, result: Any) -> Any:
