@@ -80,8 +80,8 @@ class Handle:
     def on_completion(self, hook: Callable[[], None]) -> None:
         """Call ``hook()`` once when the operation completes, in the completing thread (at once if it has).
 
-        For observers (profiler events) and a torch future's completion: ``hook`` must be quick;
-        an exception it raises is logged, so that it cannot stop the thread that completes handles.
+        For observers (profiler events): ``hook`` must be quick; an exception it raises is logged,
+        so that it cannot stop the thread that completes handles (an engine's runner).
         """
         with _HOOKS_LOCK:
             if not self._done.is_set():

@@ -92,6 +92,24 @@ def test_an_event_ends_when_its_operation_ends_as_gloo_s_do(gloo):
     assert mine[0] < 100_000 and reference[0] < 100_000, (mine, reference)  # microseconds
 
 
+def test_a_continuation_that_waits_for_its_works_under_the_profiler_returns():
+    # A future's callbacks run inline where it completes (the runner): when the future was completed
+    # before the work's profiler event ended, a callback that waits for the work waited for ever (review).
+    size = dist.get_world_size()
+    with torch.profiler.profile():
+        for _ in range(3):
+            a, b = torch.ones(4), torch.full((4,), 2.0)
+            work_a, work_b = dist.all_reduce(a, async_op=True), dist.all_reduce(b, async_op=True)
+            both = torch.futures.collect_all([work_a.get_future(), work_b.get_future()])
+
+            def add(_, works=(work_a, work_b), tensors=(a, b)):
+                for work in works:
+                    work.wait()  # inline on the runner, where the future completed
+                return sum(t[0].item() for t in tensors)
+
+            assert both.then(add).wait() == 3.0 * size
+
+
 def test_operations_in_flight_when_the_profiler_stops_end_safely():
     rank, size = dist.get_rank(), dist.get_world_size()
     for _ in range(20):

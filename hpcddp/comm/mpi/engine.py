@@ -42,8 +42,8 @@ These rules hold for every collective on the road:
    buckets alone and agrees once per step, on its parent (``gradient_channel``); its
    collectives wait for that agreement (``Engine.gate``) and raise its error.
 5. **Completion on the runner.** A handle is completed (result or exception) by the
-   runner after the operation's last MPI call; its completion hooks (``on_done``: a torch
-   future's completion) run there too, with rule 3 in force.
+   runner after the operation's last MPI call; its ``on_done`` (a torch future's
+   completion) runs there too, with rule 3 in force.
 6. **Point-to-point bypasses the queue.** A send or receive is a pair of non-blocking
    requests (header, then data) posted by the calling thread and completed by whoever
    tests them (``p2p``); it never waits for the collectives, nor they for it. Several
@@ -73,6 +73,7 @@ These rules hold for every collective on the road:
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -88,6 +89,8 @@ from .buffers import explain_failure
 from .waits import wait_for_request
 
 __all__ = ["Collective", "Engine", "EngineHandle", "wait_for_request"]
+
+log = logging.getLogger("hpcddp")
 
 
 class EngineHandle(Handle):
@@ -132,10 +135,10 @@ def _describe(collective: Collective) -> oplog.Descriptor:
 
 
 class _Operation:
-    __slots__ = ("after", "body", "call", "desc", "handle", "logged")
+    __slots__ = ("after", "body", "call", "desc", "handle", "logged", "on_done")
 
-    def __init__(self, body, desc, call, handle, logged: bool = True, after: Handle | None = None) -> None:
-        self.body, self.desc, self.call, self.handle = body, desc, call, handle
+    def __init__(self, body, desc, call, handle, on_done, logged: bool = True, after: Handle | None = None) -> None:
+        self.body, self.desc, self.call, self.handle, self.on_done = body, desc, call, handle, on_done
         self.logged, self.after = logged, after
 
 
@@ -199,14 +202,12 @@ class Engine:
         """
         desc = _describe(collective)
         handle = EngineHandle(self, collective.name, desc)
-        if on_done is not None:  # attached before it is queued: it runs where the handle completes, the runner
-            handle.on_completion(lambda: on_done(handle))
-        return self._enqueue(_Operation(collective.body, desc, collective.call, handle, after=self.gate), wake)
+        return self._enqueue(_Operation(collective.body, desc, collective.call, handle, on_done, after=self.gate), wake)
 
     def submit_callback(self, run: Callable[[], None]) -> EngineHandle:
         """Queue ``run`` (a future's callback) at this point of the order, not logged as an operation (rule 3)."""
         handle = EngineHandle(self, "callback", _CALLBACK)
-        return self._enqueue(_Operation(run, _CALLBACK, None, handle, logged=False), wake=True, claim=True)
+        return self._enqueue(_Operation(run, _CALLBACK, None, handle, None, logged=False), wake=True, claim=True)
 
     def _enqueue(self, op: _Operation, wake: bool, claim: bool = False) -> EngineHandle:
         """Queue ``op``; run it at once on the runner (rule 3), or, with ``claim``, in this thread when idle."""
@@ -346,6 +347,13 @@ class Engine:
             else:
                 self.log.finish(seq)
                 handle.set_result(result)
+        # After the handle's completion hooks, not one of them: completing a torch future runs its
+        # callbacks inline here, and one that waits for this work must find its profiler event ended.
+        if op.on_done is not None:
+            try:
+                op.on_done(handle)
+            except Exception:  # noqa: BLE001 - a callback's failure must not stop the queue
+                log.exception("hpcddp: a completion callback of %s failed", op.desc)
 
     def wait_for(self, handle: EngineHandle, timeout: float | None) -> bool:
         """Block until ``handle`` completes, running queued operations when this thread may (rules 1, 3)."""
