@@ -43,6 +43,9 @@ class Handle:
     any thread; ``then`` functions run in the waiting thread, in order, once.
     """
 
+    #: True once ``wait()`` returned or raised the outcome (not on a timeout): the caller has seen it
+    waited = False
+
     def __init__(self, name: str = "") -> None:
         self.name = name
         self._done = threading.Event()
@@ -124,6 +127,7 @@ class Handle:
         """
         if not self._block(timeout):
             raise TimeoutError(f"{self.name or 'collective'} did not complete within {timeout} s")
+        self.waited = True
         if self._error is not None:
             raise self._error
         if not self._finished:

@@ -24,7 +24,10 @@ _in_flight: dict[str, Handle] = {}
 def start(name: str | None, launch) -> Handle:
     """Run ``launch(label)`` (which starts a collective and returns its handle) under ``name``.
 
-    Raises ValueError, as Horovod does, while another operation of that name is in flight.
+    Raises ValueError, as Horovod does, while another operation of that name is in flight:
+    until its handle was synchronized (waited for), not until it completed. Completion
+    races with the next call (a peer already waiting completes the first at once), so one
+    rank would refuse the second operation and another start it: the ranks out of step.
 
     Args:
         name: Horovod's ``name=`` argument, or None.
@@ -33,7 +36,7 @@ def start(name: str | None, launch) -> Handle:
     """
     if name is not None:
         previous = _in_flight.get(name)
-        if previous is not None and not previous.poll():
+        if previous is not None and not previous.waited:
             raise ValueError(
                 f"a collective named {name!r} is still in flight: synchronize it first or give this one another name"
             )

@@ -1,5 +1,7 @@
 """hpcddp.horovod's newer operations against numpy/torch arithmetic over every rank's input, at any world size."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -178,6 +180,23 @@ def test_duplicate_name_in_flight_is_refused():
     if me != 0:
         pending = hvd.allreduce_async(torch.ones(2), name="twice")
     assert hvd.synchronize(pending).tolist() == [1.0, 1.0]
+
+
+def test_a_name_stays_taken_until_its_handle_is_synchronized_also_once_completed():
+    # Completion races with the next call: a rank whose first operation had completed started a
+    # second one under the name while its peer refused it, and the ranks went out of step (Horovod's
+    # own test_horovod_allreduce_duplicate_name_error failed so about one run in three, then hung).
+    n = hvd.size()
+    first = hvd.allreduce_async(torch.ones(2), name="taken", op=hvd.Sum)
+    deadline = time.monotonic() + 30
+    while not hvd.poll(first) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert hvd.poll(first)
+    with pytest.raises(ValueError, match="'taken' is still in flight"):
+        hvd.allreduce_async(torch.ones(2), name="taken", op=hvd.Sum)
+    assert hvd.synchronize(first).tolist() == [float(n)] * 2
+    again = hvd.allreduce_async(torch.full((2,), 2.0), name="taken", op=hvd.Sum)  # free once synchronized
+    assert hvd.synchronize(again).tolist() == [2.0 * n] * 2
 
 
 def test_named_collectives_in_another_order_raise_on_every_rank_never_a_crossed_sum():
