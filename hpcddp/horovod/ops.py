@@ -8,7 +8,7 @@ import torch
 
 from ..comm.base import Handle, ReduceOp, parse_op
 from .adasum import adasum_async, check_adasum
-from .basics import Adasum, Average, Sum
+from .basics import Adasum, Average, Sum, at_init
 from .compression import Compression
 from .process_sets import communicator_of, global_process_set
 
@@ -19,6 +19,7 @@ __all__ = [
 
 # Names of the operations in flight: Horovod refuses a second one under the same name.
 _in_flight: dict[str, Handle] = {}
+at_init(_in_flight.clear)  # a new communicator (after shutdown): nothing of the old one is in flight
 
 
 def start(name: str | None, launch) -> Handle:

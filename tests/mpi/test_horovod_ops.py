@@ -229,10 +229,13 @@ def test_broadcast_optimizer_state_keeps_option_types():
 
 def test_reinit_after_shutdown():
     rank, size = hvd.rank(), hvd.size()
+    hvd.allreduce_async(torch.ones(1), name="kept over the reset", op=hvd.Sum)  # never synchronized
     hvd.shutdown()
     assert not hvd.is_initialized()
     hvd.init()
     assert hvd.is_initialized() and (hvd.rank(), hvd.size()) == (rank, size)
     assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == size
+    # A new communicator: no operation of the old one is in flight under its name.
+    assert hvd.allreduce(torch.ones(1), name="kept over the reset", op=hvd.Sum).item() == size
     torch.set_num_threads(1)
     assert hpcddp.is_initialized()
