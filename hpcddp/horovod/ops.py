@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,34 +20,86 @@ __all__ = [
     "grouped_allreduce_async", "grouped_allreduce_async_", "poll", "synchronize",
 ]  # fmt: skip
 
-# Names of the operations in flight: Horovod refuses a second one under the same name.
-_in_flight: dict[str, Handle] = {}
+# The operations in flight by (operation, process set, name), as Horovod's tensor table holds
+# "<op>.<name>" per process set: a second one under a name is refused until the first is synchronized.
+_in_flight: dict[tuple, Handle] = {}
 at_init(_in_flight.clear)  # a new communicator (after shutdown): nothing of the old one is in flight
 
 
-def start(name: str | None, launch) -> Handle:
-    """Run ``launch(label)`` (which starts a collective and returns its handle) under ``name``.
+def claim(name: str | None, kind: str, process_set) -> tuple | None:
+    """Return the key ``name`` is kept under; raise ValueError, as Horovod does, while it is taken.
 
-    Raises ValueError, as Horovod does, while another operation of that name is in flight:
-    until its handle was synchronized (waited for), not until it completed. Completion
-    races with the next call (a peer already waiting completes the first at once), so one
-    rank would refuse the second operation and another start it: the ranks out of step.
+    A name is taken until its operation was synchronized (waited for), not until it completed:
+    completion races with the next call (a peer already waiting completes it at once), so one
+    rank would refuse a second operation and another start it, the ranks out of step.
+
+    Args:
+        name: Horovod's ``name=`` argument, or None (never taken).
+        kind: the operation ("allreduce", "allgather", ...).
+        process_set: the process set it runs on.
+    """
+    if name is None:
+        return None
+    key = (kind, process_set, name)
+    previous = _in_flight.get(key)
+    if previous is not None and not previous.waited:
+        raise ValueError(f"{kind} {name!r} is still in flight: synchronize it first or give this one another name")
+    return key
+
+
+def start(name: str | None, kind: str, process_set, launch: Callable[[str], Handle]) -> Handle:
+    """Run ``launch(label)`` (which starts a collective and returns its handle) under ``name``.
 
     Args:
         name: Horovod's ``name=`` argument, or None.
+        kind: the operation ("allreduce", "allgather", ...): names are per operation and process set.
+        process_set: the process set it runs on.
         launch: starts the collective with ``label`` (``name`` or "") as its ``check`` and
             ``label``: the ranks agree under that name, and stall reports name it.
     """
-    if name is not None:
-        previous = _in_flight.get(name)
-        if previous is not None and not previous.waited:
-            raise ValueError(
-                f"a collective named {name!r} is still in flight: synchronize it first or give this one another name"
-            )
+    key = claim(name, kind, process_set)
     handle = launch(name or "")
-    if name is not None:
-        _in_flight[name] = handle
+    if key is not None:
+        _in_flight[key] = handle
     return handle
+
+
+def start_group(name: str | None, kind: str, process_set, members: list[Callable[[str | None], Handle]]) -> Handle:
+    """Start ``members[i](name.i)``, one operation ``kind`` each, as the group ``name``; it yields their outputs.
+
+    Every name is checked before anything starts, so a refused group changes no tensor and sends
+    nothing. If a member fails to start (on gloo a mismatch raises there), the members already
+    started are waited for: their names are free again and every rank stays in step.
+    """
+    names = [None if name is None else f"{name}.{i}" for i in range(len(members))]
+    claim(name, f"grouped_{kind}", process_set)
+    for member in names:
+        claim(member, kind, process_set)
+    handles: list[Handle] = []
+    try:
+        for member, name_of_member in zip(members, names):
+            handles.append(member(name_of_member))
+    except Exception:
+        with contextlib.suppress(Exception):
+            wait_all(handles)
+        raise
+    return start(name, f"grouped_{kind}", process_set, lambda _label: GroupHandle(handles, f"grouped_{kind}"))
+
+
+def wait_all(handles: list[Handle], timeout: float | None = None) -> list:
+    """Wait for every handle, also after one raised (each is then synchronized, its name free); raise the first error."""
+    results, error = [], None
+    for handle in handles:
+        try:
+            results.append(handle.wait(timeout))
+        except TimeoutError:
+            raise
+        except Exception as err:  # noqa: BLE001 - raised below, once the others were waited for
+            error = error or err
+            results.append(None)
+    if error is not None:
+        raise error
+    return results
 
 
 def resolve_op(op, average=None) -> ReduceOp | str:
@@ -78,6 +133,7 @@ def allreduce_handle(tensor, op: ReduceOp | str, name, prescale_factor, postscal
             communicator_of(global_process_set).size, tensor.dtype, global_set=process_set is global_process_set
         )
     comm = communicator_of(process_set)
+    claim(name, "allreduce", process_set)  # before the prescale below writes an in-place tensor
     # detach(): in place on a parameter (a leaf that requires grad) writes its data, as Horovod does.
     source = tensor.detach() if in_place else tensor.detach().clone()
     scale_(source, prescale_factor)
@@ -85,10 +141,15 @@ def allreduce_handle(tensor, op: ReduceOp | str, name, prescale_factor, postscal
     integer_average = op is Average and not source.dtype.is_floating_point
     wire, ctx = compression.compress(source)
     if op is Adasum:
-        handle = start(name, lambda label: adasum_async(comm, wire, check=label, label=label))
+        handle = start(name, "allreduce", process_set, lambda label: adasum_async(comm, wire, check=label, label=label))
     else:
         reduce_op = Sum if integer_average else op
-        handle = start(name, lambda label: comm.allreduce_async_(wire, reduce_op, check=label, label=label))
+        handle = start(
+            name,
+            "allreduce",
+            process_set,
+            lambda label: comm.allreduce_async_(wire, reduce_op, check=label, label=label),
+        )
 
     def finish(out: torch.Tensor) -> torch.Tensor:
         out = compression.decompress(out, ctx)
@@ -155,12 +216,12 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
 
 def _grouped(tensors, op, name, prescale, postscale, in_place, process_set) -> Handle:
     """Start one allreduce per tensor; the handle yields the list of outputs."""
-    tensors = list(tensors)
-    handles = [
-        allreduce_handle(t, op, None if name is None else f"{name}.{i}", prescale, postscale, in_place, process_set)
-        for i, t in enumerate(tensors)
-    ]
-    return start(name, lambda _label: GroupHandle(handles, "grouped_allreduce"))
+    members = [functools.partial(_member_allreduce, t, op, prescale, postscale, in_place, process_set) for t in tensors]
+    return start_group(name, "allreduce", process_set, members)
+
+
+def _member_allreduce(tensor, op, prescale, postscale, in_place, process_set, name: str | None) -> Handle:
+    return allreduce_handle(tensor, op, name, prescale, postscale, in_place, process_set)
 
 
 class GroupHandle(Handle):
@@ -176,7 +237,7 @@ class GroupHandle(Handle):
     def _block(self, timeout: float | None) -> bool:
         if not self._done.is_set():
             try:
-                self.set_result([h.wait(timeout) for h in self._handles])
+                self.set_result(wait_all(self._handles, timeout))
             except TimeoutError:
                 return False
             except BaseException as err:  # noqa: BLE001 - raised by wait(), in the caller's thread

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..comm.base import Handle, parse_op
 from .basics import Adasum, Average, Sum
 from .compression import Compression
-from .ops import GroupHandle, resolve_op, scale_, start, synchronize
+from .ops import resolve_op, scale_, start, start_group, wait_all
 from .process_sets import communicator_of, global_process_set, set_rank
 
 __all__ = [
@@ -22,7 +24,9 @@ __all__ = [
 def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle:
     """Start concatenating every rank's ``tensor`` along dim 0 (first dims may differ)."""
     comm = communicator_of(process_set)
-    return start(name, lambda label: comm.allgather_async(tensor.detach(), check=label, label=label))
+    return start(
+        name, "allgather", process_set, lambda label: comm.allgather_async(tensor.detach(), check=label, label=label)
+    )
 
 
 class _Allgather(torch.autograd.Function):
@@ -50,8 +54,12 @@ def allgather(tensor, name=None, process_set=global_process_set) -> torch.Tensor
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> Handle:
     """Start one allgather per tensor; ``synchronize`` returns the list of results."""
-    handles = [allgather_async(t, None if name is None else f"{name}.{i}", process_set) for i, t in enumerate(tensors)]
-    return start(name, lambda _label: GroupHandle(handles, "grouped_allgather"))
+    members = [functools.partial(_member_allgather, t, process_set) for t in tensors]
+    return start_group(name, "allgather", process_set, members)
+
+
+def _member_allgather(tensor, process_set, name: str | None) -> Handle:
+    return allgather_async(tensor, name, process_set)
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set) -> list:
@@ -72,8 +80,7 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     size = communicator_of(process_set).size
 
     def finish() -> torch.Tensor:
-        gathered_values = synchronize(values)
-        gathered_indices = synchronize(indices)
+        gathered_values, gathered_indices = wait_all([values, indices])  # both synchronized, also when one raised
         if parse_op(op) is Average:
             gathered_values = gathered_values / size
         return torch.sparse_coo_tensor(gathered_indices.t(), gathered_values, tensor.shape, check_invariants=True)
@@ -86,7 +93,12 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
     """Start overwriting ``tensor`` with root's in place (``root_rank`` is a global rank, as in Horovod)."""
     comm = communicator_of(process_set)
     root = set_rank(process_set, root_rank)
-    handle = start(name, lambda label: comm.broadcast_async_(tensor.detach(), root, check=label, label=label))
+    handle = start(
+        name,
+        "broadcast",
+        process_set,
+        lambda label: comm.broadcast_async_(tensor.detach(), root, check=label, label=label),
+    )
     return handle.then(lambda _: tensor)
 
 
@@ -148,7 +160,12 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     if rows is not None and (len(rows) != comm.size or sum(rows) != (tensor.shape[0] if tensor.dim() else 1)):
         raise ValueError(f"splits must be {comm.size} row counts adding up to the first dimension, got {rows}")
     received_dtype = splits.dtype if isinstance(splits, torch.Tensor) else torch.int32
-    handle = start(name, lambda label: comm.alltoall_async(tensor.detach(), rows, check=label, label=label))
+    handle = start(
+        name,
+        "alltoall",
+        process_set,
+        lambda label: comm.alltoall_async(tensor.detach(), rows, check=label, label=label),
+    )
     return handle.then(lambda out: (out[0], out[1].to(received_dtype)))
 
 
@@ -198,7 +215,12 @@ def _reducescatter_handle(tensor, op, name, process_set, prescale, postscale) ->
         source = scale_(source.clone(), prescale)
     integer_average = op is Average and not source.dtype.is_floating_point
     reduce_op = Sum if integer_average else op
-    handle = start(name, lambda label: comm.reducescatter_async(source, reduce_op, check=label, label=label))
+    handle = start(
+        name,
+        "reducescatter",
+        process_set,
+        lambda label: comm.reducescatter_async(source, reduce_op, check=label, label=label),
+    )
 
     def finish(out: torch.Tensor) -> torch.Tensor:
         if integer_average:
@@ -245,13 +267,14 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0) -> Handle:  # fmt: skip
     """Start one reducescatter per tensor; ``synchronize`` returns the list of results."""
-    handles = [
-        _reducescatter_handle(
-            t, op, None if name is None else f"{name}.{i}", process_set, prescale_factor, postscale_factor
-        )  # fmt: skip
-        for i, t in enumerate(tensors)
+    members = [
+        functools.partial(_member_reducescatter, t, op, process_set, prescale_factor, postscale_factor) for t in tensors
     ]
-    return start(name, lambda _label: GroupHandle(handles, "grouped_reducescatter"))
+    return start_group(name, "reducescatter", process_set, members)
+
+
+def _member_reducescatter(tensor, op, process_set, prescale_factor, postscale_factor, name: str | None) -> Handle:
+    return _reducescatter_handle(tensor, op, name, process_set, prescale_factor, postscale_factor)
 
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
