@@ -67,6 +67,8 @@ def start(name: str | None, kind: str, process_set, launch: Callable[[str], Hand
 def start_group(name: str | None, kind: str, process_set, members: list[Callable[[str | None], Handle]]) -> Handle:
     """Start ``members[i](name.i)``, one operation ``kind`` each, as the group ``name``; it yields their outputs.
 
+    Each member takes its name as its one argument (a ``functools.partial`` of the operation).
+
     Every name is checked before anything starts, so a refused group changes no tensor and sends
     nothing. If a member fails to start (on gloo a mismatch raises there), the members already
     started are waited for: their names are free again and every rank stays in step.
@@ -216,12 +218,19 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
 
 def _grouped(tensors, op, name, prescale, postscale, in_place, process_set) -> Handle:
     """Start one allreduce per tensor; the handle yields the list of outputs."""
-    members = [functools.partial(_member_allreduce, t, op, prescale, postscale, in_place, process_set) for t in tensors]
+    members = [
+        functools.partial(
+            allreduce_handle,
+            t,
+            op,
+            prescale_factor=prescale,
+            postscale_factor=postscale,
+            in_place=in_place,
+            process_set=process_set,
+        )
+        for t in tensors
+    ]
     return start_group(name, "allreduce", process_set, members)
-
-
-def _member_allreduce(tensor, op, prescale, postscale, in_place, process_set, name: str | None) -> Handle:
-    return allreduce_handle(tensor, op, name, prescale, postscale, in_place, process_set)
 
 
 class GroupHandle(Handle):

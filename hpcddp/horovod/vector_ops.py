@@ -54,12 +54,8 @@ def allgather(tensor, name=None, process_set=global_process_set) -> torch.Tensor
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> Handle:
     """Start one allgather per tensor; ``synchronize`` returns the list of results."""
-    members = [functools.partial(_member_allgather, t, process_set) for t in tensors]
+    members = [functools.partial(allgather_async, t, process_set=process_set) for t in tensors]
     return start_group(name, "allgather", process_set, members)
-
-
-def _member_allgather(tensor, process_set, name: str | None) -> Handle:
-    return allgather_async(tensor, name, process_set)
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set) -> list:
@@ -268,13 +264,12 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=glob
                                 prescale_factor=1.0, postscale_factor=1.0) -> Handle:  # fmt: skip
     """Start one reducescatter per tensor; ``synchronize`` returns the list of results."""
     members = [
-        functools.partial(_member_reducescatter, t, op, process_set, prescale_factor, postscale_factor) for t in tensors
+        functools.partial(
+            _reducescatter_handle, t, op, process_set=process_set, prescale=prescale_factor, postscale=postscale_factor
+        )
+        for t in tensors
     ]
     return start_group(name, "reducescatter", process_set, members)
-
-
-def _member_reducescatter(tensor, op, process_set, prescale_factor, postscale_factor, name: str | None) -> Handle:
-    return _reducescatter_handle(tensor, op, name, process_set, prescale_factor, postscale_factor)
 
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
