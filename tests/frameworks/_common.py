@@ -50,3 +50,12 @@ def save_result(outdir: str, model: torch.nn.Module, **info) -> None:
     torch.save(state, os.path.join(outdir, f"rank{rank}.pt"))
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as file:
         json.dump(info, file)
+
+
+def end_process_group() -> None:
+    """End the process group, as torch asks of every script before it exits.
+
+    A gloo group still alive at interpreter exit can abort the process ("terminate called
+    without an active exception", SIGABRT): the accelerate reference did so once in CI.
+    """
+    dist.destroy_process_group()

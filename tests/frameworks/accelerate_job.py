@@ -50,3 +50,5 @@ save_result(
     gathered=gathered.flatten().tolist(),
     local=local.flatten().tolist(),
 )
+# accelerate's own last call: it ends the process group (a gloo group still alive at exit can abort).
+accelerator.end_training()

@@ -8,7 +8,7 @@ import os
 
 import lightning as L
 import torch
-from _common import BATCH_SIZE, NUM_EPOCHS, parse_arguments, regression_data, save_result, small_net
+from _common import BATCH_SIZE, NUM_EPOCHS, end_process_group, parse_arguments, regression_data, save_result, small_net
 from lightning.pytorch.plugins.environments import MPIEnvironment
 from lightning.pytorch.strategies import DDPStrategy
 
@@ -65,3 +65,4 @@ save_result(
     environment=environment,
     lightning_rank=trainer.global_rank,
 )
+end_process_group()

@@ -5,7 +5,7 @@ torchrun --standalone --nproc_per_node 2 tests/frameworks/trainer_job.py gloo OU
 """
 
 import torch
-from _common import BATCH_SIZE, NUM_EPOCHS, NUM_SAMPLES, parse_arguments, save_result
+from _common import BATCH_SIZE, NUM_EPOCHS, NUM_SAMPLES, end_process_group, parse_arguments, save_result
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
 
 
@@ -49,3 +49,4 @@ trainer = Trainer(model=model, args=args, train_dataset=Tokens(NUM_SAMPLES, 1), 
 trainer.train()
 metrics = trainer.evaluate()
 save_result(outdir, model, steps=trainer.state.global_step, eval_loss=metrics["eval_loss"])
+end_process_group()
