@@ -24,6 +24,10 @@ __all__ = [
 # "<op>.<name>" per process set: a second one under a name is refused until the first is synchronized.
 _in_flight: dict[tuple, Handle] = {}
 at_init(_in_flight.clear)  # a new communicator (after shutdown): nothing of the old one is in flight
+# The table is swept of synchronized operations whenever it doubles: a script that names its
+# operations per step (name=f"loss{step}") would otherwise keep every handle, and its result, for good.
+_SWEEP_AT_LEAST = 64
+_sweep_at = _SWEEP_AT_LEAST
 
 
 def claim(name: str | None, kind: str, process_set) -> tuple | None:
@@ -60,8 +64,18 @@ def start(name: str | None, kind: str, process_set, launch: Callable[[str], Hand
     key = claim(name, kind, process_set)
     handle = launch(name or "")
     if key is not None:
-        _in_flight[key] = handle
+        _remember(key, handle)
     return handle
+
+
+def _remember(key: tuple, handle: Handle) -> None:
+    """Keep ``handle`` under ``key``; forget synchronized ones when the table has doubled (amortized O(1))."""
+    global _sweep_at
+    _in_flight[key] = handle
+    if len(_in_flight) >= _sweep_at:
+        for done in [k for k, h in _in_flight.items() if h.waited]:
+            del _in_flight[done]
+        _sweep_at = max(_SWEEP_AT_LEAST, 2 * len(_in_flight))
 
 
 def start_group(name: str | None, kind: str, process_set, members: list[Callable[[str | None], Handle]]) -> Handle:
