@@ -24,11 +24,51 @@ from .torchdist_channel import GroupChannels, TorchDistGradientChannel
 
 __all__ = ["TorchDistCommunicator"]
 
-# Far more than can be in flight at once (one per bucket), so a dropped Work is long done.
-_KEPT_WORKS = 1024
-
 
 log = logging.getLogger("hpcddp")
+
+
+class RunningWorks:
+    """The Works a communicator launched that may still be running; completed ones are let go.
+
+    A Work holds its tensors (one kept per launch held 1,024 results of ``hvd.allreduce``
+    alive, on a GPU too), so a completed one is dropped at a later launch, while the
+    interpreter is alive: from the front as they complete in order, and by a sweep of
+    the whole when the table has doubled (a Work that never completes, an ``irecv`` whose
+    message never comes, stays without holding the ones behind it).
+    """
+
+    _SWEEP_AT_LEAST = 64
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._works: collections.deque = collections.deque()
+        self._sweep_at = self._SWEEP_AT_LEAST
+
+    def add(self, work) -> None:
+        with self._lock:
+            works = self._works
+            while works and _completed(works[0]):
+                works.popleft()
+            works.append(work)
+            if len(works) >= self._sweep_at:
+                self._works = collections.deque(w for w in works if not _completed(w))
+                self._sweep_at = max(self._SWEEP_AT_LEAST, 2 * len(self._works))
+
+    def clear(self) -> None:
+        """Drop every Work (on the calling thread, which should be the main one)."""
+        with self._lock:
+            self._works.clear()
+
+    def __len__(self) -> int:
+        return len(self._works)
+
+
+def _completed(work) -> bool:
+    try:
+        return work.is_completed()
+    except RuntimeError:  # it failed (nccl raises its error here): its waiter reports it, nothing runs
+        return True
 
 
 class TorchDistCommunicator(TorchDistOps, Communicator):
@@ -81,7 +121,7 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
         self._adopt_backend = adopt_backend
         self.name = backend
         self.device = device
-        self._recent_works: collections.deque = collections.deque(maxlen=_KEPT_WORKS)
+        self._running_works = RunningWorks()
         #: what the optimizers' gradient channels on this group share (``torchdist_channel``)
         self.gradient_channels = GroupChannels()
         # nccl's collectives in launch order, until their kernels ran (NCCL runs them in that order)
@@ -180,9 +220,9 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
         # gloo's worker thread may drop the last reference to a Work, whose destructor
         # takes the GIL (a Work launched in backward captured Python state); during
         # interpreter exit that thread then dies mid-destructor and std::terminate aborts
-        # the process (seen 1 run in 2 with 4 buckets). Holding recent Works here, until
-        # this object dies, makes the main thread the one to destroy them.
-        self._recent_works.append(work)
+        # the process (seen 1 run in 2 with 4 buckets). Works still running are held
+        # here, so that close() on the main thread destroys them.
+        self._running_works.add(work)
         return work
 
     def _torch_op(self, op: ReduceOp):
@@ -309,7 +349,7 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
         if self._group is not None:  # a sub-communicator: the default group stays
             if dist.is_initialized():
                 dist.destroy_process_group(self._group)
-            self._recent_works.clear()
+            self._running_works.clear()
             return
         # A group the script made stays the script's until the process ends.
         if dist.is_initialized() and (made_default_group() or self.process_ending):
@@ -320,4 +360,4 @@ class TorchDistCommunicator(TorchDistOps, Communicator):
         # Also when the script destroyed the group itself: the kept Works (and what
         # they hold of the group) go now, on this thread, not during interpreter
         # teardown from whichever object happens to hold this communicator last.
-        self._recent_works.clear()
+        self._running_works.clear()
