@@ -84,6 +84,8 @@ class WorkHandle(Handle):
                     elif not self._work.wait(timeout=datetime.timedelta(seconds=timeout)):
                         return False
             except RuntimeError as err:
+                if timeout is not None and not self._work.is_completed():
+                    return False  # only this wait ran out ("Operation timed out!"); the collective goes on
                 raise explain_timeout(err, self.name) from None
             self.set_result(self._pending_result)
         return True

@@ -2,6 +2,7 @@
 on hpcddp's mpi backend and on torch.distributed's gloo; mismatches raise on every rank."""
 
 import gc
+import time
 import weakref
 
 import numpy as np
@@ -67,6 +68,24 @@ def test_a_finished_collective_keeps_nothing_alive(comm):
         del out
     gc.collect()
     assert sum(ref() is not None for ref in alive) <= 64
+
+
+def test_a_wait_with_a_time_limit_returns_on_time_while_a_rank_is_late(comm):
+    # On MPI the waiting thread ran the allreduce itself and waited in it for the late rank,
+    # 2 s past its 0.3 s limit; the collective itself goes on, and a later wait returns its sum.
+    n, me = hpcddp.size(), hpcddp.rank()
+    if n == 1:
+        pytest.skip("needs two ranks")
+    if me == n - 1:
+        time.sleep(2.0)
+    handle = comm.allreduce_async_(torch.full((4,), float(me + 1)), ReduceOp.SUM)
+    if me == 0:
+        begun = time.monotonic()
+        with pytest.raises(TimeoutError):
+            handle.wait(timeout=0.3)
+        assert time.monotonic() - begun < 1.5
+    assert handle.wait().tolist() == [float(n * (n + 1) // 2)] * 4
+    hpcddp.barrier()
 
 
 def test_allreduce_product_matches_mpi4py():

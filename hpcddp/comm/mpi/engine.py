@@ -16,6 +16,8 @@ These rules hold for every collective on the road:
    makes collective MPI calls. It is the communication thread, or a thread that waits
    for a result while the communication thread is idle and so runs the queue itself
    (this saves the wake-up of another thread: tens of microseconds per collective).
+   A wait with a time limit leaves the queue to the communication thread, so that it
+   can return on time.
 2. **One order.** Operations run in the order they are submitted, and the log numbers
    them as they start (``OperationLog``): that numbering is the order every member rank
    must share, and what the stall inspector compares across ranks.
@@ -356,18 +358,25 @@ class Engine:
                 log.exception("hpcddp: a completion callback of %s failed", op.desc)
 
     def wait_for(self, handle: EngineHandle, timeout: float | None) -> bool:
-        """Block until ``handle`` completes, running queued operations when this thread may (rules 1, 3)."""
+        """Block until ``handle`` completes, running queued operations when this thread may (rules 1, 3).
+
+        A wait with a ``timeout`` runs nothing it need not (only what its own thread must, as the
+        runner): an operation's MPI calls cannot stop half way, so it leaves the queue to the
+        communication thread and returns False on time while late ranks keep the operation waiting.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         me = threading.get_ident()
         token = oplog.wait_begins(self.log, handle.desc)
         try:
             while not handle._done.is_set():
                 with self._cond:
-                    claimed = self._runner is None and bool(self._items)
+                    claimed = deadline is None and self._runner is None and bool(self._items)
                     if claimed:
                         self._runner = me
                     runs = claimed or (self._runner == me and bool(self._items))
                     op = self._items.popleft() if runs else None
+                    if op is None and self._runner is None and self._items:
+                        self._cond.notify()  # queued with wake=False: the communication thread runs it
                 if op is None:
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
