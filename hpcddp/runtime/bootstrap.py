@@ -30,7 +30,7 @@ from .device import (
     ranks_outnumber_cores,
     set_cpu_threads,
 )
-from .exports import export_layout, export_rendezvous
+from .exports import export_layout, export_rendezvous, forget_chosen_port
 from .state import Runtime
 
 __all__ = ["start"]
@@ -47,6 +47,7 @@ def start(config: InitConfig) -> Runtime:
     Args:
         config: the settings ``hpcddp.init()`` resolved from its arguments and the environment.
     """
+    forget_chosen_port()
     environment = detect_environment()
     layout = environment.layout()
     mpi_comm = environment.mpi_comm

@@ -13,9 +13,11 @@ from ..env import ClusterEnvironment, RankLayout, Rendezvous
 from ..env.network import SOCKET_IFNAME_VARIABLES, socket_ifname_hint
 from ..env.torchrun import torchrun_variables
 
-__all__ = ["export_for_torch", "export_layout", "export_rendezvous"]
+__all__ = ["export_for_torch", "export_layout", "export_rendezvous", "forget_chosen_port"]
 
 log = logging.getLogger("hpcddp")
+
+_chosen_port: str | None = None  # the MASTER_PORT hpcddp chose and exported (not the user's or a launcher's)
 
 
 def export_for_torch(environment: ClusterEnvironment, interface: str | None = None) -> None:
@@ -54,10 +56,13 @@ def export_rendezvous(rendezvous: Rendezvous) -> None:
     Args:
         rendezvous: rank 0's address and port, and this rank's interface towards it.
     """
+    global _chosen_port
     for name, value in (("MASTER_ADDR", rendezvous.address), ("MASTER_PORT", str(rendezvous.port))):
         current = os.environ.get(name)
         if current and current != value:
             log.warning("hpcddp: overriding %s=%s with %s", name, current, value)
+        if name == "MASTER_PORT" and current != value:
+            _chosen_port = value
         os.environ[name] = value
     if rendezvous.interface is None:
         return
@@ -76,3 +81,15 @@ def export_rendezvous(rendezvous: Rendezvous) -> None:
                 name,
                 rendezvous.interface,
             )
+
+
+def forget_chosen_port() -> None:
+    """Unset MASTER_PORT where an earlier ``init()`` chose it, so that this one chooses again.
+
+    The old group's store may still hold that port after ``shutdown()`` (a handle never
+    synchronized keeps its group alive), and serving it again failed "Address already in use".
+    """
+    global _chosen_port
+    if _chosen_port is not None and os.environ.get("MASTER_PORT") == _chosen_port:
+        del os.environ["MASTER_PORT"]
+    _chosen_port = None
