@@ -1,8 +1,14 @@
 """A gloo job's end and a new start: leaving torch.distributed itself, and init() again after shutdown()."""
 
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
 from hpcddp.testing import run_script
 
-from .conftest import ROOT
+from .conftest import LAUNCHER_VARIABLES, ROOT
 
 SCRIPT = """
     import torch, torch.nn.functional as F, torch.distributed as dist
@@ -34,12 +40,12 @@ REINIT = """
     import torch
     import hpcddp.horovod as hvd
 
-    hvd.init()
-    kept = hvd.allreduce_async(torch.ones(2), name="never synchronized")  # keeps the old group alive
-    hvd.shutdown()
-    hvd.init()
-    print("summed", hvd.rank(), hvd.allreduce(torch.full((2,), 1.0 + hvd.rank()), op=hvd.Sum).tolist(), flush=True)
-    hvd.shutdown()
+    kept = []
+    for _ in range(3):
+        hvd.init()
+        kept.append(hvd.allreduce_async(torch.ones(2), name="never synchronized"))  # keeps the old group alive
+        print("summed", hvd.rank(), hvd.allreduce(torch.full((2,), 1.0 + hvd.rank()), op=hvd.Sum).tolist(), flush=True)
+        hvd.shutdown()
 """
 
 
@@ -48,4 +54,40 @@ def test_init_after_shutdown_serves_a_new_rendezvous_while_the_old_group_lives(t
     # "cannot serve the rendezvous on port ... Address already in use".
     result = run_script(2, REINIT, tmp_path, timeout=180, cwd=ROOT, env={"HPCDDP_BACKEND": "gloo"})
     assert result.returncode == 0, result.stdout[-5000:]
-    assert "summed 0 [3.0, 3.0]" in result.stdout and "summed 1 [3.0, 3.0]" in result.stdout
+    assert all(result.stdout.count(f"summed {rank} [3.0, 3.0]") == 3 for rank in range(2)), result.stdout[-5000:]
+
+
+def test_init_after_shutdown_under_srun_moves_off_the_port_it_derived_from_the_job_id(tmp_path):
+    # Under srun every task derives the port from the job id, the same at every init(): the second
+    # init() failed as above. Two tasks with srun's variables, no MPI launcher (a one-node srun).
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(REINIT))
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMIX_", "PRTE_", "MASTER_"))}
+    clean = {k: v for k, v in clean.items() if k not in LAUNCHER_VARIABLES}
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2"}
+    slurm |= {"SLURM_NNODES": "1", "SLURM_STEP_NUM_NODES": "1", "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "2"}
+    logs = [tmp_path / f"task{r}.log" for r in range(2)]
+    tasks = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env={**clean, **slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r), "HPCDDP_BACKEND": "gloo"},
+            stdout=logs[r].open("w"),
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+        for r in range(2)
+    ]
+    deadline = time.monotonic() + 120
+    try:  # until both end, one fails (its peer would wait out the rendezvous), or the time is up
+        while time.monotonic() < deadline and not all(t.poll() == 0 for t in tasks):
+            if any(t.poll() not in (None, 0) for t in tasks):
+                break
+            time.sleep(0.2)
+    finally:
+        for task in tasks:
+            task.kill()
+            task.wait()
+    outputs = [log.read_text() for log in logs]
+    assert [task.returncode for task in tasks] == [0, 0], "\n".join(outputs)[-5000:]
+    for rank, output in enumerate(outputs):
+        assert output.count(f"summed {rank} [3.0, 3.0]") == 3, output[-3000:]

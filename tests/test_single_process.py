@@ -1,5 +1,8 @@
 """hpcddp.init() in a plain process: a world of one with no communication."""
 
+import sys
+import threading
+
 import pytest
 import torch
 
@@ -95,6 +98,35 @@ def test_horovod_optimizer_is_a_fresh_instance_of_the_users_class(single):
         optimizer.close()
     t = torch.tensor([1.0, -2.0])
     assert torch.equal(hvd.allreduce(t, op=hvd.Adasum), t)
+
+
+def test_threads_naming_horovod_operations_per_step_at_once_all_get_their_results(single):
+    # Two threads sweeping the table of names at once: one raised KeyError after its allreduce
+    # had started (its handle lost; on a job, on one rank only: the ranks out of step).
+    import hpcddp.horovod as hvd
+
+    errors, results = [], []
+
+    def steps(thread):
+        try:
+            for step in range(1000):
+                handle = hvd.allreduce_async(torch.full((1,), float(thread)), name=f"t{thread}.{step}", op=hvd.Sum)
+                results.append((thread, hvd.synchronize(handle).item()))
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(repr(err))
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # threads take turns often, as on a loaded node
+    try:
+        threads = [threading.Thread(target=steps, args=(t,)) for t in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    finally:
+        sys.setswitchinterval(switch)
+    assert errors == []
+    assert sorted(results) == [(t, float(t)) for t in range(4) for _ in range(1000)]
 
 
 def test_adasum_combines_in_horovods_pairs():

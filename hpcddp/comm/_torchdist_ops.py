@@ -16,7 +16,7 @@ from .agreement import CollectiveCall, agreement_vector, describe_call, disagree
 from .base import Handle, ReduceOp, alltoall_splits, as_splits, even_splits, splits_error
 from .reduction import check_average
 
-__all__ = ["Agreeing", "TorchDistOps", "WorkHandle", "explain_timeout"]
+__all__ = ["Agreeing", "TorchDistOps", "WorkHandle", "explain_timeout", "work_ended"]
 
 
 class Agreeing(NamedTuple):
@@ -84,10 +84,20 @@ class WorkHandle(Handle):
                     elif not self._work.wait(timeout=datetime.timedelta(seconds=timeout)):
                         return False
             except RuntimeError as err:
-                if timeout is not None and not self._work.is_completed():
+                if timeout is None:
+                    raise explain_timeout(err, self.name) from None
+                if not work_ended(self._work):
                     return False  # only this wait ran out ("Operation timed out!"); the collective goes on
-                raise explain_timeout(err, self.name) from None
+                return self._block(None)  # it ended meanwhile: its own outcome, an error or the result
             self.set_result(self._pending_result)
+        return True
+
+
+def work_ended(work) -> bool:
+    """Whether a torch Work has ended, successfully or not (nccl may raise its error when asked)."""
+    try:
+        return work.is_completed()
+    except RuntimeError:
         return True
 
 

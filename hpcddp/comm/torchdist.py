@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from . import oplog
 from ._cuda_events import GpuCompletion, is_cuda_tensor
-from ._torchdist_ops import TorchDistOps, WorkHandle, explain_timeout
+from ._torchdist_ops import TorchDistOps, WorkHandle, explain_timeout, work_ended
 from .base import Communicator, Handle, ReduceOp, completed, split_ranks_error
 from .dtypes import dtype_name
 from .reduction import check_average, to_torch
@@ -48,11 +48,11 @@ class RunningWorks:
     def add(self, work) -> None:
         with self._lock:
             works = self._works
-            while works and _completed(works[0]):
+            while works and work_ended(works[0]):
                 works.popleft()
             works.append(work)
             if len(works) >= self._sweep_at:
-                self._works = collections.deque(w for w in works if not _completed(w))
+                self._works = collections.deque(w for w in works if not work_ended(w))
                 self._sweep_at = max(self._SWEEP_AT_LEAST, 2 * len(self._works))
 
     def clear(self) -> None:
@@ -62,13 +62,6 @@ class RunningWorks:
 
     def __len__(self) -> int:
         return len(self._works)
-
-
-def _completed(work) -> bool:
-    try:
-        return work.is_completed()
-    except RuntimeError:  # it failed (nccl raises its error here): its waiter reports it, nothing runs
-        return True
 
 
 class TorchDistCommunicator(TorchDistOps, Communicator):

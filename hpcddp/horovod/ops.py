@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -23,11 +24,22 @@ __all__ = [
 # The operations in flight by (operation, process set, name), as Horovod's tensor table holds
 # "<op>.<name>" per process set: a second one under a name is refused until the first is synchronized.
 _in_flight: dict[tuple, Handle] = {}
-at_init(_in_flight.clear)  # a new communicator (after shutdown): nothing of the old one is in flight
 # The table is swept of synchronized operations whenever it doubles: a script that names its
 # operations per step (name=f"loss{step}") would otherwise keep every handle, and its result, for good.
 _SWEEP_AT_LEAST = 64
 _sweep_at = _SWEEP_AT_LEAST
+_table_lock = threading.Lock()  # threads may start named operations at once
+
+
+def _forget_all() -> None:
+    """A new communicator (after shutdown): nothing of the old one is in flight."""
+    global _sweep_at
+    with _table_lock:
+        _in_flight.clear()
+        _sweep_at = _SWEEP_AT_LEAST
+
+
+at_init(_forget_all)
 
 
 def claim(name: str | None, kind: str, process_set) -> tuple | None:
@@ -71,11 +83,12 @@ def start(name: str | None, kind: str, process_set, launch: Callable[[str], Hand
 def _remember(key: tuple, handle: Handle) -> None:
     """Keep ``handle`` under ``key``; forget synchronized ones when the table has doubled (amortized O(1))."""
     global _sweep_at
-    _in_flight[key] = handle
-    if len(_in_flight) >= _sweep_at:
-        for done in [k for k, h in _in_flight.items() if h.waited]:
-            del _in_flight[done]
-        _sweep_at = max(_SWEEP_AT_LEAST, 2 * len(_in_flight))
+    with _table_lock:
+        _in_flight[key] = handle
+        if len(_in_flight) >= _sweep_at:
+            for done in [k for k, h in _in_flight.items() if h.waited]:
+                del _in_flight[done]
+            _sweep_at = max(_SWEEP_AT_LEAST, 2 * len(_in_flight))
 
 
 def start_group(name: str | None, kind: str, process_set, members: list[Callable[[str | None], Handle]]) -> Handle:

@@ -30,7 +30,7 @@ from .device import (
     ranks_outnumber_cores,
     set_cpu_threads,
 )
-from .exports import export_layout, export_rendezvous, forget_chosen_port
+from .exports import another_port, export_layout, export_rendezvous, forget_chosen_port
 from .state import Runtime
 
 __all__ = ["start"]
@@ -47,7 +47,7 @@ def start(config: InitConfig) -> Runtime:
     Args:
         config: the settings ``hpcddp.init()`` resolved from its arguments and the environment.
     """
-    forget_chosen_port()
+    taken = forget_chosen_port()
     environment = detect_environment()
     layout = environment.layout()
     mpi_comm = environment.mpi_comm
@@ -68,7 +68,7 @@ def start(config: InitConfig) -> Runtime:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     export_layout(environment, layout)
-    export_rendezvous(environment.rendezvous(config.interface))
+    export_rendezvous(another_port(environment.rendezvous(config.interface), taken))
     comm = _create_communicator(
         chosen, environment, layout, device, config, lazy=config.backend == "auto" and chosen == "nccl"
     )

@@ -6,6 +6,7 @@ an MPI launcher or srun when they are missing (``hpcddp.torch_backend.autoinit``
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -13,11 +14,12 @@ from ..env import ClusterEnvironment, RankLayout, Rendezvous
 from ..env.network import SOCKET_IFNAME_VARIABLES, socket_ifname_hint
 from ..env.torchrun import torchrun_variables
 
-__all__ = ["export_for_torch", "export_layout", "export_rendezvous", "forget_chosen_port"]
+__all__ = ["another_port", "export_for_torch", "export_layout", "export_rendezvous", "forget_chosen_port"]
 
 log = logging.getLogger("hpcddp")
 
 _chosen_port: str | None = None  # the MASTER_PORT hpcddp chose and exported (not the user's or a launcher's)
+_earlier_ports: set[int] = set()  # every port it chose in this process
 
 
 def export_for_torch(environment: ClusterEnvironment, interface: str | None = None) -> None:
@@ -63,6 +65,7 @@ def export_rendezvous(rendezvous: Rendezvous) -> None:
             log.warning("hpcddp: overriding %s=%s with %s", name, current, value)
         if name == "MASTER_PORT" and current != value:
             _chosen_port = value
+            _earlier_ports.add(rendezvous.port)
         os.environ[name] = value
     if rendezvous.interface is None:
         return
@@ -83,13 +86,27 @@ def export_rendezvous(rendezvous: Rendezvous) -> None:
             )
 
 
-def forget_chosen_port() -> None:
+def forget_chosen_port() -> set[int]:
     """Unset MASTER_PORT where an earlier ``init()`` chose it, so that this one chooses again.
 
-    The old group's store may still hold that port after ``shutdown()`` (a handle never
-    synchronized keeps its group alive), and serving it again failed "Address already in use".
+    The old groups' stores may still hold their ports after ``shutdown()`` (a handle never
+    synchronized keeps its group alive), and serving one again failed "Address already in use".
+    Returns every port hpcddp chose in this process.
     """
     global _chosen_port
     if _chosen_port is not None and os.environ.get("MASTER_PORT") == _chosen_port:
         del os.environ["MASTER_PORT"]
     _chosen_port = None
+    return set(_earlier_ports)
+
+
+def another_port(rendezvous: Rendezvous, taken: set[int]) -> Rendezvous:
+    """Return ``rendezvous`` on the next port not in ``taken`` (ports earlier ``init()`` calls chose).
+
+    Under Slurm every rank derives the port from the job id, the same at every ``init()``;
+    every rank chose the same ports before, so every rank moves to the same next one.
+    """
+    port = rendezvous.port
+    while port in taken:
+        port = port + 1 if port < 65535 else 1024
+    return rendezvous if port == rendezvous.port else dataclasses.replace(rendezvous, port=port)
