@@ -2,6 +2,7 @@
 
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -127,6 +128,40 @@ def test_threads_naming_horovod_operations_per_step_at_once_all_get_their_result
         sys.setswitchinterval(switch)
     assert errors == []
     assert sorted(results) == [(t, float(t)) for t in range(4) for _ in range(1000)]
+
+
+def test_a_name_another_thread_is_starting_is_refused(single, monkeypatch):
+    # The name was taken only once the launch returned: two threads both started "same" (on a
+    # job, two collectives under one name, which Horovod refuses; on gloo they aborted the job).
+    import hpcddp.horovod as hvd
+    from hpcddp.runtime.state import communicator
+
+    comm = communicator()
+    launch = comm.allreduce_async_
+
+    def slow_launch(*args, **kwargs):
+        time.sleep(0.2)  # gloo's agreement takes a round trip here
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(comm, "allreduce_async_", slow_launch)
+    outcomes = []
+
+    def start():
+        try:
+            outcomes.append(hvd.allreduce_async(torch.ones(1), name="same"))
+        except ValueError as err:
+            outcomes.append(str(err))
+
+    threads = [threading.Thread(target=start) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    refused = [o for o in outcomes if isinstance(o, str)]
+    assert len(refused) == 1 and "'same' is still in flight" in refused[0], outcomes
+    for handle in outcomes:
+        if not isinstance(handle, str):
+            hvd.synchronize(handle)
 
 
 def test_adasum_combines_in_horovods_pairs():

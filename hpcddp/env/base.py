@@ -84,6 +84,9 @@ class ClusterEnvironment(abc.ABC):
     #: the script makes torch.distributed's default group itself (torchrun: its agent serves
     #: the store); hpcddp joins it, and makes it only when it needs it first
     script_makes_process_group: bool = False
+    #: every task derives the rendezvous port alone, without talking (Slurm: from the job id),
+    #: so it is the same at every ``init()`` of a process
+    derives_port: bool = False
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         self.environ = os.environ if environ is None else environ

@@ -46,6 +46,7 @@ class SlurmEnvironment(ClusterEnvironment):
     """Rank layout from SLURM_* variables, rendezvous through torch.distributed's TCP store."""
 
     name = "slurm"
+    derives_port = True
 
     @staticmethod
     def detect(environ: Mapping[str, str]) -> bool:

@@ -29,6 +29,7 @@ _in_flight: dict[tuple, Handle] = {}
 _SWEEP_AT_LEAST = 64
 _sweep_at = _SWEEP_AT_LEAST
 _table_lock = threading.Lock()  # threads may start named operations at once
+_STARTING = Handle("a named operation being started")  # never waited: its name is taken
 
 
 def _forget_all() -> None:
@@ -73,8 +74,18 @@ def start(name: str | None, kind: str, process_set, launch: Callable[[str], Hand
         launch: starts the collective with ``label`` (``name`` or "") as its ``check`` and
             ``label``: the ranks agree under that name, and stall reports name it.
     """
-    key = claim(name, kind, process_set)
-    handle = launch(name or "")
+    with _table_lock:  # taken at once, so that a thread starting the same name meanwhile is refused
+        key = claim(name, kind, process_set)
+        if key is not None:
+            _in_flight[key] = _STARTING
+    try:
+        handle = launch(name or "")
+    except BaseException:
+        if key is not None:
+            with _table_lock:
+                if _in_flight.get(key) is _STARTING:
+                    del _in_flight[key]
+        raise
     if key is not None:
         _remember(key, handle)
     return handle

@@ -68,7 +68,10 @@ def start(config: InitConfig) -> Runtime:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     export_layout(environment, layout)
-    export_rendezvous(another_port(environment.rendezvous(config.interface), taken))
+    rendezvous = environment.rendezvous(config.interface)
+    if environment.derives_port and not environment.environ.get("MASTER_PORT"):
+        rendezvous = another_port(rendezvous, taken)  # the same port as the last init(), maybe still held
+    export_rendezvous(rendezvous)
     comm = _create_communicator(
         chosen, environment, layout, device, config, lazy=config.backend == "auto" and chosen == "nccl"
     )

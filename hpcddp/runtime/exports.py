@@ -103,8 +103,8 @@ def forget_chosen_port() -> set[int]:
 def another_port(rendezvous: Rendezvous, taken: set[int]) -> Rendezvous:
     """Return ``rendezvous`` on the next port not in ``taken`` (ports earlier ``init()`` calls chose).
 
-    Under Slurm every rank derives the port from the job id, the same at every ``init()``;
-    every rank chose the same ports before, so every rank moves to the same next one.
+    For an environment whose tasks derive the port alone (``derives_port``: Slurm, from the
+    job id): every task chose the same ports before, so every task moves to the same next one.
     """
     port = rendezvous.port
     while port in taken:
