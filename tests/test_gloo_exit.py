@@ -57,6 +57,30 @@ def test_init_after_shutdown_serves_a_new_rendezvous_while_the_old_group_lives(t
     assert all(result.stdout.count(f"summed {rank} [3.0, 3.0]") == 3 for rank in range(2)), result.stdout[-5000:]
 
 
+RANK_0_PORT = """
+    import os, socket
+    import torch
+    import hpcddp.horovod as hvd
+
+    if os.environ["OMPI_COMM_WORLD_RANK"] == "0":  # the user's MASTER_PORT, on rank 0 only
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
+    for _ in range(3):
+        hvd.init()
+        print("summed", hvd.rank(), hvd.allreduce(torch.full((2,), 1.0 + hvd.rank()), op=hvd.Sum).tolist(), flush=True)
+        hvd.shutdown()
+"""
+
+
+def test_init_after_shutdown_follows_rank_0s_port_under_mpirun(tmp_path):
+    # Under mpirun rank 0 chooses the port for every rank. Rank 1, which had exported rank 0's
+    # port as its own choice, moved off it alone at the second init() and could not reach rank 0.
+    result = run_script(2, RANK_0_PORT, tmp_path, timeout=180, cwd=ROOT, env={"HPCDDP_BACKEND": "gloo"})
+    assert result.returncode == 0, result.stdout[-5000:]
+    assert all(result.stdout.count(f"summed {rank} [3.0, 3.0]") == 3 for rank in range(2)), result.stdout[-5000:]
+
+
 def test_init_after_shutdown_under_srun_moves_off_the_port_it_derived_from_the_job_id(tmp_path):
     # Under srun every task derives the port from the job id, the same at every init(): the second
     # init() failed as above. Two tasks with srun's variables, no MPI launcher (a one-node srun).
