@@ -6,6 +6,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from hpcddp.testing import run_script
 
 from .conftest import LAUNCHER_VARIABLES, ROOT
@@ -37,48 +39,46 @@ def test_script_destroying_the_process_group_itself_exits_with_0(tmp_path):
 
 
 REINIT = """
-    import torch
-    import hpcddp.horovod as hvd
-
-    kept = []
-    for _ in range(3):
-        hvd.init()
-        kept.append(hvd.allreduce_async(torch.ones(2), name="never synchronized"))  # keeps the old group alive
-        print("summed", hvd.rank(), hvd.allreduce(torch.full((2,), 1.0 + hvd.rank()), op=hvd.Sum).tolist(), flush=True)
-        hvd.shutdown()
-"""
-
-
-def test_init_after_shutdown_serves_a_new_rendezvous_while_the_old_group_lives(tmp_path):
-    # The second init() served the port the first had chosen, still held by the old group's store:
-    # "cannot serve the rendezvous on port ... Address already in use".
-    result = run_script(2, REINIT, tmp_path, timeout=180, cwd=ROOT, env={"HPCDDP_BACKEND": "gloo"})
-    assert result.returncode == 0, result.stdout[-5000:]
-    assert all(result.stdout.count(f"summed {rank} [3.0, 3.0]") == 3 for rank in range(2)), result.stdout[-5000:]
-
-
-RANK_0_PORT = """
     import os, socket
     import torch
     import hpcddp.horovod as hvd
 
-    if os.environ["OMPI_COMM_WORLD_RANK"] == "0":  # the user's MASTER_PORT, on rank 0 only
+    rank_0_port = os.environ.get("TEST_RANK_0_PORT") and os.environ["OMPI_COMM_WORLD_RANK"] == "0"
+    if rank_0_port:  # the user's MASTER_PORT, on rank 0 only
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
+    kept = []
     for _ in range(3):
         hvd.init()
+        if not os.environ.get("TEST_RANK_0_PORT"):  # (a user's port held by an old group is the user's to free)
+            kept.append(hvd.allreduce_async(torch.ones(2), name="never synchronized"))  # keeps the old group alive
         print("summed", hvd.rank(), hvd.allreduce(torch.full((2,), 1.0 + hvd.rank()), op=hvd.Sum).tolist(), flush=True)
         hvd.shutdown()
 """
 
 
-def test_init_after_shutdown_follows_rank_0s_port_under_mpirun(tmp_path):
-    # Under mpirun rank 0 chooses the port for every rank. Rank 1, which had exported rank 0's
-    # port as its own choice, moved off it alone at the second init() and could not reach rank 0.
-    result = run_script(2, RANK_0_PORT, tmp_path, timeout=180, cwd=ROOT, env={"HPCDDP_BACKEND": "gloo"})
+def assert_summed_three_times(outputs: str) -> None:
+    for rank in range(2):
+        assert outputs.count(f"summed {rank} [3.0, 3.0]") == 3, outputs[-5000:]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        # The second init() served the port the first had chosen, still held by the old group's
+        # store: "cannot serve the rendezvous on port ... Address already in use".
+        {},
+        # Rank 0 chooses the port for every rank. Rank 1, which had exported rank 0's port as
+        # its own choice, moved off it alone at the second init() and could not reach rank 0.
+        {"TEST_RANK_0_PORT": "1"},
+    ],
+    ids=["old-group-alive", "master-port-on-rank-0-only"],
+)
+def test_init_after_shutdown_under_mpirun_meets_on_one_new_port(tmp_path, case):
+    result = run_script(2, REINIT, tmp_path, timeout=180, cwd=ROOT, env={"HPCDDP_BACKEND": "gloo", **case})
     assert result.returncode == 0, result.stdout[-5000:]
-    assert all(result.stdout.count(f"summed {rank} [3.0, 3.0]") == 3 for rank in range(2)), result.stdout[-5000:]
+    assert_summed_three_times(result.stdout)
 
 
 def test_init_after_shutdown_under_srun_moves_off_the_port_it_derived_from_the_job_id(tmp_path):
@@ -111,7 +111,6 @@ def test_init_after_shutdown_under_srun_moves_off_the_port_it_derived_from_the_j
         for task in tasks:
             task.kill()
             task.wait()
-    outputs = [log.read_text() for log in logs]
-    assert [task.returncode for task in tasks] == [0, 0], "\n".join(outputs)[-5000:]
-    for rank, output in enumerate(outputs):
-        assert output.count(f"summed {rank} [3.0, 3.0]") == 3, output[-3000:]
+    outputs = "\n".join(log.read_text() for log in logs)
+    assert [task.returncode for task in tasks] == [0, 0], outputs[-5000:]
+    assert_summed_three_times(outputs)
