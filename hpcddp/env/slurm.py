@@ -42,6 +42,10 @@ def _expand_item(item: str) -> list[str]:
     return hosts
 
 
+#: the ports a task derives from its job and step ids when MASTER_PORT is unset
+FIRST_DERIVED_PORT, NUM_DERIVED_PORTS = 15000, 15000
+
+
 class SlurmEnvironment(ClusterEnvironment):
     """Rank layout from SLURM_* variables, rendezvous through torch.distributed's TCP store."""
 
@@ -91,7 +95,7 @@ class SlurmEnvironment(ClusterEnvironment):
             # The job id spreads concurrent jobs on one node over 15000-30000.
             job_id = read_int(env, "SLURM_JOB_ID", 0)
             step_id = read_int(env, "SLURM_STEP_ID", 0) or 0
-            port = 15000 + (job_id * 7 + step_id) % 15000
+            port = FIRST_DERIVED_PORT + (job_id * 7 + step_id) % NUM_DERIVED_PORTS
         chosen = interface_towards(address, interface, list_interfaces())
         return Rendezvous(address, port, chosen.name if chosen else None, bool(interface))
 

@@ -74,20 +74,21 @@ def start(name: str | None, kind: str, process_set, launch: Callable[[str], Hand
         launch: starts the collective with ``label`` (``name`` or "") as its ``check`` and
             ``label``: the ranks agree under that name, and stall reports name it.
     """
-    with _table_lock:  # taken at once, so that a thread starting the same name meanwhile is refused
-        key = claim(name, kind, process_set)
-        if key is not None:
-            _in_flight[key] = _STARTING
+    key = None
     try:
+        with _table_lock:  # taken at once, so that a thread starting the same name meanwhile is refused
+            key = claim(name, kind, process_set)
+            if key is not None:
+                _in_flight[key] = _STARTING
         handle = launch(name or "")
-    except BaseException:
+        if key is not None:
+            _remember(key, handle)
+    except BaseException:  # also Ctrl-C: a placeholder left behind would hold the name for good
         if key is not None:
             with _table_lock:
                 if _in_flight.get(key) is _STARTING:
                     del _in_flight[key]
         raise
-    if key is not None:
-        _remember(key, handle)
     return handle
 
 
@@ -115,15 +116,24 @@ def start_group(name: str | None, kind: str, process_set, members: list[Callable
     claim(name, f"grouped_{kind}", process_set)
     for member in names:
         claim(member, kind, process_set)
+    handles = start_each([functools.partial(member, name_of_member) for member, name_of_member in zip(members, names)])
+    return start(name, f"grouped_{kind}", process_set, lambda _label: GroupHandle(handles, f"grouped_{kind}"))
+
+
+def start_each(starts: list[Callable[[], Handle]]) -> list[Handle]:
+    """Call each of ``starts`` and return their handles; if one fails, wait for those already started, then raise.
+
+    Waiting frees their names and keeps every rank in step (on gloo a mismatch raises at the start).
+    """
     handles: list[Handle] = []
     try:
-        for member, name_of_member in zip(members, names):
-            handles.append(member(name_of_member))
+        for begin in starts:
+            handles.append(begin())
     except Exception:
         with contextlib.suppress(Exception):
             wait_all(handles)
         raise
-    return start(name, f"grouped_{kind}", process_set, lambda _label: GroupHandle(handles, f"grouped_{kind}"))
+    return handles
 
 
 def wait_all(handles: list[Handle], timeout: float | None = None) -> list:

@@ -10,7 +10,7 @@ import torch
 from ..comm.base import Handle, parse_op
 from .basics import Adasum, Average, Sum
 from .compression import Compression
-from .ops import resolve_op, scale_, start, start_group, wait_all
+from .ops import resolve_op, scale_, start, start_each, start_group, wait_all
 from .process_sets import communicator_of, global_process_set, set_rank
 
 __all__ = [
@@ -71,8 +71,12 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     """
     sparse = tensor.coalesce() if not tensor.is_coalesced() else tensor
     # allgather concatenates rows: indices travel transposed, one row per nonzero.
-    indices = allgather_async(sparse.indices().t().contiguous(), name=f"{name}.indices", process_set=process_set)
-    values = allgather_async(sparse.values(), name=f"{name}.values", process_set=process_set)
+    indices, values = start_each(  # a values gather refused at its start (gloo) leaves no indices gather behind
+        [
+            lambda: allgather_async(sparse.indices().t().contiguous(), name=f"{name}.indices", process_set=process_set),
+            lambda: allgather_async(sparse.values(), name=f"{name}.values", process_set=process_set),
+        ]
+    )
     size = communicator_of(process_set).size
 
     def finish() -> torch.Tensor:

@@ -12,6 +12,7 @@ import os
 
 from ..env import ClusterEnvironment, RankLayout, Rendezvous
 from ..env.network import SOCKET_IFNAME_VARIABLES, socket_ifname_hint
+from ..env.slurm import NUM_DERIVED_PORTS
 from ..env.torchrun import torchrun_variables
 
 __all__ = ["another_port", "export_for_torch", "export_layout", "export_rendezvous", "forget_chosen_port"]
@@ -101,12 +102,16 @@ def forget_chosen_port() -> set[int]:
 
 
 def another_port(rendezvous: Rendezvous, taken: set[int]) -> Rendezvous:
-    """Return ``rendezvous`` on the next port not in ``taken`` (ports earlier ``init()`` calls chose).
+    """Return ``rendezvous`` moved past the ports in ``taken`` (ports earlier ``init()`` calls chose).
 
     For an environment whose tasks derive the port alone (``derives_port``: Slurm, from the
-    job id): every task chose the same ports before, so every task moves to the same next one.
+    job id): every task chose the same ports before, so every task moves to the same new one.
+    It moves by the width of Slurm's derived range: one port up is the port the job's next
+    step derives.
     """
     port = rendezvous.port
     while port in taken:
-        port = port + 1 if port < 65535 else 1024
+        port += NUM_DERIVED_PORTS
+        if port > 65535:
+            port = 1024 + port % 65536
     return rendezvous if port == rendezvous.port else dataclasses.replace(rendezvous, port=port)

@@ -131,6 +131,22 @@ def test_sparse_allreduce_gathers_indices_and_values():
     torch.testing.assert_close(result.to_dense(), expected)
 
 
+def test_a_failed_sparse_allreduce_leaves_its_name_free():
+    # On gloo a values gather refused at its start left the indices gather started, never
+    # synchronized: every later "s" raised "allgather 's.indices' is still in flight".
+    n, me = hvd.size(), hvd.rank()
+    if n == 1:
+        pytest.skip("needs two ranks")
+    mixed = torch.zeros(3, dtype=torch.float32 if me == 0 else torch.float64)
+    mixed[1] = 1.0
+    with pytest.raises(hpcddp.CollectiveMismatchError):  # raised at the call on gloo, at synchronize on MPI
+        hvd.synchronize(hvd.sparse_allreduce_async(mixed.to_sparse(), name="s", op=hvd.Sum))
+    same = torch.zeros(3)
+    same[1] = 1.0
+    result = hvd.synchronize(hvd.sparse_allreduce_async(same.to_sparse(), name="s", op=hvd.Sum))
+    assert result.coalesce().to_dense().tolist() == [0.0, float(n), 0.0]
+
+
 def test_sync_batch_norm_matches_batch_norm_over_every_rank_batch():
     n, me = hvd.size(), hvd.rank()
     torch.manual_seed(0)
