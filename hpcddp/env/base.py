@@ -84,9 +84,6 @@ class ClusterEnvironment(abc.ABC):
     #: the script makes torch.distributed's default group itself (torchrun: its agent serves
     #: the store); hpcddp joins it, and makes it only when it needs it first
     script_makes_process_group: bool = False
-    #: every task derives the rendezvous port alone, without talking (Slurm: from the job id),
-    #: so it is the same at every ``init()`` of a process
-    derives_port: bool = False
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         self.environ = os.environ if environ is None else environ
@@ -113,3 +110,12 @@ class ClusterEnvironment(abc.ABC):
             interface: the network interface the user chose (HPCDDP_IFACE or
                 ``init(interface=)``); None picks one that reaches every node.
         """
+
+    def away_from(self, rendezvous: Rendezvous, taken: set[int]) -> Rendezvous:
+        """Return ``rendezvous`` off the ports in ``taken`` where this environment would choose one again.
+
+        ``taken``: the ports earlier ``init()`` calls of this process chose, which their groups
+        may still hold. Only an environment whose tasks derive the port alone moves; the others
+        choose a free one afresh (rank 0 under MPI) or keep the user's or the launcher's.
+        """
+        return rendezvous

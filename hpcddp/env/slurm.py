@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 from collections.abc import Mapping
@@ -44,13 +45,14 @@ def _expand_item(item: str) -> list[str]:
 
 #: the ports a task derives from its job and step ids when MASTER_PORT is unset
 FIRST_DERIVED_PORT, NUM_DERIVED_PORTS = 15000, 15000
+# A re-init's move: ~1,000 job ids away from a derived port, prime to NUM_DERIVED_PORTS
+_DERIVED_PORT_STEP = 7001
 
 
 class SlurmEnvironment(ClusterEnvironment):
     """Rank layout from SLURM_* variables, rendezvous through torch.distributed's TCP store."""
 
     name = "slurm"
-    derives_port = True
 
     @staticmethod
     def detect(environ: Mapping[str, str]) -> bool:
@@ -98,6 +100,22 @@ class SlurmEnvironment(ClusterEnvironment):
             port = FIRST_DERIVED_PORT + (job_id * 7 + step_id) % NUM_DERIVED_PORTS
         chosen = interface_towards(address, interface, list_interfaces())
         return Rendezvous(address, port, chosen.name if chosen else None, bool(interface))
+
+    def away_from(self, rendezvous: Rendezvous, taken: set[int]) -> Rendezvous:
+        """Move a port derived from the job id past ``taken``: it is the same at every ``init()``.
+
+        Every task chose the same ports before, so every task moves to the same new one. It
+        stays in the derived range, out of the kernel's ephemeral ports (32768-60999, which
+        outgoing connections take), and moves far: one port up is the job's next step's.
+        """
+        if self.environ.get("MASTER_PORT"):  # the user's: kept
+            return rendezvous
+        port = rendezvous.port
+        for _ in range(NUM_DERIVED_PORTS):  # the step is prime to the range's width: every port once
+            if port not in taken:
+                break
+            port = FIRST_DERIVED_PORT + (port - FIRST_DERIVED_PORT + _DERIVED_PORT_STEP) % NUM_DERIVED_PORTS
+        return rendezvous if port == rendezvous.port else dataclasses.replace(rendezvous, port=port)
 
 
 def node_address(node: str, known: tuple[str, str] | None = None) -> str:

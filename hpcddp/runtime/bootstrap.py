@@ -30,7 +30,7 @@ from .device import (
     ranks_outnumber_cores,
     set_cpu_threads,
 )
-from .exports import another_port, export_layout, export_rendezvous, forget_chosen_port
+from .exports import export_layout, export_rendezvous, forget_chosen_port
 from .state import Runtime
 
 __all__ = ["start"]
@@ -68,10 +68,7 @@ def start(config: InitConfig) -> Runtime:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     export_layout(environment, layout)
-    rendezvous = environment.rendezvous(config.interface)
-    if environment.derives_port and not environment.environ.get("MASTER_PORT"):
-        rendezvous = another_port(rendezvous, taken)  # the same port as the last init(), maybe still held
-    export_rendezvous(rendezvous)
+    export_rendezvous(environment.away_from(environment.rendezvous(config.interface), taken))
     comm = _create_communicator(
         chosen, environment, layout, device, config, lazy=config.backend == "auto" and chosen == "nccl"
     )

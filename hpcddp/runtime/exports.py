@@ -6,22 +6,19 @@ an MPI launcher or srun when they are missing (``hpcddp.torch_backend.autoinit``
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 
 from ..env import ClusterEnvironment, RankLayout, Rendezvous
 from ..env.network import SOCKET_IFNAME_VARIABLES, socket_ifname_hint
-from ..env.slurm import FIRST_DERIVED_PORT, NUM_DERIVED_PORTS
 from ..env.torchrun import torchrun_variables
 
-__all__ = ["another_port", "export_for_torch", "export_layout", "export_rendezvous", "forget_chosen_port"]
+__all__ = ["export_for_torch", "export_layout", "export_rendezvous", "forget_chosen_port"]
 
 log = logging.getLogger("hpcddp")
 
 _chosen_port: str | None = None  # the MASTER_PORT hpcddp chose and exported (not the user's or a launcher's)
 _earlier_ports: set[int] = set()  # every port it chose in this process
-_DERIVED_PORT_STEP = 7001  # ~1,000 job ids away from a derived port; prime to NUM_DERIVED_PORTS (15000)
 
 
 def export_for_torch(environment: ClusterEnvironment, interface: str | None = None) -> None:
@@ -100,19 +97,3 @@ def forget_chosen_port() -> set[int]:
         del os.environ["MASTER_PORT"]
     _chosen_port = None
     return set(_earlier_ports)
-
-
-def another_port(rendezvous: Rendezvous, taken: set[int]) -> Rendezvous:
-    """Return ``rendezvous`` moved past the ports in ``taken`` (ports earlier ``init()`` calls chose).
-
-    For an environment whose tasks derive the port alone (``derives_port``: Slurm, from the
-    job id): every task chose the same ports before, so every task moves to the same new one.
-    It stays in Slurm's derived range, out of the kernel's ephemeral ports (32768-60999, which
-    outgoing connections take), and moves far: one port up is the port the job's next step derives.
-    """
-    port = rendezvous.port
-    for _ in range(NUM_DERIVED_PORTS):  # the step is prime to the range's width: every port once
-        if port not in taken:
-            break
-        port = FIRST_DERIVED_PORT + (port - FIRST_DERIVED_PORT + _DERIVED_PORT_STEP) % NUM_DERIVED_PORTS
-    return rendezvous if port == rendezvous.port else dataclasses.replace(rendezvous, port=port)
