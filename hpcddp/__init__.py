@@ -38,6 +38,7 @@ from .comm.base import Handle, ReduceOp
 from .ddp.compression import Int8, PowerSGD
 from .ddp.join import join
 from .ddp.optimizer import DistributedOptimizer
+from .ddp.reducer import StepStoppedError
 from .fault.abort import mark_configuration_error as _mark_configuration_error
 from .fault.preemption import PreemptionHandler
 from .observe import timeline as timeline  # hpcddp.timeline.start(path) / stop(): part of a run
@@ -78,6 +79,7 @@ __all__ = [
     "PowerSGD",
     "PreemptionHandler",
     "ReduceOp",
+    "StepStoppedError",
     "TrainingProgress",
     "__version__",
     "allgather",

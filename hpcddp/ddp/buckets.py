@@ -230,6 +230,8 @@ def probe_nonfinite(grads: torch.Tensor) -> torch.Tensor:
     A NaN or inf loss makes every gradient element non-finite, so a sample finds it;
     reading the whole buffer would cost a pass over every gradient, every step.
     """
+    if grads.numel() == 0:  # a bucket of zero-element parameters
+        return torch.zeros((), dtype=torch.float64, device=grads.device)
     stride = -(-grads.numel() // PROBE_SIZE)
     # float64: a float32 sum of large finite gradients overflows and would report them as inf.
     return grads[::stride].sum(dtype=torch.float64)

@@ -35,8 +35,9 @@ class DistributedOptimizer(OptimizerFacade):
     Results equal ``torch.nn.parallel.DistributedDataParallel``'s.
 
     A parameter that gets no gradient in a backward pass counts as a zero gradient
-    on that rank (no hang, no error), so after a reduction every parameter has a
-    gradient. ``zero_grad`` zeroes the buffers in place and keeps the views. A
+    on that rank (no hang, no error); one that no rank used keeps the gradient it had
+    (None after ``zero_grad``), as with DDP. ``zero_grad`` resets the gradients as
+    torch's does and keeps the views. A
     parameter frozen (``requires_grad=False``) when the optimizer is built is
     reduced from the first backward pass in which it gets a gradient. A parameter
     accumulated twice in one backward pass (a weight used outside and inside a
@@ -45,6 +46,11 @@ class DistributedOptimizer(OptimizerFacade):
     reduces only at its end). A gradient assigned by hand (``p.grad =
     torch.autograd.grad(...)``) to a parameter backward gave nothing since the last
     step is not averaged, as in DDP; ``step()`` then warns once, naming the parameters.
+    Sparse gradients (``nn.Embedding(sparse=True)``) are reduced dense and handed to
+    the optimizer sparse, as DDP hands them (``torch.optim.SparseAdam`` trains).
+    ``step()`` after a backward pass that raised part-way (an exception the script
+    caught) raises ``hpcddp.StepStoppedError`` on every rank instead of averaging
+    partial gradients.
 
     Args:
         optimizer: any ``torch.optim.Optimizer``.
@@ -160,6 +166,7 @@ class DistributedOptimizer(OptimizerFacade):
         old.close()
         self.reducer = self._make_reducer(old.named, communicator, old.backward_passes_per_step)
         self.reducer.zero_unused = old.zero_unused
+        self.reducer.keep_sparse = old.keep_sparse
 
     # -- behave like the wrapped optimizer (the rest is OptimizerFacade's) -----------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -240,7 +247,7 @@ class DistributedOptimizer(OptimizerFacade):
                 )
                 return None
             self._warn_nonfinite(nonfinite)
-            with span("optimizer.step"):
+            with span("optimizer.step"), self.reducer.sparse_grads():
                 return self._optimizer.step(closure)
 
     def _warn_grads_outside(self) -> None:
@@ -282,9 +289,8 @@ class DistributedOptimizer(OptimizerFacade):
             set_to_none: as torch's: gradients become None (backward then writes
                 each fresh gradient into its bucket view, already divided for the
                 average, without zeroing the buffer first); with False the bucket
-                buffers are zeroed in place and the views kept. After the next
-                reduction, parameters that no rank used keep ``grad`` None only
-                with True.
+                buffers are zeroed in place and the views kept, and a gradient that
+                is None stays None, as torch's.
         """
         self.reducer.zero_grad(set_to_none)
         for group in self.param_groups:

@@ -115,6 +115,9 @@ class Reducer:
         self.zero_unused = False
         #: the ``set_to_none`` of the last ``zero_grad``
         self.set_to_none = True
+        #: hand gradients that backward gave sparse to the optimizer sparse (DDP); False: dense
+        #: (Horovod's sparse_as_dense)
+        self.keep_sparse = True
         self._op = op
         self._predivide = predivide
         self._owner = next_optimizer_label(comm)
@@ -142,6 +145,9 @@ class Reducer:
         self._pending: list[int] = []
         self._next_launch = 0
         self._local_sums: list[torch.Tensor] = []
+        #: id -> (parameter, sparse dims) of the parameters whose gradient backward gives sparse
+        #: (nn.Embedding(sparse=True)): reduced dense, handed to the optimizer sparse (sparse_grads)
+        self._sparse: dict[int, tuple[torch.nn.Parameter, int]] = {}
         if comm.size > 1:
             trainable = require_trainable(self.named)
             check_same_parameters(comm, trainable, "DistributedOptimizer")
@@ -176,6 +182,24 @@ class Reducer:
             slot.landed = False
 
     @contextlib.contextmanager
+    def sparse_grads(self) -> Iterator[None]:
+        """Inside the block, gradients that backward gave sparse are sparse again, as DDP hands them.
+
+        They are reduced dense, in their bucket; optimizers that take only sparse
+        gradients (``torch.optim.SparseAdam``) step on the rows some rank's average is
+        not zero in. After the block each gradient is its bucket view again.
+        """
+        dense = [(p, p.grad) for p, _ in self._sparse.values() if p.grad is not None] if self.keep_sparse else []
+        for param, grad in dense:
+            if not grad.is_sparse:
+                param.grad = grad.to_sparse(self._sparse[id(param)][1])
+        try:
+            yield
+        finally:
+            for param, grad in dense:
+                param.grad = grad
+
+    @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate locally inside the block; the first pass after it reduces everything."""
         previous, self._sync = self._sync, False
@@ -193,8 +217,8 @@ class Reducer:
         """
         if not self._buckets:
             return
-        if self._pass_open:  # a pass whose end autograd never reported (see autograd_hooks.at_end_of_backward)
-            self._end_pass()
+        if self._pass_open:
+            self._refuse_unfinished_pass()
         started = time.perf_counter()
         if not self._handles and (force or self._passes_since_reduce > 0):
             self._open_window()  # a rank that joined reduces without a pass of its own
@@ -285,6 +309,8 @@ class Reducer:
         if not self._pass_open:
             self._open_pass()
         slot = self._slots[id(param)]
+        if param.grad.is_sparse and id(param) not in self._sparse:
+            self._sparse[id(param)] = (param, param.grad.sparse_dim())
         slot.land(
             param,
             self._pass_id,
@@ -432,6 +458,29 @@ class Reducer:
             return
         for handle in self._handles:
             handle.wait()
+
+    def _refuse_unfinished_pass(self) -> None:
+        """Refuse to reduce a backward pass that raised part-way: its gradients are partial.
+
+        Autograd reports the end of every pass it completes before ``backward()`` returns
+        (``at_end_of_backward``), so a pass still open here was left by an exception the
+        script caught. Its buckets go out marked stopped, and every rank raises
+        ``StepStoppedError`` with the step's gradients dropped, as when ``zero_grad()``
+        follows such a pass. With compression the stop cannot ride in the buckets: this
+        rank raises alone; ``zero_grad()`` and the batch again then continue exactly when
+        no bucket had left, else this rank is out of step (as at ``zero_grad()``).
+        """
+        if self._sender.compressor is not None:
+            if self._handles:  # the others wait in buckets this rank will never complete
+                self._stopped_part_way(None)
+            raise RuntimeError(
+                f"step() after a backward pass that raised part-way (step {self.steps_taken}{self._owner}): its "
+                "gradients are partial and would be averaged with the other ranks' full ones; call zero_grad() and "
+                "run the batch again"
+            )
+        self._stopped, self._pass_open = True, False
+        self._launch_all()
+        self._finish(time.perf_counter())  # raises StepStoppedError on every rank
 
     def _confirm_step(self) -> None:
         """Raise on every rank, the step's sums dropped, when its agreement (read after the buckets on GPUs) failed."""

@@ -158,5 +158,7 @@ def reset_bucket_grads(bucket: Bucket, set_to_none: bool) -> None:
         return
     bucket.grads.zero_()
     for param, view in zip(bucket.params, bucket.views):
-        if param.grad is not view:
+        # As torch's zero_grad(set_to_none=False): a gradient that is None stays None (no rank
+        # used the parameter yet: optimizers skip it), the others become zeros in their view.
+        if param.grad is not None and param.grad is not view:
             param.grad = view

@@ -38,8 +38,6 @@ class _HorovodOptimizer(_HpcddpOptimizer):
     _synchronized = False
     _skipping = False
     _process_set = global_process_set
-    # parameter -> its bucket view, for parameters whose gradients arrive sparse
-    _sparse: dict | None = None
 
     @property
     def _parameter_names(self) -> dict:
@@ -89,33 +87,7 @@ class _HorovodOptimizer(_HpcddpOptimizer):
         if not self._skipping:  # as Horovod's step(): synchronize unless told it was done
             self._reduce_missing()
         self._synchronized = False
-        if not self._sparse:
-            return super().step(closure)
-        # Sparse layers' gradients were reduced dense (see _watch_sparse); their optimizer wants them sparse.
-        dense = {p: p.grad for p in self._sparse if p.grad is not None}
-        super().synchronize()
-        for param in dense:
-            param.grad = param.grad.to_sparse()
-        try:
-            return super().step(closure)
-        finally:
-            for param, grad in dense.items():
-                param.grad = grad
-
-    def _watch_sparse(self) -> None:
-        """Note the parameters whose gradients arrive sparse (the buckets take them in dense)."""
-        # The hooks hold the dict, not self: a parameter's hooks live as long as the model,
-        # and through them the optimizer would outlive the user's last reference (hvd.join()
-        # then shadows a dead optimizer's reductions).
-        sparse = self._sparse = {}
-
-        def densify(grad, param):
-            if grad.is_sparse:  # the bucket copies it in dense (see step)
-                sparse[param] = True
-
-        for _, param in self.reducer.named:
-            if param.requires_grad:
-                param.register_hook(functools.partial(densify, param=param))
+        return super().step(closure)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Reduce once every ``passes`` backward passes from now on."""
@@ -151,8 +123,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             by ``size() / factor`` after it.
         num_groups: ignored (see above).
         groups: ignored (see above).
-        sparse_as_dense: accepted; sparse gradients (``nn.Embedding(sparse=True)``) are
-            always reduced dense, then handed to the optimizer sparse again.
+        sparse_as_dense: hand sparse gradients (``nn.Embedding(sparse=True)``) to the
+            optimizer dense; by default they are reduced dense and handed to it sparse
+            again, on the rows whose average is not zero.
         process_set: the ranks that reduce their gradients together (a ProcessSet);
             on ranks outside it the optimizer steps on local gradients.
     """
@@ -206,7 +179,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     # Horovod gives a parameter that no rank used a zero gradient (so momentum and
     # weight decay still move it), where DDP and hpcddp leave it None.
     wrapped.reducer.zero_unused = True
-    wrapped._watch_sparse()
+    wrapped.reducer.keep_sparse = not sparse_as_dense
     wrapped._process_set = process_set
     _optimizers[next(_made)] = wrapped
     return wrapped

@@ -1,5 +1,6 @@
 """hpcddp's DistributedOptimizer (mpi backend) ends with the same parameters as DDP on gloo."""
 
+import contextlib
 import copy
 
 import pytest
@@ -147,7 +148,8 @@ def test_parameter_unused_everywhere_keeps_grad_none_as_ddp(gloo):
     x, y = batches(1)[0]
     F.cross_entropy(model(x), y).backward()
     optimizer.step()
-    assert model.rare.weight.grad is not None and torch.count_nonzero(model.rare.weight.grad) == 0
+    # As torch's zero_grad(set_to_none=False) and DDP: a gradient that was None stays None.
+    assert model.rare.weight.grad is None and model.hidden.weight.grad is not None
     optimizer.close()
 
 
@@ -339,3 +341,116 @@ def test_channels_last_model_keeps_gradient_strides_and_matches_ddp(gloo, powers
     optimizer.close()
     if not powersgd:
         assert_same(reference, model)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+@pytest.mark.parametrize(
+    "optimizer_cls, rare, use_no_sync",
+    [
+        (sgd_with_decay, lambda step: False, False),  # a branch no rank ever uses
+        (adamw, lambda step: step >= 3, False),  # a layer first used at the fourth step
+        (adamw, lambda step: step >= 3, True),
+    ],
+    ids=["never used, SGD with decay", "first used at step 4, AdamW", "first used at step 4, AdamW, no_sync"],
+)
+def test_zero_grad_keeping_tensors_leaves_gradients_no_rank_had_none_as_ddp(gloo, optimizer_cls, rare, use_no_sync):
+    # zero_grad(set_to_none=False) zeroes the gradients that exist; one that is None stays None, so
+    # the optimizer skips the parameter (no weight decay, no momentum, no Adam step) until it is used.
+    data = batches(8, per_rank=16)
+    accumulate = 2 if use_no_sync else 1
+    reference = make_model()
+    ddp = DDP(reference, find_unused_parameters=True)
+    reference_optimizer = optimizer_cls(ddp.parameters())
+    model = make_model()
+    optimizer = hpcddp.DistributedOptimizer(
+        optimizer_cls(model.parameters()), model.named_parameters(), **SEVERAL_BUCKETS
+    )
+    for step, (x, y) in enumerate(data):
+        reference_optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad(set_to_none=False)
+        for i, (mx, my) in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate))):
+            last_pass = i == accumulate - 1
+            with contextlib.nullcontext() if last_pass else ddp.no_sync():
+                F.cross_entropy(ddp(mx, rare(step)), my).backward()
+            with contextlib.nullcontext() if last_pass else optimizer.no_sync():
+                F.cross_entropy(model(mx, rare(step)), my).backward()
+        assert (model.rare.weight.grad is None) == (reference.rare.weight.grad is None), step
+        reference_optimizer.step()
+        optimizer.step()
+    optimizer.close()
+    assert_same(reference, model)
+    expected_steps = [reference_optimizer.state.get(p, {}).get("step") for p in reference.rare.parameters()]
+    assert [optimizer.state.get(p, {}).get("step") for p in model.rare.parameters()] == expected_steps
+
+
+class WithEmptyParameters(torch.nn.Module):
+    """A small MLP with zero-element parameters, one of a dtype of its own (a bucket of its own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(12, 16)
+        self.empty = torch.nn.Parameter(torch.zeros(0, 16))
+        self.empty64 = torch.nn.Parameter(torch.zeros(0, dtype=torch.float64))
+        self.out = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = F.relu(self.inp(x))
+        h = h + (self.empty.sum(0) + self.empty64.sum().float())
+        return self.out(h)
+
+
+@pytest.mark.parametrize("bucket_kwargs", [{}, SEVERAL_BUCKETS], ids=["default buckets", "small buckets"])
+def test_zero_element_parameters_train_as_ddp(gloo, bucket_kwargs):
+    def make():
+        torch.manual_seed(5)
+        return WithEmptyParameters()
+
+    data = batches(4)
+    reference = make()
+    ddp = DDP(reference)
+    reference_optimizer = sgd(ddp.parameters())
+    model = make()
+    optimizer = hpcddp.DistributedOptimizer(sgd(model.parameters()), model.named_parameters(), **bucket_kwargs)
+    for x, y in data:
+        for net, opt in ((ddp, reference_optimizer), (model, optimizer)):
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+        assert model.empty.grad.shape == (0, 16) and model.empty64.grad.dtype == torch.float64
+    optimizer.close()
+    assert_same(reference, model)
+
+
+class SparseEmbedding(torch.nn.Module):
+    """An embedding with sparse gradients, as recommendation and word-vector models use with SparseAdam."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(11)
+        self.embedding = torch.nn.Embedding(40, 6, sparse=True)
+
+    def forward(self, ids):
+        return self.embedding(ids).sum(dim=1)
+
+
+@pytest.mark.parametrize("optimizer_cls", [torch.optim.SparseAdam, torch.optim.SGD])
+def test_sparse_gradients_reach_the_optimizer_sparse_as_with_ddp(gloo, optimizer_cls):
+    generator = torch.Generator().manual_seed(300 + hpcddp.rank())
+    # Each rank touches a different set of rows; some rows no rank touches.
+    data = [(torch.randint(0, 30, (8, 3), generator=generator), torch.randn(8, 6, generator=generator)) for _ in range(6)]
+    reference = SparseEmbedding()
+    ddp = DDP(reference)
+    reference_optimizer = optimizer_cls(ddp.parameters(), lr=0.05)
+    model = SparseEmbedding()
+    optimizer = hpcddp.DistributedOptimizer(optimizer_cls(model.parameters(), lr=0.05), model.named_parameters())
+    for ids, target in data:
+        for net, opt in ((ddp, reference_optimizer), (model, optimizer)):
+            opt.zero_grad()
+            F.mse_loss(net(ids), target).backward()
+            opt.step()
+    optimizer.close()
+    assert_same(reference, model)
+    assert not torch.equal(model.embedding.weight, SparseEmbedding().embedding.weight)
