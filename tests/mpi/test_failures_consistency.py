@@ -156,49 +156,14 @@ def test_a_collective_of_the_script_between_buckets_on_one_rank_and_after_them_o
         optimizer.close()
 
 
-def test_a_rank_whose_backward_stops_part_way_makes_every_rank_refuse_the_step_then_retries_exactly():
-    # The last rank raises in a hook after its first buckets were launched and retries the batch
-    # (as a script that skips a batch after an error does). The others wait in that step's
-    # remaining buckets: the last rank sends them at zero_grad(), saying it stopped, and every
-    # rank refuses the step alike; the retried step then averages exactly.
-    if hpcddp.size() == 1:
-        pytest.skip("needs two ranks")
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(*[torch.nn.Linear(16, 16, dtype=torch.float64) for _ in range(4)])
-    optimizer = hpcddp.DistributedOptimizer(
-        torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters(), bucket_cap_mb=0.001, first_bucket_mb=0.001
-    )
-    x = torch.randn(8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(hpcddp.rank()))
-    try:
-        net(x).square().sum().backward()  # the first pass launches nothing early
-        optimizer.zero_grad()
-        hidden = net[:1](x)
-        if last():
-
-            def stop(grad):
-                raise RuntimeError("stopped on purpose")
-
-            hidden.register_hook(stop)  # after the last layers' buckets were launched
-            with pytest.raises(RuntimeError, match="stopped on purpose"):
-                net[1:](hidden).square().sum().backward()
-        else:
-            with pytest.raises(RuntimeError, match=rf"rank {hpcddp.size() - 1} stopped part-way through its backward"):
-                net[1:](hidden).square().sum().backward()
-            assert all(p.grad is None for p in net.parameters())  # nothing half-averaged to step on
-        optimizer.zero_grad()
-        local = torch.autograd.grad(net(x).square().sum(), list(net.parameters()))
-        net(x).square().sum().backward()
-        for param, mine in zip(net.parameters(), local):
-            torch.testing.assert_close(
-                param.grad, hpcddp.allreduce(mine, op="sum") / hpcddp.size(), rtol=1e-12, atol=1e-12
-            )
-    finally:
-        optimizer.close()
-
-
-def test_a_step_after_a_backward_that_stopped_part_way_raises_on_every_rank_then_retries_exactly():
-    # As above, but the script steps without zero_grad() after catching the error: the last rank's
-    # gradients are partial (the first layers never got theirs), so averaging them would be wrong.
+@pytest.mark.parametrize("then", ["zero_grad", "step"])
+def test_a_rank_whose_backward_stops_part_way_makes_every_rank_refuse_the_step_then_retries_exactly(then):
+    # The last rank raises in a hook after its first buckets were launched. The others wait in
+    # that step's remaining buckets: the last rank sends them, saying it stopped, and every rank
+    # refuses the step alike; the retried step then averages exactly. "zero_grad": it retries the
+    # batch (as a script that skips a batch after an error does) and sends them at zero_grad().
+    # "step": it steps without zero_grad(), on gradients that are partial (the first layers never
+    # got theirs): step() sends them and raises too, instead of averaging them.
     if hpcddp.size() == 1:
         pytest.skip("needs two ranks")
     torch.manual_seed(0)
@@ -221,12 +186,14 @@ def test_a_step_after_a_backward_that_stopped_part_way_raises_on_every_rank_then
             hidden.register_hook(stop)  # after the last layers' buckets were launched
             with pytest.raises(RuntimeError, match="stopped on purpose"):
                 net[1:](hidden).square().sum().backward()
-            with pytest.raises(hpcddp.StepStoppedError, match=stopped):
-                optimizer.step()
+            if then == "step":
+                with pytest.raises(hpcddp.StepStoppedError, match=stopped):
+                    optimizer.step()
         else:
-            with pytest.raises(RuntimeError, match=stopped):
+            with pytest.raises(hpcddp.StepStoppedError, match=stopped):
                 net[1:](hidden).square().sum().backward()
-        assert all(p.grad is None for p in net.parameters())  # nothing half-averaged to step on
+        if then == "step" or not last():
+            assert all(p.grad is None for p in net.parameters())  # nothing half-averaged to step on
         before = [p.detach().clone() for p in net.parameters()]
         optimizer.zero_grad()
         local = torch.autograd.grad(net(x).square().sum(), list(net.parameters()))
