@@ -624,3 +624,134 @@ def test_beats_keep_a_rank_seen_and_a_connection_closed_without_a_last_word_is_a
         assert wait_for(lambda: server.records()[0].ended == "lost")
     finally:
         server.close()
+
+
+# ---- the token and the driver's socket: no other process joins the job -----------------------
+
+
+@pytest.mark.parametrize("where", ["this host alone", "two hosts", "srun"])
+def test_the_token_reaches_the_launcher_in_its_environment_never_on_its_command_line(tmp_path, monkeypatch, where):
+    from hpcddp.cli.elastic.launchers import JobLauncher
+
+    token = "5ec7e7" * 5
+    variables = {"HPCDDP_ELASTIC_TOKEN": token, "HPCDDP_ELASTIC_LAUNCH": "0"}
+    if where == "srun":
+        srun = tmp_path / "srun"
+        srun.write_text("#!/bin/sh\nexit 0\n")
+        srun.chmod(0o755)
+        monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    launcher = JobLauncher(
+        "srun" if where == "srun" else "mpirun", ["A=1"], dict(os.environ), where == "this host alone"
+    )
+    hosts = [Host("localhost", 2)] if where == "this host alone" else [Host("node1", 2), Host("node2", 2)]
+    command, environ = launcher.command(hosts, ["python", "train.py"], variables)
+    assert not [arg for arg in command if token in arg]
+    assert environ["HPCDDP_ELASTIC_TOKEN"] == token
+    if where != "srun":  # srun's step inherits its environment; mpirun forwards the variable by name
+        pairs = list(zip(command, command[1:]))
+        assert ("-x", "HPCDDP_ELASTIC_TOKEN") in pairs and ("-x", "HPCDDP_ELASTIC_LAUNCH") in pairs
+
+
+def test_this_host_is_known_by_its_names_and_addresses_and_no_other_is():
+    import socket
+
+    from hpcddp.cli.elastic.hosts import is_this_host
+    from hpcddp.env.network import list_interfaces
+
+    own = socket.gethostname()
+    outward = [i.address for i in list_interfaces() if not i.is_loopback]
+    short = own.split(".")[0]
+    names = ["localhost", "127.0.0.1", "127.0.1.1", "::1", own, own.upper(), short]
+    if "." not in own:  # -H may name it fully qualified though its own name is short
+        names.append(f"{own}.example.org")
+    assert all(map(is_this_host, [*names, *outward]))
+    assert not any(map(is_this_host, [f"not-{own}", f"{own}x", "198.51.100.254", "203.0.113.254", "localhost2"]))
+
+
+@pytest.mark.parametrize(
+    "hosts, bound",
+    [
+        (["localhost:2"], "127.0.0.1"),
+        (["127.0.0.1:1", "this host's name:1"], "127.0.0.1"),
+        (["localhost:1", "node1:1"], "0.0.0.0"),
+        (None, "0.0.0.0"),  # a discovery script may list any host later
+    ],
+)
+def test_the_driver_listens_on_loopback_alone_when_every_host_of_the_job_is_this_one(tmp_path, hosts, bound):
+    import socket
+
+    from hpcddp.cli.elastic.driver import ElasticConfig, ElasticDriver
+    from hpcddp.cli.elastic.launchers import JobLauncher
+
+    if hosts is None:
+        script = tmp_path / "discover.sh"
+        script.write_text("#!/bin/sh\necho localhost:2\n")
+        script.chmod(0o755)
+        pool = HostPool(discovery_script=str(script))
+    else:
+        names = ",".join(hosts).replace("this host's name", socket.gethostname())
+        pool = HostPool(hosts=parse_hosts(names))
+    seen = []
+
+    class Driver(ElasticDriver):
+        def _supervise(self, server):  # no launch: what the ranks would be told, and where it listens
+            seen.append((server._listener.getsockname()[0], server.addresses))
+            return 0
+
+    assert Driver(ElasticConfig(min_np=1), pool, JobLauncher("mpirun", [], {}), ["x"]).run() == 0
+    ((address, told),) = seen
+    assert address == bound
+    assert (told == ["127.0.0.1"]) is (bound == "127.0.0.1")
+
+
+@pytest.mark.parametrize(
+    "hello",
+    [
+        {"hello": "not the token"},
+        {},
+        {"hello": 12345},
+        {"hello": "secret"},  # a second process that knows the token
+    ],
+    ids=["a wrong token", "no token", "a token that is no string", "the token"],
+)
+def test_a_hello_for_a_rank_whose_connection_is_live_changes_nothing_and_is_closed(capsys, hello):
+    import json
+    import socket
+    import time
+
+    from hpcddp.cli.elastic.monitor import DriverServer
+
+    def wait_for(condition):
+        deadline = time.monotonic() + 10
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return condition()
+
+    server = DriverServer("secret", loopback_only=True)
+    try:
+        server.begin_launch(0)
+        rank = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        rank.sendall(b'{"hello":"secret","rank":1,"size":2,"host":"h","launch":0}\n')
+        assert wait_for(lambda: 1 in server.records())
+        before = vars(server.records()[1])
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as forger:
+            forged = {**hello, "rank": 1, "size": 2, "host": "forger", "launch": 0}
+            forger.sendall(json.dumps(forged).encode() + b'\n{"error":"forged"}\n')
+            try:
+                assert forger.recv(1000) == b""  # the driver closed it
+            except ConnectionResetError:  # closed before it read the second line
+                pass
+        time.sleep(0.5)  # the forger's close, had it been taken for rank 1's
+        assert vars(server.records()[1]) == before
+        rank.sendall(b'{"done":1}\n')  # rank 1's own connection is still the one watched
+        assert wait_for(lambda: server.records()[1].ended == "done")
+        rank.close()
+    finally:
+        server.close()
+    refused = [line for line in capsys.readouterr().err.splitlines() if "refused" in line]
+    if hello.get("hello") == "secret":
+        (line,) = refused
+        assert "refused a second hello for rank 1 from 127.0.0.1:" in line
+        assert "(rank 1 on h is running in start 0): its first connection stays the one watched" in line
+    else:
+        assert refused == []  # a stranger is closed without a word: port scans make no log

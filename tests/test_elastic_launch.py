@@ -1,5 +1,6 @@
 """``hpcddp run --min-np`` on this host: a lost rank is started again from the last commit; a failing script is not."""
 
+import json
 import os
 import signal
 import subprocess
@@ -132,3 +133,54 @@ def test_a_signal_to_hpcddp_run_stops_the_elastic_job_with_the_shells_code(tmp_p
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 128 + signum, out[-3000:]
     assert "start 1:" not in out and f"stopped by {signal.Signals(signum).name}" in out, out[-3000:]
+
+
+def test_no_command_line_holds_the_token_and_a_second_hello_for_a_live_rank_changes_nothing(tmp_path):
+    # Rank 0 plays a process that read the token: it says hello as rank 1, whose own connection
+    # is live, then closes, as a rank that died would. The job must go on at its first start.
+    report = tmp_path / "report.json"
+    script = tmp_path / "forges.py"
+    script.write_text(
+        "import glob, json, os, socket, time\n"
+        "import hpcddp.horovod as hvd\n"
+        "from hpcddp.elastic.session import worker_session\n"
+        "from hpcddp.env.network import list_interfaces\n"
+        "hvd.init()\n"
+        "worker_session()\n"
+        "hvd.barrier()\n"
+        "token = os.environ['HPCDDP_ELASTIC_TOKEN']\n"
+        "addresses, port = os.environ['HPCDDP_ELASTIC_DRIVER'].rsplit(':', 1)\n"
+        "if hvd.rank() == 0:\n"
+        "    time.sleep(1)  # the driver reads rank 1's hello\n"
+        "    holders = []\n"
+        "    for path in glob.glob('/proc/[0-9]*/cmdline'):\n"
+        "        try:\n"
+        "            if token.encode() in open(path, 'rb').read():\n"
+        "                holders.append(open(path, 'rb').read().replace(b'\\0', b' ').decode())\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "    outward = []\n"
+        "    for i in list_interfaces():\n"
+        "        if not i.is_loopback:\n"
+        "            try:\n"
+        "                socket.create_connection((i.address, int(port)), timeout=5).close()\n"
+        "                outward.append(i.address)\n"
+        "            except OSError:\n"
+        "                pass\n"
+        "    hello = {'hello': token, 'rank': 1, 'size': 2, 'host': 'forger', 'launch': 0}\n"
+        "    with socket.create_connection(('127.0.0.1', int(port)), timeout=10) as forger:\n"
+        "        forger.sendall(json.dumps(hello).encode() + b'\\n')\n"
+        "        time.sleep(0.5)\n"
+        "    time.sleep(2)  # the driver would have stopped the job by now\n"
+        "    json.dump({'holders': holders, 'addresses': addresses, 'outward': outward}, open(os.environ['REPORT'], 'w'))\n"
+        "hvd.barrier()\n"
+    )
+    result = run_command(
+        [*HPCDDP, "run", "-np", "2", "--min-np", "1", str(script)], TIME_LIMIT_S, cwd=ROOT, env={"REPORT": str(report)}
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "refused a second hello for rank 1 from 127.0.0.1:" in result.stdout, result.stdout[-3000:]
+    assert "lost rank" not in result.stdout and "start 1:" not in result.stdout, result.stdout[-3000:]
+    found = json.loads(report.read_text())
+    assert found["holders"] == []
+    assert found["addresses"] == "127.0.0.1" and found["outward"] == []

@@ -27,8 +27,9 @@ from ...fault.launcher_process import stop_launcher
 from ...fault.supervise import shell_exit_code
 from .hosts import Host, HostPool
 from .launchers import JobLauncher
+from .log import log
 from .monitor import DriverServer, RankRecord
-from .watch import HostWatch, describe, log, silent_hosts
+from .watch import HostWatch, describe, silent_hosts
 
 __all__ = ["ElasticConfig", "ElasticDriver"]
 
@@ -100,7 +101,8 @@ class ElasticDriver:
 
     def run(self) -> int:
         """Run the job to its end and return its exit code."""
-        server = DriverServer(self._token)
+        # Ranks on this host alone reach the driver over loopback: no other host may even try a hello.
+        server = DriverServer(self._token, loopback_only=self.pool.is_local())
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         try:
             code = self._supervise(server)

@@ -9,15 +9,18 @@ script has stopped listing it and lists it again (the node went away and returne
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from ...env.network import list_interfaces
 from ...env.slurm import expand_nodelist, expand_tasks_per_node
 
-__all__ = ["Host", "HostPool", "parse_host_lines", "parse_hosts", "read_hostfile", "slurm_hosts"]
+__all__ = ["Host", "HostPool", "is_this_host", "parse_host_lines", "parse_hosts", "read_hostfile", "slurm_hosts"]
 
 _DISCOVERY_TIMEOUT_S = 30.0
 #: first wait before a failed host is checked again, and the longest
@@ -90,6 +93,20 @@ def slurm_hosts(environ: Mapping[str, str]) -> list[Host]:
     return [Host(name, count) for name, count in zip(names, counts)]
 
 
+def is_this_host(name: str) -> bool:
+    """Return True when ``name`` is this host: localhost, a loopback address, its name or an address of it."""
+    if name == "localhost":
+        return True
+    try:
+        if ipaddress.ip_address(name).is_loopback:
+            return True
+    except ValueError:  # a name, not an address
+        name, own = name.lower(), socket.gethostname().lower()
+        # node1 and node1.cluster.org are the same host, whichever of the two each side uses.
+        return name.split(".")[0] == own.split(".")[0] and ("." not in name or "." not in own or name == own)
+    return name in {i.address for i in list_interfaces()}
+
+
 class HostPool:
     """The hosts an elastic job may use now.
 
@@ -109,6 +126,10 @@ class HostPool:
         self._recheck_at: dict[str, float] = {}
         # The driver's loop and its host watch (a thread) both use the pool.
         self._lock = threading.Lock()
+
+    def is_local(self) -> bool:
+        """Return True when every host the job may use is this host (a discovery script may list any)."""
+        return self._fixed is not None and all(is_this_host(host.name) for host in self._fixed)
 
     def discover(self) -> list[Host]:
         """Return the hosts that may be used now, in the order listed, without blacklisted ones."""

@@ -23,7 +23,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from ...fault.launcher_process import stop_launcher
-from ..launch import LaunchConfig, build_launch_command, mpirun_command
+from ..launch import FORWARDED_PREFIXES, LaunchConfig, build_launch_command, mpirun_command
 from .hosts import Host
 
 __all__ = ["HEALTH_CONCURRENCY", "HEALTH_TIMEOUT_S", "JobLauncher"]
@@ -65,17 +65,27 @@ class JobLauncher:
     def command(
         self, hosts: Sequence[Host], program: Sequence[str], variables: Mapping[str, str]
     ) -> tuple[list[str], dict[str, str]]:
-        """Return ``(argv, environment)`` that start ``program`` on every slot of ``hosts``."""
+        """Return ``(argv, environment)`` that start ``program`` on every slot of ``hosts``.
+
+        Args:
+            hosts: where the ranks run.
+            program: the command every rank runs.
+            variables: ``HPCDDP_*`` variables for every rank; they travel in the launcher's
+                environment, never on its command line (the driver's token is among them).
+        """
+        assert all(name.startswith(FORWARDED_PREFIXES) for name in variables)
         num_proc = sum(host.slots for host in hosts)
-        env = (*self._env, *(f"{name}={value}" for name, value in variables.items()))
+        # Open MPI's mpirun forwards HPCDDP_* by name (-x NAME); MPICH's mpirun and srun pass on every
+        # variable. A value on the command line is readable by every process of this host (/proc/<pid>/cmdline).
+        environ = {**self._environ, **variables}
         if self.launcher == "mpirun":
             # On this host alone, no -H: mpirun_command then oversubscribes or binds as for a plain run
             # (-H localhost:3 on 2 cores fails to bind).
             spec = None if self.single_host else ",".join(str(host) for host in hosts)
-            config = LaunchConfig(num_proc=num_proc, hosts=spec, launcher="mpirun", env=env)
-            return build_launch_command(config, program, self._environ)
-        config = LaunchConfig(num_proc=num_proc, launcher="srun", env=env)
-        command, environ = build_launch_command(config, program, self._environ)
+            config = LaunchConfig(num_proc=num_proc, hosts=spec, launcher="mpirun", env=self._env)
+            return build_launch_command(config, program, environ)
+        config = LaunchConfig(num_proc=num_proc, launcher="srun", env=self._env)
+        command, environ = build_launch_command(config, program, environ)
         # srun takes no per-rank -x: the step inherits the environment built above. --overlap: the
         # previous start's step may still be "completing" on a lost node (Slurm waits for the node
         # to be declared down), holding the CPUs of the nodes left.

@@ -4,6 +4,11 @@ Ranks connect (``hpcddp.elastic.worker``), beat once a second and end with a las
 A connection that closes without one is a lost rank (its process died: the kernel closes
 its sockets at once); one that goes silent is a lost node (cut off, or down).
 
+A connection counts only after its hello carries the driver's token; until then nothing it
+sends changes a record. A hello for a rank that has a record in this start already is
+refused and its connection closed: the rank's own connection stays the one watched, so
+no second process can end it or have it declared lost.
+
 The driver holds one connection per rank: it raises its open-file limit to the hard limit
 when it starts (the usual soft limit, 1,024, is below 4,096 ranks), and ``room_for`` says
 in one line when a start has more ranks than it can hold.
@@ -12,6 +17,7 @@ in one line when a start has more ranks than it can hold.
 from __future__ import annotations
 
 import errno
+import hmac
 import resource
 import selectors
 import socket
@@ -21,6 +27,7 @@ from dataclasses import dataclass, field
 
 from ...elastic.protocol import HostUpdate, LineReader, send_message
 from ...env.network import list_interfaces
+from .log import log
 
 __all__ = ["DriverServer", "RankRecord", "raise_open_file_limit"]
 
@@ -60,6 +67,7 @@ class RankRecord:
 
 @dataclass
 class _Connection:
+    peer: str
     reader: LineReader = field(default_factory=LineReader)
     record: RankRecord | None = None
 
@@ -151,7 +159,7 @@ class DriverServer:
 
     def _accept(self) -> None:
         try:
-            sock, _ = self._listener.accept()
+            sock, address = self._listener.accept()
         except OSError as err:
             if err.errno in (errno.EMFILE, errno.ENFILE):
                 # The listener stays readable while the connection waits: without a pause this
@@ -159,7 +167,7 @@ class DriverServer:
                 self._stop.wait(0.1)
             return
         sock.setblocking(False)
-        self._connections[sock] = _Connection()
+        self._connections[sock] = _Connection(peer=f"{address[0]}:{address[1]}")
         self._selector.register(sock, selectors.EVENT_READ)
 
     def _read(self, sock: socket.socket) -> None:
@@ -194,13 +202,24 @@ class DriverServer:
 
     def _take(self, conn: _Connection, message: dict, now: float) -> None:
         if conn.record is None:
-            if message.get("hello") != self._token or message.get("launch") != self._launch:
-                return  # a stranger, or a rank of an earlier start
+            hello = message.get("hello")
+            if not isinstance(hello, str) or not hmac.compare_digest(hello.encode(), self._token.encode()):
+                return  # a stranger
+            if message.get("launch") != self._launch:
+                return  # a rank of an earlier start
             try:
-                conn.record = RankRecord(rank=int(message["rank"]), host=str(message["host"]), last_seen=now)
+                record = RankRecord(rank=int(message["rank"]), host=str(message["host"]), last_seen=now)
             except (KeyError, TypeError, ValueError):
                 return
-            self._records[conn.record.rank] = conn.record
+            known = self._records.get(record.rank)
+            if known is not None:
+                state = "running" if known.ended is None else f"ended ({known.ended})"
+                log(
+                    f"refused a second hello for rank {record.rank} from {conn.peer} (rank {record.rank} on "
+                    f"{known.host} is {state} in start {self._launch}): its first connection stays the one watched"
+                )
+                return
+            conn.record = self._records[record.rank] = record
             return
         if "commit" in message:
             conn.record.commit = max(conn.record.commit, int(message["commit"]))

@@ -7,24 +7,18 @@ loop never waits for it.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 
 from ...elastic.protocol import HostUpdate
 from .hosts import HostPool
 from .launchers import JobLauncher
+from .log import log
 from .monitor import RankRecord
 
-__all__ = ["HostWatch", "describe", "log", "silent_hosts"]
+__all__ = ["HostWatch", "describe", "silent_hosts"]
 
 _INTERVAL_S = 1.0
-
-
-def log(message: str) -> None:
-    """Write one line of the driver's log to stderr."""
-    sys.stderr.write(f"[hpcddp run] elastic {time.strftime('%H:%M:%S')}: {message}\n")
-    sys.stderr.flush()
 
 
 class HostWatch:
