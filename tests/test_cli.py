@@ -54,6 +54,14 @@ def test_dry_run_oversubscribes_and_yields_past_the_cores():
     assert "FOO=bar" in argv and argv[-2:] == ["hpcddp", "info"]
 
 
+def test_a_variable_forwarded_by_name_keeps_its_value_off_the_command_line(train_py):
+    # Any local user reads mpirun's command line in /proc/<pid>/cmdline: a key forwarded with
+    # -x NAME must reach the ranks through mpirun's environment, not as NAME=value.
+    argv = dry_run("-np", "2", "-x", "API_KEY", "-x", "FOO=bar", train_py, env={"API_KEY": "s3cr3t-value"})
+    assert not any("s3cr3t-value" in arg for arg in argv), argv
+    assert "API_KEY" in [argv[i + 1] for i, arg in enumerate(argv) if arg == "-x"] and "FOO=bar" in argv
+
+
 @pytest.mark.parametrize("extra", [2, 0])
 def test_oversubscribing_is_said_in_one_line(train_py, extra):
     cpus = len(os.sched_getaffinity(0))

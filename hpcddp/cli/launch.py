@@ -153,6 +153,9 @@ def build_launch_command(
         multi_host = config.hosts or config.hostfile
         launcher = "srun" if _in_slurm_allocation(environ) and not multi_host else "mpirun"
     extra_env = _split_env(config.env, environ)
+    # A bare -x NAME reaches the ranks by name, its value never on mpirun's command line (any
+    # local user can read /proc/<pid>/cmdline, and a variable forwarded so may be a secret).
+    by_name = [name for name in config.env if "=" not in name and extra_env.pop(name, None) is not None]
     # Scripts written for torchrun or torch's MPI backend then run without hpcddp.init():
     # each rank gets torchrun's RANK, LOCAL_RANK ... before it starts, and init_process_group("mpi") reaches hpcddp.
     extra_env["PYTHONPATH"] = with_site_dir(extra_env.get("PYTHONPATH", environ.get("PYTHONPATH")))
@@ -184,6 +187,7 @@ def build_launch_command(
         hostfile=config.hostfile,
         bind=config.bind,
         environ=environ,
+        forward=by_name,
     )
     if config.hosts or config.hostfile or _in_slurm_allocation(environ):
         for name, value in DAEMON_KEEPALIVE.items():
@@ -254,6 +258,7 @@ def mpirun_command(
     extra: Sequence[str] = (),
     bind: bool = True,
     environ: Mapping[str, str] | None = None,
+    forward: Sequence[str] = (),
 ) -> list[str]:
     """Return the mpirun command that starts ``args`` on ``num_ranks`` ranks.
 
@@ -276,6 +281,8 @@ def mpirun_command(
         extra: more mpirun flags, placed before the program.
         bind: bind ranks to cores on a single host.
         environ: where the variables to forward come from; ``os.environ`` by default.
+        forward: more variables to forward by name, with the values mpirun finds in
+            its own environment (``-x NAME``).
     """
     if num_ranks < 1:
         raise ValueError(f"number of ranks (-np) must be >= 1, got {num_ranks}")
@@ -303,7 +310,7 @@ def mpirun_command(
     if open_mpi:
         source = os.environ if environ is None else environ
         forwarded = sorted(name for name in source if name.startswith(FORWARDED_PREFIXES) and name not in env)
-        for name in forwarded:
+        for name in [*forwarded, *(name for name in forward if name not in forwarded and name not in env)]:
             command += ["-x", name]
         for name, value in env.items():
             command += ["-x", f"{name}={value}"]
