@@ -13,7 +13,9 @@ import torch
 
 import hpcddp
 from hpcddp.cli.launch import mpirun_command
-from hpcddp.testing import run_mpi
+from hpcddp.env.settings import read_stop_wait
+from hpcddp.fault.stop_signals import STOP_SIGNALS, hold_stop_signals
+from hpcddp.testing import run_command, run_mpi, run_script
 
 from .conftest import ROOT
 
@@ -79,6 +81,162 @@ def test_requeue_is_not_tried_for_a_job_submitted_without_requeue(monkeypatch, t
 def test_check_every_must_be_positive():
     with pytest.raises(ValueError, match="check_every must be an int >= 1, got 0"):
         hpcddp.PreemptionHandler(check_every=0)
+
+
+# ---- a stop signal before the handler is entered ---------------------------------------------
+
+
+@pytest.fixture
+def default_stop_handlers():
+    """The stop signals' handlers are the default ones before and after the test."""
+    for signum in STOP_SIGNALS:
+        assert signal.getsignal(signum) is signal.SIG_DFL
+    yield
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
+
+
+def test_a_signal_held_before_the_handler_is_its_first_stop(default_stop_handlers):
+    hold_stop_signals(60)
+    signal.raise_signal(signal.SIGTERM)  # still here: held
+    with hpcddp.PreemptionHandler() as preemption:
+        assert preemption.received == signal.SIGTERM
+        assert preemption.should_stop()
+    # the first handler ends the holding: afterwards a stop signal does what its handler says
+    assert [signal.getsignal(s) for s in STOP_SIGNALS] == [signal.SIG_DFL, signal.SIG_DFL]
+
+
+def test_nothing_is_held_without_a_signal_and_a_handler_of_the_script_stays(default_stop_handlers):
+    def own(signum, frame):
+        pass
+
+    signal.signal(signal.SIGTERM, own)
+    hold_stop_signals(60)
+    assert signal.getsignal(signal.SIGTERM) is own
+    assert getattr(signal.getsignal(signal.SIGUSR1), "holds_stop_signals", False)
+    with hpcddp.PreemptionHandler() as preemption:
+        assert not preemption.should_stop()
+    assert signal.getsignal(signal.SIGTERM) is own and signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+
+
+def test_a_handler_installed_from_c_stays(default_stop_handlers):
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1)  # the stack dump a stuck job is asked for; Python's table still says default
+    try:
+        hold_stop_signals(60)
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # not replaced
+        assert getattr(signal.getsignal(signal.SIGTERM), "holds_stop_signals", False)
+    finally:
+        faulthandler.unregister(signal.SIGUSR1)
+
+
+def test_a_child_forked_from_a_rank_gets_the_default_handlers(default_stop_handlers):
+    hold_stop_signals(60)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without running the parent's cleanup
+        os.write(write, b"1" if all(signal.getsignal(s) is signal.SIG_DFL for s in STOP_SIGNALS) else b"0")
+        os._exit(0)
+    os.close(write)
+    assert os.read(read, 1) == b"1"
+    os.waitpid(pid, 0)
+    os.close(read)
+
+
+def test_shutdown_ends_the_holding(world_of_one):
+    assert getattr(signal.getsignal(signal.SIGUSR1), "holds_stop_signals", False)
+    hpcddp.shutdown()
+    assert [signal.getsignal(s) for s in STOP_SIGNALS] == [signal.SIG_DFL, signal.SIG_DFL]
+
+
+def test_stop_wait_setting():
+    assert read_stop_wait({}) == 60.0
+    assert read_stop_wait({"HPCDDP_STOP_WAIT": "0"}) == 0.0
+    with pytest.raises(ValueError) as info:
+        read_stop_wait({"HPCDDP_STOP_WAIT": "soon"})
+    assert str(info.value) == (
+        "environment variable HPCDDP_STOP_WAIT must be a number of seconds >= 0 (0 holds no signal), got 'soon'"
+    )
+
+
+# init(), then "loading data" while a stop signal reaches rank 1 only; then the loop's handler.
+STOP_WHILE_LOADING = """
+import os, signal, sys, time
+import hpcddp
+hpcddp.init()
+if hpcddp.rank() == 1:
+    os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+time.sleep(1)  # loading data, building the model
+with hpcddp.PreemptionHandler() as preemption:
+    first = preemption.should_stop()
+    if first and hpcddp.rank() == 0:
+        open(sys.argv[2], "w").write("saved")
+    print("RESULT", hpcddp.rank(), first, preemption.received, flush=True)
+hpcddp.shutdown()
+"""
+
+
+def results(output):
+    return sorted(line.split()[1:] for line in output.splitlines() if line.startswith("RESULT "))
+
+
+@pytest.mark.parametrize("name", ["SIGUSR1", "SIGTERM"])
+def test_a_stop_signal_while_the_job_starts_stops_every_rank_at_its_first_check(tmp_path, name):
+    script = tmp_path / "job.py"
+    script.write_text(STOP_WHILE_LOADING)
+    saved = tmp_path / "saved"
+    result = run_mpi(2, [sys.executable, str(script), name, str(saved)], timeout=180, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-5000:]  # was: rank 1 killed by the signal
+    number = str(int(getattr(signal, name)))
+    assert results(result.stdout) == [["0", "True", "0"], ["1", "True", number]], result.stdout[-5000:]
+    assert saved.read_text() == "saved"
+    assert f"hpcddp: {name} before any PreemptionHandler was entered: held for the next one" in result.stdout
+
+
+def test_under_hpcddp_run_a_signal_is_held_from_interpreter_start(tmp_path):
+    script = tmp_path / "job.py"
+    # Before hpcddp (and torch) are even imported: only hpcddp run's sitecustomize has run.
+    script.write_text(
+        'import os, signal, sys\nif os.environ["RANK"] == "1":\n    os.kill(os.getpid(), signal.SIGUSR1)\n'
+        + STOP_WHILE_LOADING.replace(
+            "if hpcddp.rank() == 1:\n    os.kill(os.getpid(), getattr(signal, sys.argv[1]))\n", ""
+        )
+    )
+    saved = tmp_path / "saved"
+    command = [sys.executable, "-m", "hpcddp.cli", "run", "-np", "2", str(script), "SIGUSR1", str(saved)]
+    result = run_command(command, 180, cwd=ROOT)
+    assert not result.timed_out and result.returncode == 0, result.stdout[-5000:]
+    assert results(result.stdout) == [["0", "True", "0"], ["1", "True", str(int(signal.SIGUSR1))]], result.stdout
+    assert saved.read_text() == "saved"
+
+
+def test_a_script_without_a_handler_still_ends_on_sigterm(tmp_path):
+    source = """
+    import os, signal, sys, time
+    import hpcddp
+    hpcddp.init()
+    start = time.monotonic()
+    if hpcddp.rank() == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+    while time.monotonic() - start < 60:  # training, with no PreemptionHandler
+        print("ALIVE", hpcddp.rank(), round(time.monotonic() - start, 2), flush=True)
+        time.sleep(0.2)
+    print("ENDED ON ITS OWN", flush=True)
+    """
+    began = time.monotonic()
+    result = run_script(2, source, tmp_path, timeout=180, env={"HPCDDP_STOP_WAIT": "2"}, cwd=ROOT)
+    took = time.monotonic() - began
+    assert not result.timed_out, result.stdout[-5000:]
+    assert result.returncode != 0 and "ENDED ON ITS OWN" not in result.stdout, result.stdout[-5000:]
+    assert "exited on signal 15 (Terminated)" in " ".join(result.stdout.split()), result.stdout[-5000:]
+    assert "hpcddp: no PreemptionHandler took SIGTERM within 2 s (HPCDDP_STOP_WAIT): ending as SIGTERM does" in (
+        result.stdout
+    )
+    # held for the 2 s it may wait for a handler, then ended by it: well before the script's 60 s
+    alive = [float(line.split()[2]) for line in result.stdout.splitlines() if line.startswith("ALIVE 1 ")]
+    assert alive and 1.5 <= max(alive) < 10, alive
+    assert took < 60, took
 
 
 # ---- examples/train.py on 2 MPI ranks --------------------------------------------------------

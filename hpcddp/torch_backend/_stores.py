@@ -12,6 +12,8 @@ into a one-line error that names the fix.
 from __future__ import annotations
 
 import functools
+import warnings
+from collections.abc import Callable
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
@@ -23,11 +25,26 @@ __all__ = ["refuse_placeholder_store", "supply_store"]
 _local_stores: list[dist.Store] = []  # the process-local stores supply_store handed to torch
 
 
-def supply_store(init_process_group, world_communicator):
-    """Wrap ``init_process_group`` so that ``"hpcddp"`` without a store or init_method takes rank and size from MPI."""
+def supply_store(init_process_group, world_communicator, serves_mpi: Callable[[], bool] = lambda: False):
+    """Wrap ``init_process_group`` so that ``"hpcddp"`` without a store or init_method takes rank and size from MPI.
+
+    ``"mpi"`` with ``rank=``/``world_size=`` that MPI's agree with (a torchrun script's
+    ``rank=int(os.environ["RANK"])``, from the variables hpcddp exported) runs without
+    torch's "world_size and rank are ignored" warning where hpcddp serves "mpi"
+    (``serves_mpi``); values MPI does not agree with keep it.
+    """
 
     @functools.wraps(init_process_group)
     def wrapper(backend=None, init_method=None, *args, **kwargs):
+        if (
+            str(backend).lower() == "mpi"
+            and serves_mpi()
+            and _given(kwargs)
+            and _agree_with(world_communicator, kwargs)
+        ):
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", _IGNORED_FOR_MPI, UserWarning)
+                return init_process_group(backend, init_method, *args, **kwargs)
         # Only positional use of backend/init_method is shifted here; the rest passes through.
         if str(backend).lower() == BACKEND_NAME and init_method is None and kwargs.get("store") is None and not args:
             world = world_communicator()
@@ -44,6 +61,19 @@ def supply_store(init_process_group, world_communicator):
 
     wrapper.__hpcddp__ = True
     return wrapper
+
+
+# torch's warning for rank=/world_size= with backend "mpi" (distributed_c10d.init_process_group)
+_IGNORED_FOR_MPI = r"For MPI backend, world_size \(-?\d+\) and rank \(-?\d+\) are ignored"
+
+
+def _given(kwargs: dict) -> bool:
+    return any(kwargs.get(name, -1) not in (-1, None) for name in ("rank", "world_size"))
+
+
+def _agree_with(world_communicator, kwargs: dict) -> bool:
+    world = world_communicator("mpi")
+    return kwargs.get("rank", -1) in (-1, None, world.rank) and kwargs.get("world_size", -1) in (-1, None, world.size)
 
 
 def refuse_placeholder_store(backend, group_size: int | None) -> None:

@@ -272,7 +272,9 @@ def install() -> None:
         return
     dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
     if not getattr(c10d.init_process_group, "__hpcddp__", False):
-        c10d.init_process_group = dist.init_process_group = supply_store(c10d.init_process_group, _world_communicator)
+        c10d.init_process_group = dist.init_process_group = supply_store(
+            c10d.init_process_group, _world_communicator, mpi_routed
+        )
     if not getattr(c10d.monitored_barrier, "__hpcddp__", False):
         c10d.monitored_barrier = dist.monitored_barrier = _route_monitored_barrier(c10d.monitored_barrier)
     if not getattr(c10d.batch_isend_irecv, "__hpcddp__", False):
