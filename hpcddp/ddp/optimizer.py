@@ -165,8 +165,7 @@ class DistributedOptimizer(OptimizerFacade):
         old = self.reducer
         old.close()
         self.reducer = self._make_reducer(old.named, communicator, old.backward_passes_per_step)
-        self.reducer.zero_unused = old.zero_unused
-        self.reducer.keep_sparse = old.keep_sparse
+        self.reducer.take_settings_of(old)
 
     # -- behave like the wrapped optimizer (the rest is OptimizerFacade's) -----------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -247,8 +246,19 @@ class DistributedOptimizer(OptimizerFacade):
                 )
                 return None
             self._warn_nonfinite(nonfinite)
-            with span("optimizer.step"), self.reducer.sparse_grads():
-                return self._optimizer.step(closure)
+            with span("optimizer.step"), self.reducer.sparse_grads() as sparsify:
+                if closure is None:
+                    return self._optimizer.step()
+
+                def closure_then_sparse():
+                    # The closure's backward puts the dense bucket views back (and may be the first
+                    # to give a sparse gradient): the optimizer sees them sparse again.
+                    loss = closure()
+                    self.reducer.synchronize()
+                    sparsify()
+                    return loss
+
+                return self._optimizer.step(closure_then_sparse)
 
     def _warn_grads_outside(self) -> None:
         if self._warned_outside or not (names := self.reducer.grads_outside_buckets()):

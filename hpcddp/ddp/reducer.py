@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -148,6 +148,8 @@ class Reducer:
         #: id -> (parameter, sparse dims) of the parameters whose gradient backward gives sparse
         #: (nn.Embedding(sparse=True)): reduced dense, handed to the optimizer sparse (sparse_grads)
         self._sparse: dict[int, tuple[torch.nn.Parameter, int]] = {}
+        #: why this step was refused on every rank (StepStoppedError), until zero_grad()
+        self._refused: str | None = None
         if comm.size > 1:
             trainable = require_trainable(self.named)
             check_same_parameters(comm, trainable, "DistributedOptimizer")
@@ -182,21 +184,28 @@ class Reducer:
             slot.landed = False
 
     @contextlib.contextmanager
-    def sparse_grads(self) -> Iterator[None]:
+    def sparse_grads(self) -> Iterator[Callable[[], None]]:
         """Inside the block, gradients that backward gave sparse are sparse again, as DDP hands them.
 
         They are reduced dense, in their bucket; optimizers that take only sparse
         gradients (``torch.optim.SparseAdam``) step on the rows some rank's average is
-        not zero in. After the block each gradient is its bucket view again.
+        not zero in. The block yields the function that does it, for gradients a closure
+        computes inside it. After the block each gradient is its bucket view again.
         """
-        dense = [(p, p.grad) for p, _ in self._sparse.values() if p.grad is not None] if self.keep_sparse else []
-        for param, grad in dense:
-            if not grad.is_sparse:
-                param.grad = grad.to_sparse(self._sparse[id(param)][1])
+        made: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+
+        def sparsify() -> None:
+            for param, sparse_dim in self._sparse.values():
+                grad = param.grad
+                if self.keep_sparse and grad is not None and not grad.is_sparse:
+                    param.grad = grad.to_sparse(sparse_dim)
+                    made.append((param, grad))
+
+        sparsify()
         try:
-            yield
+            yield sparsify
         finally:
-            for param, grad in dense:
+            for param, grad in reversed(made):
                 param.grad = grad
 
     @contextlib.contextmanager
@@ -217,6 +226,8 @@ class Reducer:
         """
         if not self._buckets:
             return
+        if self._refused is not None:  # every rank refused this step: none may reduce or step on it
+            raise StepStoppedError(self._refused)
         if self._pass_open:
             self._refuse_unfinished_pass()
         started = time.perf_counter()
@@ -249,12 +260,19 @@ class Reducer:
         for bucket in self._buckets:
             reset_bucket_grads(bucket, set_to_none)
         self._passes_since_reduce = 0
+        self._refused = None
 
     def close(self) -> None:
         """Remove the hooks and free the buckets' communicator: the parameters' gradients stay local from now on."""
         self._remove_hooks()
         if self._channel is not None:
             self._channel.close()
+
+    def take_settings_of(self, old: Reducer) -> None:
+        """Keep ``old``'s settings and what it learned of the parameters (a rebind to a new communicator)."""
+        self.zero_unused = old.zero_unused
+        self.keep_sparse = old.keep_sparse
+        self._sparse.update(old._sparse)
 
     def _remove_hooks(self) -> None:
         for hook in self._hooks:
@@ -289,6 +307,8 @@ class Reducer:
                 self._slots[id(param)] = slot
                 slots.append(slot)
                 if param.grad is not None:  # None stays None: DDP's mark of an unused parameter
+                    if param.grad.is_sparse:  # from a backward before the buckets: it stays sparse for the optimizer
+                        self._sparse[id(param)] = (param, param.grad.sparse_dim())
                     adopt_grad(param, view)
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
             self._bucket_slots.append(slots)
@@ -497,11 +517,14 @@ class Reducer:
         for bucket in self._buckets:
             reset_bucket_grads(bucket, True)
         self._reset_reduction()
-        raise StepStoppedError(
+        # Until zero_grad(), step() and synchronize() raise this again: a rank that stepped on the
+        # dropped gradients would be a step ahead of the others at the retry.
+        self._refused = (
             f"gradient reduction of step {self.steps_taken}{self._owner}: {ranks_text(stopped)} stopped part-way "
             "through its backward pass (an exception it caught) and sent the rest of the step only to keep the ranks "
             "in step: this step's gradients were dropped on every rank (None); zero_grad() and run the batch again"
         )
+        raise StepStoppedError(self._refused)
 
     def _stopped_part_way(self, err: BaseException | None) -> None:
         """This rank's reduction failed or was left part-way: unless every rank refused the step, it is out of step."""

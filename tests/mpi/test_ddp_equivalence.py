@@ -454,3 +454,32 @@ def test_sparse_gradients_reach_the_optimizer_sparse_as_with_ddp(gloo, optimizer
     optimizer.close()
     assert_same(reference, model)
     assert not torch.equal(model.embedding.weight, SparseEmbedding().embedding.weight)
+
+
+@pytest.mark.parametrize("how", ["a backward before wrapping", "step(closure)"])
+def test_sparse_adam_trains_as_with_ddp_when_the_gradient_predates_the_optimizer_or_comes_from_a_closure(gloo, how):
+    generator = torch.Generator().manual_seed(400 + hpcddp.rank())
+    data = [(torch.randint(0, 30, (8, 3), generator=generator), torch.randn(8, 6, generator=generator)) for _ in range(4)]
+    reference, model = SparseEmbedding(), SparseEmbedding()
+    ddp = DDP(reference)
+    if how == "a backward before wrapping":  # the sparse gradient is in place when the buckets are built
+        for net in (ddp, model):
+            F.mse_loss(net(data[0][0]), data[0][1]).backward()
+    reference_optimizer = torch.optim.SparseAdam(ddp.parameters(), lr=0.05)
+    optimizer = hpcddp.DistributedOptimizer(torch.optim.SparseAdam(model.parameters(), lr=0.05), model.named_parameters())
+    for ids, target in data:
+        for net, opt in ((ddp, reference_optimizer), (model, optimizer)):
+
+            def closure(net=net, opt=opt, ids=ids, target=target):
+                opt.zero_grad(set_to_none=False)
+                loss = F.mse_loss(net(ids), target)
+                loss.backward()
+                return loss
+
+            if how == "step(closure)":
+                assert opt.step(closure) is not None  # the closure's loss, as torch's step(closure) returns
+            else:
+                closure()
+                opt.step()
+    optimizer.close()
+    assert_same(reference, model)

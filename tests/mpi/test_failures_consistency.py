@@ -192,6 +192,9 @@ def test_a_rank_whose_backward_stops_part_way_makes_every_rank_refuse_the_step_t
         else:
             with pytest.raises(hpcddp.StepStoppedError, match=stopped):
                 net[1:](hidden).square().sum().backward()
+            if then == "step":  # the same script on every rank: a step on the dropped gradients is refused too
+                with pytest.raises(hpcddp.StepStoppedError, match=stopped):
+                    optimizer.step()
         if then == "step" or not last():
             assert all(p.grad is None for p in net.parameters())  # nothing half-averaged to step on
         before = [p.detach().clone() for p in net.parameters()]
