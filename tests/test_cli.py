@@ -62,6 +62,57 @@ def test_a_variable_forwarded_by_name_keeps_its_value_off_the_command_line(train
     assert "API_KEY" in [argv[i + 1] for i, arg in enumerate(argv) if arg == "-x"] and "FOO=bar" in argv
 
 
+def _rank_value(argv, environ, name):
+    """What a rank of Open MPI's mpirun gets for ``name``: the last -x that names it wins."""
+    value = None
+    for flag, item in zip(argv, argv[1:]):
+        key, sep, given = item.partition("=")
+        if flag == "-x" and key == name:
+            value = given if sep else environ.get(name)
+    return value
+
+
+@pytest.mark.parametrize(
+    "items, shell, expected",
+    [
+        (["FOO", "FOO=bar"], "s3cret", "bar"),
+        (["FOO=bar", "FOO"], None, "bar"),  # a bare name the shell does not set names nothing
+        (["FOO", "FOO=bar"], None, "bar"),
+        (["FOO=bar", "FOO"], "s3cret", "s3cret"),
+        (["FOO"], "s3cret", "s3cret"),
+        (["FOO"], None, None),
+    ],
+)
+@pytest.mark.parametrize("launcher", ["Open MPI", "MPICH", "srun"])
+def test_the_last_x_for_a_name_wins_and_the_shells_value_stays_off_the_command_line(
+    tmp_path, monkeypatch, items, shell, expected, launcher
+):
+    environ = {"PATH": os.environ["PATH"]} if shell is None else {"PATH": os.environ["PATH"], "FOO": shell}
+    if launcher != "Open MPI":  # MPICH's mpirun and srun pass their environment on, whole
+        fake = tmp_path / ("srun" if launcher == "srun" else "mpirun")
+        fake.write_text('#!/bin/sh\n[ "$1" = --version ] && echo "HYDRA build details:"\nexit 0\n')
+        fake.chmod(0o755)
+        monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+        environ["PATH"] = os.environ["PATH"]
+    if launcher == "srun":
+        environ["SLURM_JOB_ID"] = "42"
+    config = LaunchConfig(num_proc=2, env=items, launcher="srun" if launcher == "srun" else "mpirun")
+    argv, launch_environ = build_launch_command(config, ["python", "t.py"], environ)
+    assert not any("s3cret" in arg for arg in argv), argv
+    assert launch_environ.get("FOO") == expected
+    if launcher == "Open MPI":
+        assert _rank_value(argv, launch_environ, "FOO") == expected
+    elif launcher == "MPICH" and expected == "bar":  # -genv wins over the environment it passes on
+        assert ["-genv", "FOO", "bar"] == argv[argv.index("-genv") : argv.index("-genv") + 3]
+
+
+def test_the_last_x_for_a_name_wins_in_a_dry_run(train_py):
+    argv = dry_run("-np", "2", "-x", "FOO", "-x", "FOO=bar", train_py, env={"FOO": "s3cret"})
+    assert "FOO=bar" in argv and "s3cret" not in " ".join(argv)
+    argv = dry_run("-np", "2", "-x", "FOO=bar", "-x", "FOO", train_py, env={"FOO": None})
+    assert "FOO=bar" in argv
+
+
 @pytest.mark.parametrize("extra", [2, 0])
 def test_oversubscribing_is_said_in_one_line(train_py, extra):
     cpus = len(os.sched_getaffinity(0))

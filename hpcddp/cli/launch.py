@@ -126,15 +126,25 @@ def _in_slurm_allocation(environ: Mapping[str, str]) -> bool:
     return bool(environ.get("SLURM_JOB_ID")) and shutil.which("srun") is not None
 
 
-def _split_env(items: Sequence[str], environ: Mapping[str, str]) -> dict[str, str]:
-    values = {}
+def _split_env(items: Sequence[str], environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """Return ``(values, by_name)`` for -x items: the ``NAME=VALUE`` values, and the names whose value is the shell's.
+
+    The last item naming a variable wins (a bare NAME that the shell does not set names
+    nothing). A name whose winning item is a bare NAME travels by name, its value never on
+    the launcher's command line (any local user reads /proc/<pid>/cmdline, and a variable
+    forwarded so may be a secret); one whose winning item is NAME=VALUE is in ``values``.
+    """
+    values: dict[str, str] = {}
+    by_name: dict[str, None] = {}
     for item in items:
         name, sep, value = item.partition("=")
         if sep:
             values[name] = value
+            by_name.pop(name, None)
         elif name in environ:
-            values[name] = environ[name]
-    return values
+            values.pop(name, None)
+            by_name[name] = None
+    return values, list(by_name)
 
 
 def build_launch_command(
@@ -152,10 +162,9 @@ def build_launch_command(
     if launcher == "auto":
         multi_host = config.hosts or config.hostfile
         launcher = "srun" if _in_slurm_allocation(environ) and not multi_host else "mpirun"
-    extra_env = _split_env(config.env, environ)
-    # A bare -x NAME reaches the ranks by name, its value never on mpirun's command line (any
-    # local user can read /proc/<pid>/cmdline, and a variable forwarded so may be a secret).
-    by_name = [name for name in config.env if "=" not in name and extra_env.pop(name, None) is not None]
+    # The shell's own values (by_name) are in environ already; srun and MPICH's mpirun pass the
+    # launcher's environment on, and Open MPI's mpirun reads them there (-x NAME).
+    extra_env, by_name = _split_env(config.env, environ)
     # Scripts written for torchrun or torch's MPI backend then run without hpcddp.init():
     # each rank gets torchrun's RANK, LOCAL_RANK ... before it starts, and init_process_group("mpi") reaches hpcddp.
     extra_env["PYTHONPATH"] = with_site_dir(extra_env.get("PYTHONPATH", environ.get("PYTHONPATH")))
