@@ -42,6 +42,7 @@ from .ddp.reducer import StepStoppedError
 from .fault.abort import mark_configuration_error as _mark_configuration_error
 from .fault.preemption import PreemptionHandler
 from .observe import timeline as timeline  # hpcddp.timeline.start(path) / stop(): part of a run
+from .observe.stragglers import straggler_report
 from .runtime.config import InitConfig
 from .runtime.lifecycle import init
 from .runtime.state import (
@@ -117,5 +118,6 @@ __all__ = [
     "save_checkpoint",
     "shutdown",
     "size",
+    "straggler_report",
     "training_state",
 ]

@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import time
 import types
 from collections.abc import Iterator
 
@@ -62,6 +63,7 @@ from ..comm.base import Communicator, Handle, ReduceOp
 from ..comm.oplog import mark_collective_thread
 from ..ddp.consistency import check_same_parameters
 from ..ddp.optimizer import DistributedOptimizer
+from ..observe.stragglers import report_step_rates
 from ..runtime.state import at_shutdown
 from .averaging import check_count, job_communicator
 
@@ -158,6 +160,7 @@ class AsyncModelAverager:
             optimizer.register_step_post_hook(self._after_step),
         ]
         self._wrap_step()
+        self._started_at = time.perf_counter()
         at_shutdown(self.close)
 
     def _use(self, named: list[tuple[str, torch.Tensor]], allocate: bool = True) -> None:
@@ -386,7 +389,8 @@ class AsyncModelAverager:
         Afterwards every rank holds bitwise identical parameters and floating buffers (those
         the model holds now: tensors loaded while paused with ``load_state_dict(...,
         assign=True)`` included), and the optimizer steps alone. ``hpcddp.shutdown()``
-        calls it for a script that did not.
+        calls it for a script that did not. Rank 0 reports each rank's steps per second
+        (``hpcddp.straggler_report()``) and names the slow ranks.
         """
         if self._closed:
             return
@@ -400,6 +404,7 @@ class AsyncModelAverager:
                     self._use_current_tensors()
                     with torch.no_grad():
                         self._average_now()
+                    report_step_rates(self._comm, self.num_steps, time.perf_counter() - self._started_at)
                     self._comm.close()
             finally:
                 # Last: until now a step in another thread waits in the pre-step hook for the lock (rule 3).

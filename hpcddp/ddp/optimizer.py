@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
 from ..comm.base import Communicator, ReduceOp
-from ..observe import timeline
+from ..observe import stragglers, timeline
 from .buckets import MB, Bucket
 from .compression import Compressor
 from .facade import OptimizerFacade
@@ -90,6 +91,8 @@ class DistributedOptimizer(OptimizerFacade):
     #: the reducer's ``num_reductions`` at the last step: unchanged at a step, nothing was reduced for it
     _reductions_at_step = 0
     _warned_outside = False
+    #: this rank's step times for the straggler reports (``hpcddp.observe.stragglers``); None: off
+    _step_times = None
 
     def __init__(
         self,
@@ -135,6 +138,7 @@ class DistributedOptimizer(OptimizerFacade):
             collect_parameters(optimizer, named_parameters), communicator, backward_passes_per_step
         )
         self._records_timeline = default_comm
+        self._step_times = stragglers.recorder_for(record_timeline=default_comm)
         self.skip_nonfinite = bool(skip_nonfinite)
         #: steps skipped because a reduced gradient was inf or NaN (skip_nonfinite)
         self.skipped_steps = 0
@@ -224,9 +228,20 @@ class DistributedOptimizer(OptimizerFacade):
     def step(self, closure=None):
         """Wait for the averaged gradients, then take the wrapped optimizer's step.
 
+        Every ``HPCDDP_STRAGGLER_EVERY`` steps it also reports stragglers (``hpcddp.straggler_report``).
+
         Args:
             closure: passed to the wrapped optimizer's ``step``.
         """
+        started = time.perf_counter()
+        result = self._reduced_step(closure)
+        if self._step_times is not None:
+            reducer = self.reducer
+            self._step_times.step_done(started, reducer.times, reducer.steps_taken, reducer.active_ranks, reducer.comm)
+        return result
+
+    def _reduced_step(self, closure):
+        """``step()`` itself: wait for the reduction, check it, step the wrapped optimizer."""
         recorder = timeline.current() if self._records_timeline else None
         span = _no_span if recorder is None else recorder.measure
         with span("step"):

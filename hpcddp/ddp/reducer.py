@@ -448,8 +448,9 @@ class Reducer:
         self._reset_reduction()
         if changed:
             self._adopt_new_trainable()
+        self.times.waited(started)
         if recorder is not None:
-            recorder.span("synchronize", started, time.perf_counter())
+            recorder.span("synchronize", started, self.times.wait_end)
 
     def _finish_abandoned(self) -> None:
         """Wait for a reduction nobody finished (an exception part-way), so no bucket is written while it is sent."""

@@ -22,6 +22,10 @@ class ReductionTimes:
 
     backward_start: float = 0.0
     backward_end: float = 0.0
+    #: seconds spent finishing reductions (waiting for the buckets), summed over the reducer's life
+    wait_total: float = 0.0
+    #: when the last reduction's wait ended
+    wait_end: float = 0.0
     bucket_launch: list[float] = field(default_factory=list)
     #: when each bucket's buffer went to the backend (after predivide and compression)
     bucket_submit: list[float] = field(default_factory=list)
@@ -41,6 +45,11 @@ class ReductionTimes:
     def bucket_done(self, value: list[float]) -> None:
         self._done = value
         self._unresolved = {}
+
+    def waited(self, start: float) -> None:
+        """Note that a wait for the launched buckets, begun at ``start``, ended now."""
+        self.wait_end = time.perf_counter()
+        self.wait_total += self.wait_end - start
 
     def launched(self, index: int, num_buckets: int) -> None:
         """Note that bucket ``index`` of ``num_buckets`` is being launched now."""

@@ -18,6 +18,7 @@ __all__ = [
     "read_run_id",
     "read_settings",
     "read_stop_wait",
+    "read_straggler_every",
     "read_torchrun_env_switch",
     "run_status_dir",
 ]
@@ -131,6 +132,7 @@ def read_settings(environ: Mapping[str, str]) -> dict[str, Any]:
     # No InitConfig field: checkpoints read it when they save or resume. Read here so that a
     # typo stops the job at init() instead of at its first checkpoint, maybe hours in.
     read_resume_policy(environ)
+    read_straggler_every(environ)  # the same: optimizers read it, a typo stops init()
     return settings
 
 
@@ -148,6 +150,27 @@ def read_stop_wait(environ: Mapping[str, str]) -> float:
         environ: the environment to read.
     """
     return read_float(environ, "HPCDDP_STOP_WAIT", DEFAULT_STOP_WAIT, "0 holds no signal")
+
+
+#: steps between straggler reports (HPCDDP_STRAGGLER_EVERY)
+DEFAULT_STRAGGLER_EVERY = 200
+
+
+def _steps(raw: str) -> int:
+    value = int(raw)
+    if value < 0:
+        raise ValueError(raw)
+    return value
+
+
+def read_straggler_every(environ: Mapping[str, str]) -> int:
+    """Return HPCDDP_STRAGGLER_EVERY: steps between straggler reports (``hpcddp.observe.stragglers``); 0 is off.
+
+    Args:
+        environ: the environment to read.
+    """
+    expected = "a whole number of steps >= 0 (0 turns straggler reports off)"
+    return read_value(environ, "HPCDDP_STRAGGLER_EVERY", _steps, expected, DEFAULT_STRAGGLER_EVERY)
 
 
 def read_torchrun_env_switch(environ: Mapping[str, str]) -> bool:

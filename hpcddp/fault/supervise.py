@@ -21,6 +21,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from ..env.settings import RUN_STATUS_VARIABLE
+from ..observe.stragglers import run_status_lines
 from .launcher_process import LAUNCH_FAILED_EXIT_CODE, remove_session_directory, session_directory, stop_launcher
 from .run_status import aborted_ranks, started_ranks, unfinished_ranks
 
@@ -88,8 +89,12 @@ def supervise(command: Sequence[str], environ: Mapping[str, str]) -> int:
             signal.signal(signum, handler)
         missing = unfinished_ranks(status) if status else {}
         started = started_ranks(status) if status else 0
+        stragglers = run_status_lines(status) if status else []
         _remove(status)
         remove_session_directory(proc, environ)
+    if any(line.startswith("straggler:") for line in stragglers):
+        # The job's last straggler report again, where the end of its output is read (quiet when balanced).
+        sys.stderr.write("".join(f"[hpcddp run] last report: {line}\n" for line in stragglers))
     if interrupted:
         sys.stderr.write("[hpcddp run] interrupted (Ctrl-C): the job was stopped\n")
         return INTERRUPTED_EXIT_CODE

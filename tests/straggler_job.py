@@ -1,0 +1,119 @@
+"""Train a small MLP in phases, some with slow ranks, and print what rank 0 reported about stragglers.
+
+Run by tests/test_straggler_runs.py on 4 ranks with HPCDDP_STRAGGLER_EVERY=20. Each phase
+has an optimizer of its own; a slow rank sleeps SLEEP_S before its forward pass in every
+step. Rank 0 prints one ``LINE <phase> <text>`` per hpcddp warning and one
+``REPORT <phase> <json>`` per phase (the last report, from hpcddp.straggler_report()).
+"""
+
+import json
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+
+import hpcddp
+import hpcddp.horovod as hvd
+
+SLEEP_S = 0.040
+
+
+class Lines(logging.Handler):
+    """Keep rank 0's hpcddp warnings, labelled with the phase they came in."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.phase = ""
+        self.lines: list[tuple[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((self.phase, record.getMessage()))
+
+
+def train(optimizer, model, steps: int, slow: set[int], batches: int | None = None) -> None:
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    for _ in range(steps if batches is None else batches):
+        if hpcddp.rank() in slow:
+            time.sleep(SLEEP_S)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+
+def mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+
+def report(phase: str, reports: dict) -> None:
+    found = hpcddp.straggler_report()
+    if found is not None:
+        reports[phase] = {
+            "first_step": found.first_step,
+            "last_step": found.last_step,
+            "stragglers": [[s.rank, s.waited_ms] for s in found.stragglers],
+        }
+
+
+def main() -> None:
+    hpcddp.init()
+    torch.set_num_threads(1)
+    lines = Lines()
+    logging.getLogger("hpcddp").addHandler(lines)
+    reports: dict = {}
+
+    def phase(name: str, slow: set[int], steps: int, *, horovod: bool = False, batches=None) -> None:
+        lines.phase = name
+        model = mlp()
+        sgd = torch.optim.SGD(model.parameters(), lr=0.01)
+        if horovod:
+            optimizer = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
+        else:
+            optimizer = hpcddp.DistributedOptimizer(sgd, model.named_parameters())
+        if batches is None:
+            train(optimizer, model, steps, slow)
+        else:
+            with hpcddp.join(optimizer):
+                train(optimizer, model, steps, slow, batches=batches)
+        report(name, reports)
+
+    phase("one-slow", {2}, 80)
+    phase("balanced", set(), 160)
+    phase("two-slow", {1, 3}, 80)
+    # Rank 0 runs out of data after 45 steps: the windows ending at 20 and 40 are reported, the
+    # one ending at 60 (rank 0 shadowing the others) is not, on any rank.
+    phase("join", set(), 0, batches=45 if hpcddp.rank() == 0 else 65)
+    # Asynchronous averaging: nobody waits, so the slow rank shows in its steps per second.
+    lines.phase = "async"
+    model = mlp()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.01)
+    averager = hpcddp.AsyncModelAverager(model, sgd)
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    deadline = time.perf_counter() + 2.0
+    while time.perf_counter() < deadline:
+        if hpcddp.rank() == 1:
+            time.sleep(SLEEP_S)
+        sgd.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        sgd.step()
+    averager.close()
+    found = hpcddp.straggler_report()
+    if found is not None:
+        reports["async"] = {"slow": list(found.slow), "steps_per_s": found.steps_per_s}
+    hvd.init()
+    # 70 steps: windows end at 20, 40 and 60; shutdown reports steps 61-70.
+    phase("horovod", {3}, 70, horovod=True)
+    lines.phase = "shutdown"
+    rank = hpcddp.rank()
+    hpcddp.shutdown()
+    report("shutdown", reports)
+    if rank == 0:
+        for name, text in lines.lines:
+            print(f"LINE {name} {text}", flush=True)
+        for name, found in reports.items():
+            print(f"REPORT {name} {json.dumps(found)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

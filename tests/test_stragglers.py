@@ -1,0 +1,266 @@
+"""Straggler reports without MPI: the verdict on hand-made tables, the line, the per-step recorder on a fake communicator."""
+
+import logging
+import math
+import socket
+import time
+from array import array
+
+import pytest
+import torch
+
+from hpcddp.ddp.timing import ReductionTimes
+from hpcddp.env.settings import read_settings, read_straggler_every
+from hpcddp.observe import stragglers, timeline
+from hpcddp.observe.stragglers import FIELDS, MAX_NAMED, StepTimeRecorder, describe, judge
+
+COLUMN = {name: i for i, name in enumerate(FIELDS)}
+
+
+def table(computes_ms, step_ms=None, data_ms=None):
+    """One row per rank: compute as given, the step as long as the slowest rank's compute plus 1 ms."""
+    step = (max(computes_ms) + 1.0) if step_ms is None else step_ms
+    rows = []
+    for rank, compute in enumerate(computes_ms):
+        row = [0.0] * len(FIELDS)
+        data = compute - 3.0 if data_ms is None else data_ms[rank]
+        values = {
+            "step": step,
+            "wait": step - compute,
+            "compute": compute,
+            "data": data,
+            "forward": 1.0,
+            "data_forward": data + 1.0,
+            "backward": 1.5,
+            "optimizer": 0.5,
+            "other": 0.0,
+        }
+        for name, value in values.items():
+            row[COLUMN[name]] = value / 1000.0
+        row[COLUMN["rank"]] = rank
+        row[COLUMN["steps"]] = 20
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def hosts(n):
+    return [f"n{rank // 4}" for rank in range(n)]
+
+
+def test_a_balanced_job_names_nobody():
+    report = judge(table([10.2, 9.8, 11.5, 10.0]), hosts(4), 61, 80)
+    assert report.stragglers == ()
+    assert (report.first_step, report.last_step) == (61, 80)
+    assert len(report.ranks) == 4 and report.ranks[2].compute_ms == pytest.approx(11.5)
+
+
+def test_one_slow_rank_is_named_with_what_it_made_the_others_wait():
+    report = judge(table([5.0, 5.2, 46.0, 5.1]), hosts(4), 61, 80)
+    (slow,) = report.stragglers
+    assert (slow.rank, slow.host) == (2, "n0")
+    assert slow.waited_ms == pytest.approx(46.0 - 5.0, abs=0.01)  # over the 25th percentile of the ranks
+    assert slow.share == pytest.approx(slow.waited_ms / 47.0)
+    assert report.typical.compute_ms == pytest.approx(5.1)
+    line = describe(slow, report)
+    assert line.startswith("straggler: rank 2 (host n0) made the others wait 41 ms per step")
+    assert "(median of steps 61-80, 87 % of the step)" in line
+    assert "data 43/2.1 ms, forward 1.0/1.0 ms" in line
+
+
+def test_several_slow_ranks_do_not_raise_the_baseline():
+    computes = [5.0] * 64
+    for rank in range(0, 64, 4):  # 16 of 64 ranks, one per node, 30 ms slower
+        computes[rank] = 35.0
+    report = judge(table(computes), hosts(64), 1, 20)
+    assert sorted(s.rank for s in report.stragglers) == list(range(0, 64, 4))
+    assert all(s.waited_ms == pytest.approx(30.0) for s in report.stragglers)
+
+
+def test_two_slow_ranks_of_four_are_both_named():
+    report = judge(table([5.0, 45.0, 5.0, 44.0]), hosts(4), 1, 20)
+    assert [s.rank for s in report.stragglers] == [1, 3]  # slowest first
+
+
+@pytest.mark.parametrize(
+    "computes, step_ms",
+    [
+        ([5.0, 5.0, 5.0, 19.0], 20.0),  # 14 ms: under the 20 ms floor, though 70 % of the step
+        ([200.0, 200.0, 200.0, 290.0], 400.0),  # 90 ms: under a quarter of the step
+    ],
+)
+def test_waits_under_the_thresholds_name_nobody(computes, step_ms):
+    assert judge(table(computes, step_ms=step_ms), hosts(4), 1, 20).stragglers == ()
+
+
+def test_without_module_calls_data_and_forward_are_one_figure():
+    rows = table([5.0, 5.0, 45.0, 5.0])
+    rows[:, COLUMN["data"]] = math.nan
+    rows[:, COLUMN["forward"]] = math.nan
+    report = judge(rows, hosts(4), 1, 20)
+    line = describe(report.stragglers[0], report)
+    assert "data+forward 43/3.0 ms, backward 1.5/1.5 ms" in line and "data " not in line
+
+
+def test_many_stragglers_are_named_up_to_a_limit_then_counted(caplog):
+    computes = [5.0] * 32
+    for rank in range(20, 32):
+        computes[rank] = 40.0 + rank
+    report = judge(table(computes), hosts(32), 1, 20)
+    with caplog.at_level(logging.WARNING, logger="hpcddp"):
+        stragglers._publish(report)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == MAX_NAMED + 1
+    assert lines[0].startswith("hpcddp: straggler: rank 31 (host n7)")
+    assert lines[-1].startswith("hpcddp: straggler: 4 more ranks made the others wait")
+    assert stragglers.straggler_report() is report
+
+
+# -- the recorder ----------------------------------------------------------------------------
+class FakeComm:
+    """Rank 0 of four; the other ranks send this rank's medians with their compute raised by ``extra_ms``."""
+
+    def __init__(self, size=4, extra_ms=(0.0, 0.0, 0.0)):
+        self.rank, self.size = 0, size
+        self.extra_ms = extra_ms
+        self.gathers = []
+
+    def gather_object(self, payload, root):
+        self.gathers.append(payload)
+        width = 8 * len(FIELDS)
+        mine = array("d")
+        mine.frombytes(payload[:width])
+        others = []
+        for index, extra in enumerate(self.extra_ms, start=1):
+            row = array("d", mine)
+            row[COLUMN["compute"]] += extra / 1000.0
+            row[COLUMN["data"]] += extra / 1000.0
+            row[COLUMN["rank"]] = index
+            others.append(row.tobytes() + payload[width:])
+        return [payload, *others]
+
+
+def run_steps(recorder, comm, num_steps, *, module=None, active=None, step_s=0.001):
+    times = ReductionTimes()
+    for step in range(1, num_steps + 1):
+        if module is not None:
+            module(torch.zeros(1, 2))
+        started = time.perf_counter()
+        times.backward_start = started
+        time.sleep(step_s)
+        times.backward_end = time.perf_counter()
+        times.waited(times.backward_end)
+        recorder.step_done(started, times, step, comm.size if active is None else active(step), comm)
+    return times
+
+
+@pytest.fixture(autouse=True)
+def _no_report_left():
+    stragglers._last_report = None
+    yield
+    stragglers._last_report = None
+    torch.nn.Linear(1, 1)(torch.zeros(1))  # a recorder's armed forward hook goes with its first module call
+
+
+def test_the_recorder_gathers_once_per_window_and_rank_0_names_the_slow_rank(caplog):
+    comm = FakeComm(extra_ms=(0.0, 60.0, 0.0))
+    recorder = StepTimeRecorder(10)
+    with caplog.at_level(logging.WARNING, logger="hpcddp"):
+        run_steps(recorder, comm, 30, module=torch.nn.Linear(2, 2))
+    assert len(comm.gathers) == 3
+    assert comm.gathers[0].endswith(socket.gethostname().encode())  # the host once
+    assert len(comm.gathers[1]) == 8 * len(FIELDS)
+    report = stragglers.straggler_report()
+    assert (report.first_step, report.last_step) == (21, 30)
+    assert [s.rank for s in report.stragglers] == [2]
+    assert not math.isnan(report.ranks[0].data_ms) and not math.isnan(report.ranks[0].forward_ms)
+    assert sum("straggler: rank 2" in r.getMessage() for r in caplog.records) == 3
+
+
+def test_without_module_calls_the_recorder_tells_data_and_forward_only_together():
+    comm = FakeComm()
+    recorder = StepTimeRecorder(10)
+    run_steps(recorder, comm, 10)
+    report = stragglers.straggler_report()
+    assert math.isnan(report.ranks[0].data_ms) and report.ranks[0].data_forward_ms >= 0
+    assert report.ranks[0].backward_ms >= 1.0
+
+
+def test_a_window_in_which_some_rank_had_no_data_is_not_reported():
+    comm = FakeComm(extra_ms=(0.0, 60.0, 0.0))
+    recorder = StepTimeRecorder(10)
+    run_steps(recorder, comm, 30, active=lambda step: 3 if 12 <= step <= 15 else 4)
+    assert len(comm.gathers) == 2  # steps 11-20 (a join) dropped
+    assert stragglers.straggler_report().first_step == 21
+
+
+def test_one_rank_records_nothing_and_arms_no_hook():
+    comm = FakeComm(size=1, extra_ms=())
+    recorder = StepTimeRecorder(2)
+    run_steps(recorder, comm, 6)
+    assert comm.gathers == [] and recorder._hook is None
+
+
+def test_the_forward_hook_is_gone_after_the_first_module_call():
+    recorder = StepTimeRecorder(100)
+    run_steps(recorder, FakeComm(), 3)
+    hooks = torch.nn.modules.module._global_forward_pre_hooks
+    assert recorder._hook is not None and recorder._hook.id in hooks
+    torch.nn.ReLU()(torch.zeros(1))  # no parameters: still armed
+    assert recorder._hook is not None
+    torch.nn.Linear(1, 1)(torch.zeros(1))
+    assert recorder._hook is None and not any(h == recorder._on_forward for h in hooks.values())
+
+
+def test_a_timeline_marks_each_report(monkeypatch):
+    spans = []
+
+    class Recorder:
+        def span(self, name, start, end, **args):
+            spans.append((name, args))
+
+    monkeypatch.setattr(timeline, "_recorder", Recorder())
+    run_steps(StepTimeRecorder(5, record_timeline=True), FakeComm(extra_ms=(50.0, 0.0, 0.0)), 10)
+    assert [name for name, _ in spans] == ["straggler report"] * 2
+    assert spans[-1][1] == {"steps": "6-10", "stragglers": "rank 1 50 ms"}
+
+
+def test_every_zero_turns_the_reports_off(monkeypatch):
+    monkeypatch.setenv("HPCDDP_STRAGGLER_EVERY", "0")
+    assert stragglers.recorder_for(record_timeline=False) is None
+    monkeypatch.setenv("HPCDDP_STRAGGLER_EVERY", "50")
+    assert stragglers.recorder_for(record_timeline=False).every == 50
+    monkeypatch.delenv("HPCDDP_STRAGGLER_EVERY")
+    assert stragglers.recorder_for(record_timeline=False).every == 200
+
+
+@pytest.mark.parametrize("raw", ["-1", "ten", "2.5"])
+def test_a_bad_every_names_the_variable_and_the_fix(raw):
+    with pytest.raises(ValueError, match=f"HPCDDP_STRAGGLER_EVERY must be a whole number of steps >= 0 .*got '{raw}'"):
+        read_straggler_every({"HPCDDP_STRAGGLER_EVERY": raw})
+    with pytest.raises(ValueError, match="HPCDDP_STRAGGLER_EVERY"):
+        read_settings({"HPCDDP_STRAGGLER_EVERY": raw})  # init() stops at once
+
+
+def test_the_optimizer_records_nothing_at_world_size_one():
+    import hpcddp
+    from hpcddp.comm.local import LocalCommunicator
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = hpcddp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), communicator=LocalCommunicator()
+    )
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+    assert optimizer._step_times is not None and optimizer._step_times._hook is None
+
+
+def test_rank_0_leaves_the_last_report_for_hpcddp_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("HPCDDP_RUN_STATUS", str(tmp_path))
+    assert stragglers.run_status_lines(str(tmp_path)) == []
+    stragglers._publish(judge(table([5.0, 5.0, 45.0, 5.0]), hosts(4), 1, 20))
+    (line,) = stragglers.run_status_lines(str(tmp_path))
+    assert line.startswith("straggler: rank 2 (host n0) made the others wait 40 ms per step")
+    stragglers._publish(judge(table([5.0, 5.0, 5.0, 5.0]), hosts(4), 21, 40))
+    assert stragglers.run_status_lines(str(tmp_path)) == ["no straggler in steps 21-40 (median step 6 ms)"]
