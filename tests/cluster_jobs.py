@@ -15,6 +15,9 @@ from .conftest import ROOT
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 TRAIN_SH = os.path.join(ROOT, "slurm", "train.sh")
 TRAIN_PY = os.path.join(ROOT, "examples", "train.py")
+# The one-node cluster's own slurm.conf (SLURM_TEST_CONF in slurm/testing/common.sh), not the
+# default /etc/slurm/slurm.conf that a site's Slurm on this host may read.
+ONE_NODE_CONF = os.environ.get("SLURM_TEST_CONF", "/etc/hpcddp-slurm/slurm.conf")
 ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "SUSPENDED")
 
 
@@ -60,6 +63,11 @@ def slurm_environment(extra=None):
     """The environment for srun/sbatch: the test's Python on every rank, pip's Open MPI under srun."""
     env = {**os.environ, "PYTHON": sys.executable, "PMIX_MCA_psec": "native", "OPAL_PREFIX": sys.prefix}
     return {**env, **(extra or {})}
+
+
+def one_node_environment(extra=None):
+    """slurm_environment() for the one-node cluster: its SLURM_CONF, whatever another test exported."""
+    return slurm_environment({"SLURM_CONF": ONE_NODE_CONF, **(extra or {})})
 
 
 def scontrol_job(job_id, env=None):

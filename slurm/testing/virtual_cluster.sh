@@ -37,7 +37,8 @@ VCLUSTER_SLOTS=${VCLUSTER_SLOTS:-2}
 VCLUSTER_CPUS=${VCLUSTER_CPUS:-4}
 VCLUSTER_STATE=${VCLUSTER_STATE:-/run/hpcddp-vcluster}
 VCLUSTER_BRIDGE=${VCLUSTER_BRIDGE:-hpcvbr0}
-# Ports of the multi-node Slurm; the one-node cluster keeps Slurm's defaults (6817/6818).
+# Ports of the multi-node Slurm; the one-node cluster takes 6827/6828, a site's Slurm on this host
+# Slurm's defaults (6817/6818).
 VCLUSTER_CTLD_PORT=${VCLUSTER_CTLD_PORT:-6917}
 VCLUSTER_SLURMD_PORT=${VCLUSTER_SLURMD_PORT:-6918}
 SLURM_TEST_LOG_DIR=${SLURM_TEST_LOG_DIR:-/var/log/hpcddp-slurm}
@@ -261,7 +262,11 @@ start_slurm() {
     ensure_pmix_symlink
     ensure_munge_key
     start_munged
-    local node conf
+    local node conf others
+    # A slurmctld that loses its port exits, and the process holding it answers in its place.
+    others=$(other_listeners "$VCLUSTER_CTLD_PORT" "$CTLD_PIDFILE")
+    # shellcheck disable=SC2086  # one pid a word
+    [[ -z $others ]] || die "VCLUSTER_CTLD_PORT=$VCLUSTER_CTLD_PORT is taken by $(describe_pids $others), not by the virtual cluster's slurmctld: stop that process, or set VCLUSTER_CTLD_PORT to a free port"
     # Every slurmd gets a copy that differs only in TmpFS; slurmctld and the clients use the first.
     render_vc_conf /tmp >"$VC_SLURM_CONF"
     if ! daemon_pid "$CTLD_PIDFILE" >/dev/null; then
