@@ -291,11 +291,14 @@ def test_a_host_update_sent_while_a_start_began_reaches_its_ranks(hvd_world, mon
     # The driver's side: the change came before the rank connected (it was importing torch).
     server = DriverServer("secret", loopback_only=True)
     try:
-        server.begin_launch(1)
+        server.begin_launch(1, 1)
         server.notify(123.0, HostUpdate.added)
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as rank:
             rank.sendall(b'{"hello":"secret","rank":0,"size":1,"host":"h","launch":1}\n')
-            assert LineReader().feed(rank.recv(1000)) == [{"hosts_updated": 123.0, "update": 2}]
+            reader, messages = LineReader(), []
+            while len(messages) < 2:
+                messages += reader.feed(rank.recv(1000))
+            assert messages == [{"accepted": 1}, {"hosts_updated": 123.0, "update": 2}]
     finally:
         server.close()
 
@@ -366,7 +369,7 @@ def test_a_stranger_on_the_driver_port_leaves_the_driver_watching_its_ranks(garb
 
     server = DriverServer("secret", loopback_only=True)
     try:
-        server.begin_launch(0)
+        server.begin_launch(0, 1)
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as stranger:
             stranger.sendall(garbage)
             time.sleep(0.5)
@@ -557,7 +560,7 @@ def test_the_driver_holds_more_rank_connections_than_the_soft_open_file_limit():
             "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
             "from hpcddp.cli.elastic.monitor import DriverServer\n"
             "server = DriverServer('secret', loopback_only=True)\n"
-            "server.begin_launch(0)\n"
+            "server.begin_launch(0, 300)\n"
             "print(server.port, flush=True)\n"
             "sys.stdin.readline()\n"
             "print(len(server.records()), flush=True)\n",
@@ -612,7 +615,7 @@ def test_beats_keep_a_rank_seen_and_a_connection_closed_without_a_last_word_is_a
 
     server = DriverServer("secret", loopback_only=True)
     try:
-        server.begin_launch(0)
+        server.begin_launch(0, 1)
         rank = socket.create_connection(("127.0.0.1", server.port), timeout=10)
         rank.sendall(b'{"hello":"secret","rank":0,"size":1,"host":"h","launch":0}\n')
         assert wait_for(lambda: 0 in server.records())
@@ -652,6 +655,18 @@ def test_the_token_reaches_the_launcher_in_its_environment_never_on_its_command_
         assert ("-x", "HPCDDP_ELASTIC_TOKEN") in pairs and ("-x", "HPCDDP_ELASTIC_LAUNCH") in pairs
 
 
+@pytest.mark.parametrize("items, shell", [(["FOO", "FOO=bar"], "s3cret"), (["FOO=bar", "FOO"], None)])
+def test_the_elastic_launcher_keeps_the_last_x_for_a_name(items, shell):
+    from hpcddp.cli.elastic.launchers import JobLauncher
+
+    environ = {key: value for key, value in os.environ.items() if key != "FOO"}
+    if shell is not None:
+        environ["FOO"] = shell
+    for hosts, single_host in (([Host("localhost", 2)], True), ([Host("node1", 1), Host("node2", 1)], False)):
+        command, launch_environ = JobLauncher("mpirun", items, environ, single_host).command(hosts, ["prog"], {})
+        assert launch_environ["FOO"] == "bar" and "FOO=bar" in command and "s3cret" not in " ".join(command)
+
+
 def test_this_host_is_known_by_its_names_and_addresses_and_no_other_is():
     import socket
 
@@ -660,12 +675,49 @@ def test_this_host_is_known_by_its_names_and_addresses_and_no_other_is():
 
     own = socket.gethostname()
     outward = [i.address for i in list_interfaces() if not i.is_loopback]
-    short = own.split(".")[0]
-    names = ["localhost", "127.0.0.1", "127.0.1.1", "::1", own, own.upper(), short]
-    if "." not in own:  # -H may name it fully qualified though its own name is short
-        names.append(f"{own}.example.org")
+    names = ["localhost", "LOCALHOST", "127.0.0.1", "127.0.1.1", "::1", own, own.upper(), own.split(".")[0]]
     assert all(map(is_this_host, [*names, *outward]))
-    assert not any(map(is_this_host, [f"not-{own}", f"{own}x", "198.51.100.254", "203.0.113.254", "localhost2"]))
+    others = [f"not-{own}", f"{own}x", f"{own}.other-cluster.invalid", "198.51.100.254", "0.0.0.0", "localhost2"]
+    assert not any(map(is_this_host, others))
+
+
+@pytest.mark.parametrize(
+    "own, fqdn, name, resolves_to, expected",
+    [
+        ("vm", "vm", "vm.other-cluster.org", ["203.0.113.9"], False),  # the short name matched before
+        ("vm", "vm", "vm.other-cluster.org", None, False),  # does not resolve here: may be another host
+        ("vm.cluster.org", "vm.cluster.org", "vm", None, True),  # the short name of its own name
+        ("vm.cluster.org", "vm.cluster.org", "vm.other-cluster.org", None, False),
+        ("vm", "vm.cluster.org", "VM.cluster.org", None, True),  # its fully qualified name
+        ("vm", "vm", "alias", ["127.0.0.1", "::1"], True),  # resolves to loopback alone
+        ("vm", "vm", "alias", ["127.0.0.1", "203.0.113.9"], False),  # and to another host too
+        ("vm", "vm", "alias", "hangs", False),
+    ],
+)
+def test_a_name_is_this_host_only_when_it_is_its_own_or_resolves_here_alone(
+    monkeypatch, own, fqdn, name, resolves_to, expected
+):
+    import socket
+    import threading
+
+    from hpcddp.cli.elastic import hosts
+
+    release = threading.Event()
+
+    def getaddrinfo(host, *args, **kwargs):
+        if resolves_to == "hangs":
+            release.wait(5)
+        if resolves_to in (None, "hangs"):
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, 0)) for address in resolves_to]
+
+    monkeypatch.setattr(hosts.socket, "gethostname", lambda: own)
+    monkeypatch.setattr(hosts.socket, "getfqdn", lambda: fqdn)
+    monkeypatch.setattr(hosts.socket, "getaddrinfo", getaddrinfo)
+    try:
+        assert hosts.is_this_host(name, timeout=0.2) is expected
+    finally:
+        release.set()
 
 
 @pytest.mark.parametrize(
@@ -674,6 +726,7 @@ def test_this_host_is_known_by_its_names_and_addresses_and_no_other_is():
         (["localhost:2"], "127.0.0.1"),
         (["127.0.0.1:1", "this host's name:1"], "127.0.0.1"),
         (["localhost:1", "node1:1"], "0.0.0.0"),
+        (["localhost:1", "this host's name.other-cluster.invalid:1"], "0.0.0.0"),
         (None, "0.0.0.0"),  # a discovery script may list any host later
     ],
 )
@@ -729,7 +782,7 @@ def test_a_hello_for_a_rank_whose_connection_is_live_changes_nothing_and_is_clos
 
     server = DriverServer("secret", loopback_only=True)
     try:
-        server.begin_launch(0)
+        server.begin_launch(0, 2)
         rank = socket.create_connection(("127.0.0.1", server.port), timeout=10)
         rank.sendall(b'{"hello":"secret","rank":1,"size":2,"host":"h","launch":0}\n')
         assert wait_for(lambda: 1 in server.records())
@@ -737,10 +790,8 @@ def test_a_hello_for_a_rank_whose_connection_is_live_changes_nothing_and_is_clos
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as forger:
             forged = {**hello, "rank": 1, "size": 2, "host": "forger", "launch": 0}
             forger.sendall(json.dumps(forged).encode() + b'\n{"error":"forged"}\n')
-            try:
-                assert forger.recv(1000) == b""  # the driver closed it
-            except ConnectionResetError:  # closed before it read the second line
-                pass
+            (reply,) = _read_until_closed(forger)  # the driver says why, and closes it
+            assert set(reply) == {"refused"}
         time.sleep(0.5)  # the forger's close, had it been taken for rank 1's
         assert vars(server.records()[1]) == before
         rank.sendall(b'{"done":1}\n')  # rank 1's own connection is still the one watched
@@ -755,3 +806,232 @@ def test_a_hello_for_a_rank_whose_connection_is_live_changes_nothing_and_is_clos
         assert "(rank 1 on h is running in start 0): its first connection stays the one watched" in line
     else:
         assert refused == []  # a stranger is closed without a word: port scans make no log
+
+
+def _read_until_closed(sock):
+    """Return the messages ``sock`` receives until the driver closes it."""
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return LineReader().feed(received)
+
+
+def _wait_for(condition, timeout=10.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+@pytest.fixture
+def driver_server():
+    from hpcddp.cli.elastic.monitor import DriverServer
+
+    server = DriverServer("secret", loopback_only=True)
+    server.begin_launch(1, 2)
+    yield server
+    server.close()
+
+
+_HELLO = {"hello": "secret", "rank": 0, "size": 2, "host": "h", "launch": 1}
+
+
+@pytest.mark.parametrize(
+    "field, value, why",
+    [
+        ("rank", -1, "rank -1 is not one of the ranks 0..1 of start 1"),
+        ("rank", 2, "rank 2 is not one of the ranks 0..1 of start 1"),
+        ("rank", 99, "rank 99 is not one of the ranks 0..1 of start 1"),
+        ("rank", 10**22, "rank 10000000000000000000000 is not one of"),
+        ("rank", "1", "rank '1' is not one of"),
+        ("rank", True, "rank True is not one of"),
+        ("rank", 1.0, "rank 1.0 is not one of"),
+        ("rank", None, "rank None is not one of"),
+        ("size", 3, "size 3 is not the 2 ranks of start 1"),
+        ("size", 2.0, "size 2.0 is not the 2 ranks of start 1"),
+        ("launch", 0, "launch 0 is not the current start, 1"),
+        ("launch", True, "launch True is not the current start, 1"),
+        ("launch", 1.0, "launch 1.0 is not the current start, 1"),
+        ("host", "a\nFAKE LOG LINE", "host 'a\\nFAKE LOG LINE' is not a host name"),
+        ("host", 7, "host 7 is not a host name"),
+    ],
+)
+def test_a_hello_with_the_token_for_no_rank_of_this_start_is_refused_in_one_line(
+    driver_server, capsys, field, value, why
+):
+    import json
+    import socket
+
+    with socket.create_connection(("127.0.0.1", driver_server.port), timeout=10) as forger:
+        forger.sendall(json.dumps({**_HELLO, field: value}).encode() + b"\n")
+        (reply,) = _read_until_closed(forger)
+    assert why in reply["refused"]
+    assert driver_server.records() == {}
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "refused a hello from 127.0.0.1:" in line and why in line
+
+
+def test_a_hello_of_this_start_is_accepted_and_answered(driver_server):
+    import json
+    import socket
+
+    with socket.create_connection(("127.0.0.1", driver_server.port), timeout=10) as rank:
+        rank.sendall(json.dumps({**_HELLO, "rank": 1}).encode() + b"\n")
+        assert LineReader().feed(rank.recv(1000)) == [{"accepted": 1}]
+        assert list(driver_server.records()) == [1]
+
+
+def test_a_lost_forger_for_a_rank_past_the_size_ends_nothing(driver_server):
+    import json
+    import socket
+    import time
+
+    with socket.create_connection(("127.0.0.1", driver_server.port), timeout=10) as forger:
+        forger.sendall(json.dumps({**_HELLO, "rank": 99}).encode() + b"\n")
+    time.sleep(0.3)
+    assert driver_server.records() == {}  # the driver's loop would read a record "lost" as a failed rank
+
+
+def _link(server, rank=0):
+    from hpcddp.elastic.worker import DriverLink
+    from hpcddp.env.elastic import ElasticSession
+
+    session = ElasticSession(
+        addresses=("127.0.0.1",), port=server.port, token="secret", run="r", launch=1, commit_dir=None
+    )
+    return DriverLink(session, rank, 2, "h")
+
+
+def test_a_rank_whose_hello_is_refused_says_so_in_one_warning(driver_server, caplog):
+    import json
+    import socket
+
+    with socket.create_connection(("127.0.0.1", driver_server.port), timeout=10) as forger:
+        forger.sendall(json.dumps({**_HELLO, "host": "forger"}).encode() + b"\n")
+        assert _wait_for(lambda: 0 in driver_server.records())
+        link = _link(driver_server, rank=0)
+        try:
+            assert _wait_for(lambda: caplog.records)
+        finally:
+            link.close()
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert record.levelname == "WARNING" and "\n" not in message
+    assert f"hpcddp rank 0: the elastic driver at 127.0.0.1:{driver_server.port} refused this rank's hello" in message
+    assert "rank 0 has connected already (from forger)" in message and "trains unwatched" in message
+    assert not link.accepted and driver_server.records()[0].host == "forger"
+
+
+def test_a_rank_whose_driver_closes_the_connection_at_once_says_so(caplog):
+    import socket
+    import threading
+
+    from hpcddp.elastic.worker import DriverLink
+    from hpcddp.env.elastic import ElasticSession
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+
+        def close_at_once():
+            conn, _ = listener.accept()
+            conn.recv(1000)
+            conn.close()
+
+        closer = threading.Thread(target=close_at_once)
+        closer.start()
+        port = listener.getsockname()[1]
+        session = ElasticSession(addresses=("127.0.0.1",), port=port, token="t", run="r", launch=0, commit_dir=None)
+        link = DriverLink(session, 3, 4, "h")
+        closer.join(10)
+        assert _wait_for(lambda: caplog.records)
+        link.close()
+    (record,) = caplog.records
+    assert f"hpcddp rank 3: the elastic driver at 127.0.0.1:{port} closed the connection before it accepted" in (
+        record.getMessage()
+    )
+
+
+def test_an_accepted_rank_warns_of_nothing_and_its_close_is_its_own(driver_server, caplog):
+    link = _link(driver_server, rank=1)
+    assert _wait_for(lambda: link.accepted)
+    link.finish("done")
+    assert _wait_for(lambda: driver_server.records()[1].ended == "done")
+    assert caplog.records == []
+
+
+def test_the_session_keeps_the_token_out_of_its_repr():
+    env = {"HPCDDP_ELASTIC_DRIVER": "127.0.0.1:4567", "HPCDDP_ELASTIC_TOKEN": "5ec7e7-token"}
+    session = read_elastic_session(env)
+    assert session.token == "5ec7e7-token" and "5ec7e7" not in repr(session)
+
+
+# ---- connections that never say hello --------------------------------------------------------
+
+
+def test_a_connection_without_a_hello_is_closed_after_the_deadline(driver_server, monkeypatch):
+    import socket
+    import time
+
+    from hpcddp.cli.elastic import monitor
+
+    monkeypatch.setattr(monitor, "HELLO_TIMEOUT_S", 0.5)
+    with (
+        socket.create_connection(("127.0.0.1", driver_server.port), timeout=10) as silent,
+        socket.create_connection(("127.0.0.1", driver_server.port), timeout=10) as partial,
+    ):
+        partial.sendall(b'{"hello":"sec')  # never ends its line
+        started = time.monotonic()
+        assert _read_until_closed(silent) == [{"refused": "no hello within 0.5 s"}]
+        assert _read_until_closed(partial) == [{"refused": "no hello within 0.5 s"}]
+        assert time.monotonic() - started < 3
+    assert _wait_for(lambda: not driver_server._connections)
+
+
+@pytest.mark.parametrize("line", [b"1\n", b"[]\n", b'"x"\n', b"not json\n", b"\n"])
+def test_a_first_line_that_is_no_json_object_closes_the_connection_at_once(driver_server, line):
+    import socket
+
+    with socket.create_connection(("127.0.0.1", driver_server.port), timeout=2) as stranger:
+        stranger.sendall(line)
+        assert _read_until_closed(stranger) == [{"refused": "the first line is not a JSON object"}]
+
+
+def test_idle_connections_past_the_cap_close_the_oldest_and_ranks_still_get_in(driver_server):
+    import json
+    import socket
+
+    driver_server.max_waiting = 8
+    idle = [socket.create_connection(("127.0.0.1", driver_server.port), timeout=10) for _ in range(40)]
+    try:
+        assert _wait_for(lambda: len(driver_server._connections) == 8 and len(driver_server._waiting) == 8)
+        assert _read_until_closed(idle[0]) == [{"refused": "more than 8 connections wait for a hello"}]
+        with socket.create_connection(("127.0.0.1", driver_server.port), timeout=10) as rank:
+            rank.sendall(json.dumps(_HELLO).encode() + b"\n")
+            assert LineReader().feed(rank.recv(1000)) == [{"accepted": 1}]
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_a_low_open_file_limit_lowers_the_cap_on_waiting_connections(monkeypatch):
+    from hpcddp.cli.elastic import monitor
+
+    for limit, cap in ((256, 32), (1024, 128), (20000, 256), (40, 8)):
+        monkeypatch.setattr(monitor, "raise_open_file_limit", lambda limit=limit: (limit, limit))
+        server = monitor.DriverServer("secret", loopback_only=True)
+        server.close()
+        assert server.max_waiting == cap
+
+
+def test_a_health_check_that_cannot_start_leaves_the_host_in_the_job(monkeypatch, capsys):
+    from hpcddp.cli.elastic import launchers
+
+    def no_files(self, host):
+        self._start_error = "Too many open files"
+        return None
+
+    monkeypatch.setattr(launchers.JobLauncher, "_start_check", no_files)
+    assert launchers.JobLauncher("mpirun", [], {}).failed_hosts(["node1", "node2"], timeout=1) == set()
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "could not start the health check of node1, node2 twice (Too many open files): counted as working" in line

@@ -5,7 +5,8 @@ Rank to driver: ``{"hello": token, "rank", "size", "host", "launch"}`` once, the
 commit, and at the end one of ``{"done": 1}`` (the
 script finished), ``{"restart": reason}`` (the ranks leave to be started again on other
 hosts) or ``{"error": text}`` (the script failed: no restart can help). Driver to rank:
-``{"hosts_updated": timestamp, "update": HostUpdate}``.
+``{"accepted": launch}`` or ``{"refused": why}`` (and the connection closed) in answer to the
+hello, then ``{"hosts_updated": timestamp, "update": HostUpdate}``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 import socket
 from typing import Any
 
-__all__ = ["BEAT_INTERVAL_S", "HostUpdate", "LineReader", "send_message"]
+__all__ = ["BEAT_INTERVAL_S", "HostUpdate", "LineReader", "parse_message", "send_message"]
 
 #: how often a rank says it is alive
 BEAT_INTERVAL_S = 1.0
@@ -35,6 +36,15 @@ def send_message(sock: socket.socket, message: dict[str, Any]) -> None:
     sock.sendall(json.dumps(message, separators=(",", ":")).encode() + b"\n")
 
 
+def parse_message(line: bytes) -> dict[str, Any] | None:
+    """Return the JSON object that ``line`` holds, or None when it holds anything else."""
+    try:
+        message = json.loads(line)
+    except (ValueError, RecursionError):  # RecursionError: "[[[[..." from a stranger
+        return None
+    return message if isinstance(message, dict) else None
+
+
 class LineReader:
     """Split a stream of bytes into the JSON messages it carries."""
 
@@ -46,16 +56,12 @@ class LineReader:
         """The bytes received after the last complete line."""
         return self._buffer
 
-    def feed(self, data: bytes) -> list[dict[str, Any]]:
-        """Add received bytes and return the complete messages among them (malformed lines are dropped)."""
+    def split(self, data: bytes) -> list[bytes]:
+        """Add received bytes and return the complete lines among them."""
         self._buffer += data
         *lines, self._buffer = self._buffer.split(b"\n")
-        messages = []
-        for line in lines:
-            try:
-                message = json.loads(line)
-            except (ValueError, RecursionError):  # RecursionError: "[[[[..." from a stranger
-                continue
-            if isinstance(message, dict):
-                messages.append(message)
-        return messages
+        return lines
+
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
+        """Add received bytes and return the complete messages among them (malformed lines are dropped)."""
+        return [message for message in map(parse_message, self.split(data)) if message is not None]

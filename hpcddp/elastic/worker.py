@@ -4,10 +4,16 @@ The connection says the rank is alive (a beat a second: a node that goes silent 
 without waiting for TCP or MPI to notice), carries the driver's host updates to the
 rank, and the rank's last word: done, restart, or error. Its thread touches only this
 socket, never MPI or torch, so it keeps none of hpcddp's communication rules waiting.
+
+A hello the driver refuses (``{"refused": why}``), or a connection it closes before it
+accepts the hello, leaves the rank training unwatched: a loss of it would be seen only
+when the job ends. The rank says so in one warning, with the driver's address and why
+(another process that holds the job's token may have said hello as this rank first).
 """
 
 from __future__ import annotations
 
+import logging
 import select
 import socket
 import threading
@@ -19,6 +25,7 @@ from .protocol import BEAT_INTERVAL_S, HostUpdate, LineReader, send_message
 
 __all__ = ["DriverLink"]
 
+log = logging.getLogger("hpcddp")
 Listener = Callable[[float, HostUpdate], None]
 _CONNECT_TIMEOUT_S = 5.0
 
@@ -35,7 +42,12 @@ class DriverLink:
 
     def __init__(self, session: ElasticSession, rank: int, size: int, host: str) -> None:
         self.session = session
+        self.rank = rank
         self._sock = self._connect(session)
+        peer_host, peer_port = self._sock.getpeername()[:2]
+        self.address = f"{peer_host}:{peer_port}"
+        self.accepted = False
+        """Whether the driver accepted this rank's hello (it answers at once)."""
         self._lock = threading.Lock()
         self._listeners: list[Listener] = []
         self._updates: list[tuple[float, HostUpdate]] = []
@@ -116,16 +128,40 @@ class DriverLink:
                 if readable:
                     data = self._sock.recv(65536)
                     if not data:
+                        self._closed_before_accepted("closed the connection")
                         return
                     for message in reader.feed(data):
+                        if "refused" in message:
+                            self._warn_unwatched(f"refused this rank's hello ({message['refused']})")
+                            return
                         self._deliver(message)
-            except (OSError, ValueError):  # closed under us
+            except (OSError, ValueError) as err:  # reset by the driver, or closed under us
+                self._closed_before_accepted(f"broke the connection ({err})")
                 return
             if time.monotonic() >= next_beat:
                 self._send({"beat": 1})
                 next_beat = time.monotonic() + BEAT_INTERVAL_S
 
+    def _closed_before_accepted(self, what: str) -> None:
+        # After the driver accepted the hello, a close is the driver's end: it ends the job itself.
+        if not self.accepted and not self._closed.is_set():
+            self._warn_unwatched(f"{what} before it accepted this rank's hello")
+
+    def _warn_unwatched(self, what: str) -> None:
+        what = " ".join(str(what).split())[:400]  # one line, whatever the driver said
+        log.warning(
+            "hpcddp rank %d: the elastic driver at %s %s: this rank trains unwatched, its loss seen only when "
+            "the job ends (a process holding the job's token may have said hello as rank %d first)",
+            self.rank,
+            self.address,
+            what,
+            self.rank,
+        )
+
     def _deliver(self, message: dict) -> None:
+        if "accepted" in message:
+            self.accepted = True
+            return
         if "hosts_updated" not in message:
             return
         update = (float(message["hosts_updated"]), HostUpdate(int(message.get("update", 0))))

@@ -8,7 +8,7 @@ in memory, as in Horovod without its elastic launcher.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["DRIVER_VARIABLE", "ElasticSession", "read_elastic_session"]
 
@@ -29,11 +29,17 @@ class ElasticSession:
     """What a rank of an elastic job needs to know about its driver."""
 
     addresses: tuple[str, ...]
+    """The driver's addresses, tried in order."""
     port: int
-    token: str
+    """The driver's port."""
+    token: str = field(repr=False)
+    """The secret the driver checks (kept out of the repr: a logged session must not show it)."""
     run: str
+    """The elastic run's name."""
     launch: int
+    """Which start of the job this is."""
     commit_dir: str | None
+    """Where commits are kept on each node; None: ``default_commit_root()``."""
 
 
 def read_elastic_session(environ: Mapping[str, str]) -> ElasticSession | None:

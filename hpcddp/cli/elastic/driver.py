@@ -192,8 +192,8 @@ class ElasticDriver:
         return assigned
 
     def _run_launch(self, server: DriverServer, launch: int, hosts: list[Host]) -> _Outcome:
-        server.begin_launch(launch)
         num_proc = sum(h.slots for h in hosts)
+        server.begin_launch(launch, num_proc)
         variables = {
             DRIVER_VARIABLE: f"{','.join(server.addresses)}:{server.port}",
             TOKEN_VARIABLE: self._token,

@@ -23,6 +23,8 @@ from ...env.slurm import expand_nodelist, expand_tasks_per_node
 __all__ = ["Host", "HostPool", "is_this_host", "parse_host_lines", "parse_hosts", "read_hostfile", "slurm_hosts"]
 
 _DISCOVERY_TIMEOUT_S = 30.0
+#: seconds a host's name may take to resolve when the driver asks whether it is this host
+_RESOLVE_TIMEOUT_S = 2.0
 #: first wait before a failed host is checked again, and the longest
 RECHECK_FIRST_S, RECHECK_MAX_S = 10.0, 300.0
 
@@ -93,18 +95,59 @@ def slurm_hosts(environ: Mapping[str, str]) -> list[Host]:
     return [Host(name, count) for name, count in zip(names, counts)]
 
 
-def is_this_host(name: str) -> bool:
-    """Return True when ``name`` is this host: localhost, a loopback address, its name or an address of it."""
-    if name == "localhost":
-        return True
+def is_this_host(name: str, timeout: float = _RESOLVE_TIMEOUT_S) -> bool:
+    """Return True when ``name`` is certainly this host; False when it may be another.
+
+    This host is: ``localhost`` or a loopback address; one of its own addresses; its own
+    name (its short name only when ``name`` has no dot: ``node1`` is ``node1.cluster.org``,
+    but ``node1.other-cluster.org`` is another host); its fully qualified name; or a name
+    that resolves within ``timeout`` seconds to loopback or its own addresses alone. A
+    name that does not resolve, or not in time, may be another host.
+
+    Args:
+        name: a host as -H, a hostfile or Slurm names it.
+        timeout: seconds the name's lookup may take.
+    """
+    name = name.strip().lower()
+    own_addresses = {i.address for i in list_interfaces()}
     try:
-        if ipaddress.ip_address(name).is_loopback:
-            return True
+        address = ipaddress.ip_address(name)
     except ValueError:  # a name, not an address
-        name, own = name.lower(), socket.gethostname().lower()
-        # node1 and node1.cluster.org are the same host, whichever of the two each side uses.
-        return name.split(".")[0] == own.split(".")[0] and ("." not in name or "." not in own or name == own)
-    return name in {i.address for i in list_interfaces()}
+        pass
+    else:
+        return address.is_loopback or str(address) in own_addresses
+    own = socket.gethostname().lower()
+    if name in ("localhost", own) or ("." not in name and name == own.split(".")[0]):
+        return True
+    found = _lookup(name, timeout)
+    if found is None:
+        return False
+    fqdn, addresses = found
+    if name == fqdn:
+        return True
+    return bool(addresses) and all(a.is_loopback or str(a) in own_addresses for a in addresses)
+
+
+def _lookup(name: str, timeout: float) -> tuple[str, set] | None:
+    """Return (this host's fully qualified name, ``name``'s addresses), or None when it takes past ``timeout``.
+
+    The lookup runs in a thread of its own: a resolver waiting on a DNS server that does not
+    answer blocks for as long as it is configured to (30 s and more), and the driver must start.
+    """
+    result: list[tuple[str, set]] = []
+
+    def look() -> None:
+        fqdn = socket.getfqdn().lower()
+        try:
+            infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
+        except (OSError, UnicodeError):  # no such name here
+            infos = []
+        result.append((fqdn, {ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos}))
+
+    thread = threading.Thread(target=look, name="hpcddp-elastic-lookup", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return result[0] if result else None
 
 
 class HostPool:

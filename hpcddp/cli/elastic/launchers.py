@@ -12,7 +12,9 @@ healthy host would be blacklisted), and each has ``HEALTH_TIMEOUT_S`` from its o
 not from the first one's. A check that times out, or whose launcher cannot even be started
 (this host out of processes or file descriptors), tells nothing about the host: it is
 tried once more after the others, and only a second timeout fails the host (a node that
-hangs must not hang the restart, so it cannot stay "unknown" for ever).
+hangs must not hang the restart, so it cannot stay "unknown" for ever). A check that cannot
+be started the second time either still tells nothing about the host, which is not failed
+(the trouble is this host's): the driver says so in one line.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from ...fault.launcher_process import stop_launcher
 from ..launch import FORWARDED_PREFIXES, LaunchConfig, build_launch_command, mpirun_command
 from .hosts import Host
+from .log import log
 
 __all__ = ["HEALTH_CONCURRENCY", "HEALTH_TIMEOUT_S", "JobLauncher"]
 
@@ -56,6 +59,7 @@ class JobLauncher:
         self._env = tuple(env)
         self._environ = dict(environ)
         self.single_host = single_host and launcher == "mpirun"
+        self._start_error = ""  # why the last health check could not be started
 
     @property
     def environ(self) -> dict[str, str]:
@@ -103,24 +107,32 @@ class JobLauncher:
             timeout: seconds each check may take, from its own start.
             concurrency: checks running at once.
         """
-        failed, unknown = self._check_all(hosts, timeout, concurrency)
-        if unknown:
-            again_failed, still_unknown = self._check_all(sorted(unknown), timeout, concurrency)
-            failed |= again_failed | still_unknown
+        failed, timed_out, not_started = self._check_all(hosts, timeout, concurrency)
+        if timed_out or not_started:
+            again_failed, timed_out, not_started = self._check_all(
+                sorted(timed_out | not_started), timeout, concurrency
+            )
+            failed |= again_failed | timed_out
+        if not_started:
+            log(
+                f"could not start the health check of {', '.join(sorted(not_started))} twice ({self._start_error}): "
+                "counted as working (this host is short of processes or open files)"
+            )
         return failed
 
-    def _check_all(self, hosts: Sequence[str], timeout: float, concurrency: int) -> tuple[set[str], set[str]]:
-        """Run the checks of ``hosts``, ``concurrency`` at a time; return (failed, unknown: timed out or not started)."""
+    def _check_all(self, hosts: Sequence[str], timeout: float, concurrency: int) -> tuple[set[str], set[str], set[str]]:
+        """Run the checks of ``hosts``, ``concurrency`` at a time; return (failed, timed out, not started)."""
         waiting = list(reversed(hosts))
         running: dict[str, tuple[subprocess.Popen, float]] = {}
         failed: set[str] = set()
-        unknown: set[str] = set()
+        timed_out: set[str] = set()
+        not_started: set[str] = set()
         while waiting or running:
             while waiting and len(running) < max(1, concurrency):
                 host = waiting.pop()
                 proc = self._start_check(host)
                 if proc is None:
-                    unknown.add(host)
+                    not_started.add(host)
                 else:
                     running[host] = (proc, time.monotonic())
             time.sleep(_CHECK_POLL_S)
@@ -134,10 +146,10 @@ class JobLauncher:
                 if code is None:
                     # Only `true` runs: no grace, or each host still hanging adds one.
                     stop_launcher(proc, self._environ, grace_s=0.0)
-                    unknown.add(host)
+                    timed_out.add(host)
                 elif code != 0:
                     failed.add(host)
-        return failed, unknown
+        return failed, timed_out, not_started
 
     def _start_check(self, host: str) -> subprocess.Popen | None:
         if self.launcher == "mpirun":
@@ -149,5 +161,6 @@ class JobLauncher:
             return subprocess.Popen(
                 command, env=self._environ, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
             )
-        except OSError:
+        except OSError as err:
+            self._start_error = err.strerror or str(err)
             return None
