@@ -601,17 +601,21 @@ def test_the_driver_says_in_one_line_when_the_ranks_cannot_fit_under_its_hard_fi
         server.close()
 
 
+def wait_for(condition, seconds=10):
+    """Return ``condition()`` once it holds, or after ``seconds``."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
 def test_beats_keep_a_rank_seen_and_a_connection_closed_without_a_last_word_is_a_lost_rank():
     import socket
     import time
 
     from hpcddp.cli.elastic.monitor import DriverServer
-
-    def wait_for(condition):
-        deadline = time.monotonic() + 10
-        while not condition() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return condition()
 
     server = DriverServer("secret", loopback_only=True)
     try:
@@ -773,12 +777,6 @@ def test_a_hello_for_a_rank_whose_connection_is_live_changes_nothing_and_is_clos
     import time
 
     from hpcddp.cli.elastic.monitor import DriverServer
-
-    def wait_for(condition):
-        deadline = time.monotonic() + 10
-        while not condition() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return condition()
 
     server = DriverServer("secret", loopback_only=True)
     try:
