@@ -151,7 +151,7 @@ def test_shutdown_ends_the_holding(world_of_one):
 
 
 def test_stop_wait_setting():
-    assert read_stop_wait({}) == 60.0
+    assert read_stop_wait({}) == 25.0
     assert read_stop_wait({"HPCDDP_STOP_WAIT": "0"}) == 0.0
     with pytest.raises(ValueError) as info:
         read_stop_wait({"HPCDDP_STOP_WAIT": "soon"})

@@ -137,7 +137,7 @@ def read_settings(environ: Mapping[str, str]) -> dict[str, Any]:
 
 
 #: seconds a stop signal that arrives before any PreemptionHandler waits for one (HPCDDP_STOP_WAIT)
-DEFAULT_STOP_WAIT = 60.0
+DEFAULT_STOP_WAIT = 25.0
 
 
 def read_stop_wait(environ: Mapping[str, str]) -> float:

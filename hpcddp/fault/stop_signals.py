@@ -10,11 +10,17 @@ signal whose handler is still the default one is held:
 
 - the next ``PreemptionHandler`` entered takes it: its first ``should_stop()`` is True on
   every rank, and the script checkpoints and requeues as for a signal in the loop;
-- a script that enters none within ``HPCDDP_STOP_WAIT`` seconds (default 60) is ended by the
+- a script that enters none within ``HPCDDP_STOP_WAIT`` seconds (default 25, below Slurm's
+  default KillWait) is ended by the
   signal's default action, as without hpcddp, only later: a SIGTERM to a job without a
   handler still ends it (Slurm's own SIGKILL follows SIGTERM after its KillWait, 30 s by
   default, whichever comes first);
-- a script that ends before then ends as it would, with one line saying which signal it held.
+- a script that ends before then, or installs a handler of its own, or gets a second stop
+  signal, ends by the signal then (or its own handler gets it).
+
+The handler runs on the main thread between bytecodes: a rank blocked in a long C call (a
+collective) acts on a held signal only when the call returns; SIGKILL (Slurm's, after
+KillWait) still ends it.
 
 ``HPCDDP_STOP_WAIT=0`` holds nothing (the default action at once, as before). A handler that
 the script or a framework installed is never replaced, a child forked from a rank gets the
@@ -30,9 +36,11 @@ from __future__ import annotations
 
 import _thread
 import atexit
+import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -64,7 +72,8 @@ class _Holder:
         self.taken = False
 
     def __call__(self, signum, frame) -> None:
-        if self.received and not self.taken and time.monotonic() - self.received_at >= self.wait_s:
+        if self.received and not self.taken:
+            # A second stop signal while one is held (or the wait is over): the sender means it.
             self._end_by(signum)
         if not self.received:
             self.received, self.received_at = signum, time.monotonic()
@@ -83,7 +92,14 @@ class _Holder:
             self.wait_s,
             name,
         )
-        time.sleep(self.wait_s)
+        deadline = time.monotonic() + self.wait_s
+        while time.monotonic() < deadline and not self.taken:
+            if signal.getsignal(self.received) is not self:
+                # The script installed a handler of its own since: it gets the signal now.
+                self.taken = True
+                os.kill(os.getpid(), self.received)
+                return
+            time.sleep(min(0.25, max(deadline - time.monotonic(), 0)))
         if self.taken:
             return
         log.warning(
@@ -103,8 +119,17 @@ class _Holder:
         if self.received and not self.taken:
             name = signal.Signals(self.received).name
             log.warning(
-                "hpcddp: %s was held for a PreemptionHandler that was never entered; the script ended first", name
+                "hpcddp: %s was held for a PreemptionHandler that was never entered; the script ended first, "
+                "and ends now as %s would end it",
+                name,
+                name,
             )
+            # The launcher and Slurm then see the death by the signal they sent, not a success.
+            self.taken = True
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            self._end_by(self.received)
 
 
 def _holder() -> _Holder | None:

@@ -79,7 +79,7 @@ def init(
 
     From here on, a SIGUSR1 or SIGTERM that arrives before the script enters a
     ``PreemptionHandler`` is held for it (its first ``should_stop()`` is True), for at
-    most HPCDDP_STOP_WAIT seconds (default 60; 0: not held), after which the process
+    most HPCDDP_STOP_WAIT seconds (default 25; 0: not held), after which the process
     ends as the signal would end it; ``shutdown()`` ends the holding.
 
     Once more than one rank runs, an uncaught exception on any rank prints its
