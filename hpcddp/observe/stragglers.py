@@ -1,6 +1,6 @@
 """Name the straggler: which rank made the others wait, by how much, and where its time went.
 
-    HPCDDP_STRAGGLER_EVERY=200 mpirun -np 64 python train.py     # the default; 0 turns it off
+    HPCDDP_STRAGGLER_EVERY=200 mpirun -np 64 python train.py     # off by default (0)
 
     hpcddp: straggler: rank 2 (host n3) made the others wait 41 ms per step (median of steps
     61-80, 87 % of the step); its time went to (this rank/a typical rank): data 40/0.1 ms,
