@@ -202,7 +202,8 @@ def test_train_sh_by_hand_under_a_job_record_without_a_run_marks_a_new_run_in_it
 ):
     # The reviewer's way of reusing a number, cheaply: train.sh run by hand as restart 1 of a
     # real (held) job whose record has the user's comment but no run, beside an old pointer.
-    env = {k: v for k, v in clean(slurm_env).items() if not k.startswith("SLURM_")}
+    # SLURM_CONF stays: it names the test cluster (a job's own SLURM_* settings are what is dropped).
+    env = {k: v for k, v in clean(slurm_env).items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
     held = subprocess.run(
         ["sbatch", "--parsable", "--hold", "--comment=note from  user", "--output=/dev/null", "--wrap", "sleep 1"],
         capture_output=True,

@@ -77,6 +77,34 @@ def pytest_unconfigure(config):
         abort_all_ranks(_exit_status)
 
 
+def _show_what_the_test_printed() -> None:
+    """At an abort from inside a test (hpcddp ending the job), show what pytest had captured.
+
+    pytest holds fd 2 in a file while a test runs, so the reason ``abort_job`` writes
+    there would end with the process, unseen.
+    """
+    capture = _config.pluginmanager.getplugin("capturemanager") if _config is not None else None
+    if capture is None:
+        return
+    out, err = capture.read_global_capture()
+    with capture.global_and_fixture_disabled():
+        sys.stderr.write(f"\n[rank {hpcddp.rank()}] the job ends inside {_current_test}; it printed:\n{out}{err}\n")
+        sys.stderr.flush()
+
+
+_current_test = "a test"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    global _current_test
+    _current_test = item.nodeid
+    # Again before each test: a test of the abort path may have run the callbacks already.
+    from hpcddp.runtime.state import at_abort
+
+    at_abort(_show_what_the_test_printed)
+
+
 @pytest.fixture(autouse=True)
 def _keep_environ():
     saved = dict(os.environ)
