@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GpuCompletion", "is_cuda_tensor"]
+__all__ = ["GpuCompletion", "current_cuda_device", "is_cuda_tensor", "use_cuda_device"]
 
 _lock = threading.Lock()
 _side_streams: dict[torch.device, Any] = {}
@@ -32,6 +32,22 @@ def is_cuda_tensor(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return bool(value) and is_cuda_tensor(value[0])
     return isinstance(value, torch.Tensor) and value.is_cuda
+
+
+def current_cuda_device() -> int | None:
+    """The CUDA device this thread works on (``init()`` set the rank's), or None where CUDA was never started."""
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+
+def use_cuda_device(index: int | None) -> None:
+    """Make ``index`` (from ``current_cuda_device()`` on the thread that made this one) this thread's CUDA device.
+
+    The current device is per thread and a new thread starts on cuda:0: without this, a
+    future callback run on a communication thread (a DDP comm hook's division, say) would
+    queue its kernels on cuda:0 on a node where this rank owns another GPU.
+    """
+    if index is not None:
+        torch.cuda.set_device(index)
 
 
 def _device_of(value: Any) -> torch.device:

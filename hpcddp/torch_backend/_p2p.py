@@ -14,6 +14,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from ..comm._cuda_events import current_cuda_device, use_cuda_device
 from ._profiling import begin, end_when_done, wait_ended
 
 __all__ = ["PointToPoint"]
@@ -62,10 +63,14 @@ class _MessageWork(dist.Work):
         with self._watch_lock:
             if not self._watched and not self._future.done():
                 self._watched = True
-                threading.Thread(target=self._complete_future, name="hpcddp-message-future", daemon=True).start()
+                threading.Thread(
+                    target=self._complete_future, args=(current_cuda_device(),), name="hpcddp-message-future",
+                    daemon=True,
+                ).start()  # fmt: skip
         return self._future
 
-    def _complete_future(self) -> None:
+    def _complete_future(self, cuda_device: int | None) -> None:
+        use_cuda_device(cuda_device)  # the future's callbacks run here, on the caller's GPU
         self._message._block(None)
         self._settle()
 

@@ -83,6 +83,7 @@ from threading import get_ident
 from typing import Any, NamedTuple
 
 from .. import oplog
+from .._cuda_events import current_cuda_device, use_cuda_device
 from ..agreement import CollectiveCall
 from ..base import Handle
 from ..dtypes import dtype_name
@@ -179,6 +180,7 @@ class Engine:
         #: the agreement on another communicator that collectives submitted from now on wait
         #: for, and whose error they raise without an MPI call (``hpcddp.comm.mpi.gradient_channel``)
         self.gate: Handle | None = None
+        self._cuda_device = current_cuda_device()  # the rank's GPU, for the communication thread too
         self._thread = threading.Thread(target=self._serve, name=f"hpcddp-{name}", daemon=True)
         self._thread.start()
 
@@ -281,6 +283,7 @@ class Engine:
 
     # -- running ------------------------------------------------------------------------
     def _serve(self) -> None:
+        use_cuda_device(self._cuda_device)
         me = threading.get_ident()
         while True:
             with self._cond:
