@@ -4,10 +4,14 @@ Run by tests/test_straggler_runs.py on 4 ranks with HPCDDP_STRAGGLER_EVERY=20. E
 has an optimizer of its own; a slow rank sleeps SLEEP_S before its forward pass in every
 step. Rank 0 prints one ``LINE <phase> <text>`` per hpcddp warning and one
 ``REPORT <phase> <json>`` per phase (the last report, from hpcddp.straggler_report()).
+
+``python tests/straggler_job.py <case>`` runs instead one of the review's cases (``CASES``), in
+which the ranks step an optimizer unevenly; each rank prints ``DONE <rank>`` at its end.
 """
 
 import json
 import logging
+import sys
 import time
 
 import torch
@@ -115,5 +119,74 @@ def main() -> None:
             print(f"REPORT {name} {json.dumps(found)}", flush=True)
 
 
+class FailsOnce(torch.optim.SGD):
+    """SGD whose step raises once, at its ``fail_at``-th step (0: never)."""
+
+    fail_at = 0
+    num_calls = 0
+
+    def step(self, closure=None):
+        self.num_calls += 1
+        if self.num_calls == self.fail_at:
+            raise RuntimeError("inner step failed")
+        return super().step(closure)
+
+
+def uneven(case: str) -> None:
+    """One review case at 2 ranks (HPCDDP_STRAGGLER_EVERY as the test sets it): the ranks step unevenly."""
+    hpcddp.init()
+    torch.set_num_threads(1)
+    rank = hpcddp.rank()
+    model = mlp()
+    sgd = FailsOnce(model.parameters(), lr=0.01)
+    optimizer = hpcddp.DistributedOptimizer(sgd, model.named_parameters())
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+
+    def reduced_steps(num_steps: int) -> None:
+        for _ in range(num_steps):
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            try:
+                optimizer.step()
+            except RuntimeError as err:  # the wrapped step's own error, caught on this rank only
+                print(f"CAUGHT {rank} {err}", flush=True)
+
+    if case == "after-close":  # EVERY=5: rank 0's 5th step is a local one
+        reduced_steps(3)
+        optimizer.close()
+        for _ in range(4 if rank == 0 else 0):
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    elif case == "no-backward":  # EVERY=5: rank 1's 5th step() follows no backward pass
+        reduced_steps(4)
+        if rank == 1:
+            optimizer.zero_grad()
+            optimizer.step()
+    elif case == "inner-raises":  # EVERY=5: rank 1's wrapped step raises at step 5
+        sgd.fail_at = 5 if rank == 1 else 0
+        reduced_steps(8)
+    elif case == "uneven-shutdown":  # EVERY=200: no window ends; 10 steps on rank 0, 9 on rank 1
+        reduced_steps(9)
+        if rank == 0:
+            optimizer.zero_grad()
+            optimizer.step()
+    elif case == "exit-rank-0":  # EVERY=200: 12 steps, then rank 0 leaves without shutdown()
+        reduced_steps(12)
+        if rank == 0:
+            print(f"DONE {rank}", flush=True)
+            sys.exit(0)
+    else:
+        raise ValueError(f"unknown case {case!r}: one of {CASES}")
+    hpcddp.shutdown()
+    print(f"DONE {rank}", flush=True)
+
+
+CASES = ("after-close", "no-backward", "inner-raises", "uneven-shutdown", "exit-rank-0")
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 1:
+        uneven(sys.argv[1])
+    else:
+        main()

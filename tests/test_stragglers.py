@@ -140,16 +140,18 @@ class FakeComm:
 
 
 def run_steps(recorder, comm, num_steps, *, module=None, active=None, step_s=0.001):
+    """Steps as the optimizer runs them: backward, its reduction completing (``reduction_done``), then step()."""
     times = ReductionTimes()
     for step in range(1, num_steps + 1):
         if module is not None:
             module(torch.zeros(1, 2))
-        started = time.perf_counter()
-        times.backward_start = started
+        times.backward_start = time.perf_counter()
         time.sleep(step_s)
         times.backward_end = time.perf_counter()
         times.waited(times.backward_end)
-        recorder.step_done(started, times, step, comm.size if active is None else active(step), comm)
+        recorder.reduction_done(step, comm.size if active is None else active(step), comm)
+        started = time.perf_counter()
+        recorder.step_done(started, times, step)
     return times
 
 
@@ -193,11 +195,40 @@ def test_a_window_in_which_some_rank_had_no_data_is_not_reported():
     assert stragglers.straggler_report().first_step == 21
 
 
-def test_one_rank_records_nothing_and_arms_no_hook():
-    comm = FakeComm(size=1, extra_ms=())
-    recorder = StepTimeRecorder(2)
-    run_steps(recorder, comm, 6)
-    assert comm.gathers == [] and recorder._hook is None
+def test_a_step_whose_reduction_did_not_finish_stores_no_row():
+    recorder, times = StepTimeRecorder(100), ReductionTimes()
+    for num_reductions in (1, 2, 2, 2, 3):  # three step() calls without a reduction since the last
+        recorder.step_done(time.perf_counter(), times, num_reductions)
+    assert recorder._num_rows == 2  # steps 2 and 5: the first step has no previous end
+
+
+def test_nobody_is_named_before_every_rank_has_five_rows(caplog):
+    comm = FakeComm(extra_ms=(0.0, 60.0, 0.0))
+    with caplog.at_level(logging.WARNING, logger="hpcddp"):
+        run_steps(StepTimeRecorder(6), comm, 12)  # windows of 4 rows (steps 2-5), then 6 (6-11)
+    assert len(comm.gathers) == 2  # both gathered: the ranks gather by reductions, whatever their rows
+    assert stragglers.straggler_report().first_step == 7
+    assert sum("straggler: rank 2" in r.getMessage() for r in caplog.records) == 1
+
+    class FewRows(FakeComm):
+        def gather_object(self, payload, root):
+            payloads = super().gather_object(payload, root)
+            row = array("d")
+            row.frombytes(payloads[3][: 8 * len(FIELDS)])
+            row[COLUMN["steps"]] = 4  # rank 3 stepped 4 times in the window
+            return [*payloads[:3], row.tobytes() + payloads[3][8 * len(FIELDS) :]]
+
+    stragglers._last_report = None
+    run_steps(StepTimeRecorder(10), FewRows(extra_ms=(0.0, 60.0, 0.0)), 20)
+    assert stragglers.straggler_report() is None
+
+
+def test_the_line_names_the_optimizer_when_there_are_several():
+    report = judge(table([5.0, 5.0, 45.0, 5.0]), hosts(4), 1, 20, optimizer="DistributedOptimizer #2")
+    line = describe(report.stragglers[0], report)
+    assert "made the others wait 40 ms per step (DistributedOptimizer #2, median of steps 1-20, 87 % of" in line
+    first = StepTimeRecorder(5)
+    assert StepTimeRecorder(5).number == first.number + 1  # made in the same order on every rank
 
 
 def test_the_forward_hook_is_gone_after_the_first_module_call():
@@ -230,7 +261,7 @@ def test_every_zero_turns_the_reports_off(monkeypatch):
     monkeypatch.setenv("HPCDDP_STRAGGLER_EVERY", "50")
     assert stragglers.recorder_for(record_timeline=False).every == 50
     monkeypatch.delenv("HPCDDP_STRAGGLER_EVERY")
-    assert stragglers.recorder_for(record_timeline=False) is None  # off by default
+    assert stragglers.recorder_for(record_timeline=False).every == 200  # on by default
 
 
 @pytest.mark.parametrize("raw", ["-1", "ten", "2.5"])
@@ -255,7 +286,7 @@ def test_the_optimizer_records_nothing_at_world_size_one(monkeypatch):
         optimizer.zero_grad()
         model(torch.ones(1, 2)).sum().backward()
         optimizer.step()
-    assert optimizer._step_times is not None and optimizer._step_times._hook is None
+    assert optimizer._step_times is None and optimizer.reducer._after_reduction is None
 
 
 def test_rank_0_leaves_the_last_report_for_hpcddp_run(tmp_path, monkeypatch):

@@ -124,6 +124,7 @@ class DistributedOptimizer(OptimizerFacade):
 
             communicator = current()
         self._gradient_predivide_factor = gradient_predivide_factor
+        self._step_times = stragglers.recorder_for(record_timeline=default_comm) if communicator.size > 1 else None
         self._reducer_options = {
             "op": arguments.op,
             "bucket_cap_bytes": int(bucket_cap_mb * MB),
@@ -132,13 +133,13 @@ class DistributedOptimizer(OptimizerFacade):
             "compressor": arguments.compressor,
             # The timeline is looked up at every use: hvd.start_timeline() may begin one later.
             "record_timeline": default_comm,
+            "after_reduction": None if self._step_times is None else self._step_times.reduction_done,
         }
         #: the object that reduces the gradients (buckets, hooks, join state)
         self.reducer = self._make_reducer(
             collect_parameters(optimizer, named_parameters), communicator, backward_passes_per_step
         )
         self._records_timeline = default_comm
-        self._step_times = stragglers.recorder_for(record_timeline=default_comm)
         self.skip_nonfinite = bool(skip_nonfinite)
         #: steps skipped because a reduced gradient was inf or NaN (skip_nonfinite)
         self.skipped_steps = 0
@@ -234,11 +235,14 @@ class DistributedOptimizer(OptimizerFacade):
             closure: passed to the wrapped optimizer's ``step``.
         """
         started = time.perf_counter()
-        result = self._reduced_step(closure)
-        if self._step_times is not None:
-            reducer = self.reducer
-            self._step_times.step_done(started, reducer.times, reducer.steps_taken, reducer.active_ranks, reducer.comm)
-        return result
+        try:
+            return self._reduced_step(closure)
+        finally:
+            if self._step_times is not None:
+                if self.reducer.closed:
+                    self._step_times.stop()
+                else:  # local: a row for this step if its reduction finished (the report is the reducer's)
+                    self._step_times.step_done(started, self.reducer.times, self.reducer.num_reductions)
 
     def _reduced_step(self, closure):
         """``step()`` itself: wait for the reduction, check it, step the wrapped optimizer."""

@@ -77,6 +77,9 @@ class Reducer:
             multiplied by ``predivide / size`` after it (op AVERAGE).
         backward_passes_per_step: reduce once every this many backward passes.
         record_timeline: record bucket reductions in ``hpcddp.observe.timeline``.
+        after_reduction: called with (``num_reductions``, ``active_ranks``, the buckets'
+            communicator) when each reduction completes, before it returns, on every rank alike
+            (the straggler reports' ``StepTimeRecorder.reduction_done``, which may gather there).
     """
 
     def __init__(
@@ -92,6 +95,7 @@ class Reducer:
         compressor: Compressor | None = None,
         backward_passes_per_step: int = 1,
         record_timeline: bool = False,
+        after_reduction: Callable[[int, int, Communicator], None] | None = None,
     ) -> None:
         self.comm = comm
         self.named = list(named)
@@ -129,6 +133,7 @@ class Reducer:
             weakref.finalize(self, self._channel.close)
         self._sender = BucketSender(comm if self._channel is None else self._channel.comm, compressor)
         self._record_timeline = record_timeline
+        self._after_reduction = after_reduction
         self._sync = True
         self._pass_open = False
         self._pass_reduces = False
@@ -451,6 +456,10 @@ class Reducer:
         self.times.waited(started)
         if recorder is not None:
             recorder.span("synchronize", started, self.times.wait_end)
+        if self._after_reduction is not None and self._channel is not None:
+            # Here, and not in step(): every rank that completed this reduction comes here, in the
+            # buckets' order on their communicator, however the script then steps.
+            self._after_reduction(self.num_reductions, self.active_ranks, self._channel.comm)
 
     def _finish_abandoned(self) -> None:
         """Wait for a reduction nobody finished (an exception part-way), so no bucket is written while it is sent."""

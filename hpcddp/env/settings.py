@@ -152,11 +152,9 @@ def read_stop_wait(environ: Mapping[str, str]) -> float:
     return read_float(environ, "HPCDDP_STOP_WAIT", DEFAULT_STOP_WAIT, "0 holds no signal")
 
 
-#: steps between straggler reports (HPCDDP_STRAGGLER_EVERY)
-# Off until the report's gather follows each optimizer's agreed reductions: today a job whose
-# ranks step an optimizer unevenly (after close(), without a backward, after a caught error in
-# the inner step, an exit on one rank) would meet it on some ranks only.
-DEFAULT_STRAGGLER_EVERY = 0
+#: gradient reductions between straggler reports (HPCDDP_STRAGGLER_EVERY); the gather rides on
+#: the reductions every rank completes alike, so uneven step() calls cannot split it
+DEFAULT_STRAGGLER_EVERY = 200
 
 
 def _steps(raw: str) -> int:

@@ -1,17 +1,20 @@
 """Name the straggler: which rank made the others wait, by how much, and where its time went.
 
-    HPCDDP_STRAGGLER_EVERY=200 mpirun -np 64 python train.py     # off by default (0)
+    mpirun -np 64 python train.py          # a report every 200 steps; HPCDDP_STRAGGLER_EVERY=0 turns it off
 
     hpcddp: straggler: rank 2 (host n3) made the others wait 41 ms per step (median of steps
     61-80, 87 % of the step); its time went to (this rank/a typical rank): data 40/0.1 ms,
     forward 1.0/0.8 ms, backward 0.4/0.3 ms, optimizer 0.4/0.4 ms, other 0.1/0.1 ms
 
-The rules, written once here (the optimizer calls ``StepTimeRecorder.step_done`` at the end
-of each ``step()`` and nothing else):
+The rules, written once here. The optimizer calls ``StepTimeRecorder.step_done`` when each
+``step()`` ends (in a ``finally``) and its reducer calls ``reduction_done`` when each gradient
+reduction completes; nothing else calls in.
 
-1. **Per step, clocks only.** Each rank stores one row of ``time.perf_counter()`` differences
-   in a ring (at most ``MAX_WINDOW`` rows, preallocated): the time from the end of its previous
-   ``step()`` to the end of this one, split into
+1. **Per step, clocks only.** ``step_done`` stores one row of ``time.perf_counter()``
+   differences in a ring (at most ``MAX_WINDOW`` rows, preallocated), and only for a step
+   whose gradient reduction finished since the last row (none after ``close()``, none for a
+   step without a backward pass): the time from the end of the previous ``step()`` to the
+   end of this one, split into
 
    - *wait*: the time the reducer spent finishing the step's reductions
      (``ReductionTimes.wait_total``): a rank that is ahead waits there for the others;
@@ -25,27 +28,31 @@ of each ``step()`` and nothing else):
 
    A rank's own compute is its step-to-step time minus its wait. No collective, no host
    synchronisation; the hook's handle is the one object made per step.
-2. **One gather per window.** When the optimizer's step count (``Reducer.steps_taken``, which
-   the ranks compare at every step's first bucket) is a multiple of ``every``, every rank
-   sends the medians of its window (``FIELDS``, float64; its host name too, the first time
-   only) to rank 0 in one ``gather_object``: O(p) bytes at rank 0 once per window, nothing per
-   step, and on the mpi backend the collective's own agreement turns a mismatch into an error
-   on every rank. Rank 0 judges the table (``judge``) and prints one line per straggler.
+2. **One gather per window, inside a reduction.** Windows are counted in the reducer's
+   completed reductions (``Reducer.num_reductions``), which every rank completes alike: when
+   reduction N ends and N is a multiple of ``every``, the reducer calls ``reduction_done``
+   before the reduction returns, and every rank sends the medians of its window (``FIELDS``,
+   float64; its host name too, the first time only) to rank 0 in one ``gather_object`` on the
+   optimizer's gradient channel (``Communicator.gradient_channel``), right after the
+   reduction's last bucket. A rank that completed the reduction is in the gather; a rank that
+   did not leaves the others waiting in the reduction itself, as it would with the reports off.
+   How a script steps its optimizer (a ``step()`` without backward, an error in the wrapped
+   step, local steps after ``close()``) cannot change which ranks gather. O(p) bytes at rank 0
+   once per window, nothing per step. Rank 0 judges the table (``judge``) and prints one line
+   per straggler, once every rank has at least ``MIN_ROWS`` rows in the window.
 3. **Only windows in which every rank stepped with data.** While some rank has run out of data
    (``hpcddp.join``, Horovod's ``join``) it shadows the others' steps and would count as the
    fastest rank: the reductions carry how many ranks had data (the same number on every rank),
-   and a window with any such step is dropped on every rank alike. At world size 1, or with
+   and a window with any such reduction is dropped on every rank alike. At world size 1, or with
    ``every=0``, nothing is recorded at all.
-4. **At the end.** ``hpcddp.shutdown()`` (collective) reports the steps since the last window
-   when there are at least ``MIN_FINAL_STEPS`` of them, for optimizers on the job's
-   communicator (a process set's may be gone by then); not in elastic jobs, whose shutdown
-   may follow the loss of a rank. A plain MPI script that never calls ``shutdown()`` gets the
-   periodic reports only.
+4. **Nothing at shutdown.** ``hpcddp.shutdown()`` gathers nothing (ranks may reach it after
+   different numbers of steps, or not at all): the end-of-job report is the last window's.
 
 Rank 0 keeps the last report (``straggler_report``) and, under ``hpcddp run``, leaves its
 lines in the run's status directory (``RUN_STATUS_FILE``), which ``hpcddp run`` prints again
 at the end of the job. ``AsyncModelAverager``, where nobody waits, reports each rank's steps
-per second when it closes (``report_step_rates``).
+per second when it closes (``report_step_rates``, inside its collective ``close()``). Horovod's
+``DistributedOptimizer(op=hvd.Adasum)`` steps outside these reductions and reports nothing.
 
 The verdict: the *baseline* is the ``BASELINE_QUANTILE`` quantile of the ranks' median
 compute (a low quantile, so that several slow ranks do not raise it, as they would a median);
@@ -69,7 +76,6 @@ from pathlib import Path
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from ..env.elastic import read_elastic_session
 from ..env.files import read_text_no_follow, write_atomically
 from ..env.settings import read_straggler_every, run_status_dir
 from ..runtime import state
@@ -78,6 +84,7 @@ from . import timeline
 __all__ = [
     "BASELINE_QUANTILE",
     "FIELDS",
+    "MIN_ROWS",
     "MIN_SHARE",
     "MIN_WAIT_S",
     "RankTimes",
@@ -126,8 +133,8 @@ BASELINE_QUANTILE = 0.25
 MIN_WAIT_S = 0.020
 #: ... and longer than this share of the median step
 MIN_SHARE = 0.25
-#: steps since the last report that ``shutdown()`` reports
-MIN_FINAL_STEPS = 10
+#: rows (steps) every rank must have in a window before rank 0 names anyone: a median of fewer is noise
+MIN_ROWS = 5
 #: stragglers named one by one per report; the rest are counted in one more line
 MAX_NAMED = 8
 #: the file in ``hpcddp run``'s status directory (HPCDDP_RUN_STATUS) holding rank 0's last report
@@ -197,6 +204,7 @@ class StragglerReport:
         typical: the median over the other ranks of each figure (rank -1).
         table: every rank's medians as rank 0 received them (one row of ``FIELDS``, in seconds, per rank).
         hosts: the ranks' host names.
+        optimizer: which optimizer ("DistributedOptimizer #2"), where the job made more than one.
     """
 
     first_step: int
@@ -207,6 +215,7 @@ class StragglerReport:
     typical: RankTimes
     table: torch.Tensor = dataclasses.field(repr=False, compare=False)
     hosts: tuple[str, ...] = dataclasses.field(repr=False, compare=False)
+    optimizer: str = ""
 
     @functools.cached_property
     def ranks(self) -> tuple[RankTimes, ...]:
@@ -236,6 +245,8 @@ class StepRateReport:
 
 
 _last_report: StragglerReport | StepRateReport | None = None
+#: recorders made in this process (one per DistributedOptimizer): lines name the optimizer past the first
+_num_recorders = 0
 
 
 def straggler_report() -> StragglerReport | StepRateReport | None:
@@ -261,86 +272,72 @@ def recorder_for(record_timeline: bool) -> StepTimeRecorder | None:
 
 
 class StepTimeRecorder:
-    """One optimizer's step times on this rank, reported to rank 0 every ``every`` steps.
+    """One optimizer's step times on this rank, reported to rank 0 every ``every`` reductions.
 
     Args:
-        every: steps per report (> 0).
+        every: reductions per report (> 0).
         record_timeline: mark each report in the timeline when one is recorded.
     """
 
     def __init__(self, every: int, *, record_timeline: bool = False) -> None:
         if every <= 0:
             raise ValueError(f"every must be > 0, got {every}")
+        global _num_recorders
+        _num_recorders += 1
+        #: which recorder of this process this is (the same on every rank: optimizers are made collectively)
+        self.number = _num_recorders
         self.every = every
         self._record_timeline = record_timeline
         self._capacity = min(every, MAX_WINDOW)
         self._ring = array("d", bytes(8 * self._capacity * _ROW))
-        self._comm = None
-        self._times = None
-        self._hosts: list[str] | None = None
-        self._hook = None
-        self._reset(None, None)
-
-    def _reset(self, comm, times) -> None:
-        """Start a new window (and, for another communicator or reducer, forget the last step)."""
-        if comm is not self._comm or times is not self._times:
-            self._comm, self._times = comm, times
-            self._prev_end: float | None = None
-            self._wait_seen = times.wait_total if times is not None else 0.0
-            self._hosts = None
-            self._registered = False
         self._num_rows = 0
         self._partial = False
-        #: the step count before the window's first step, and at its last (agreed between the ranks)
-        self._start_step: int | None = None
-        self._last_step = 0
+        self._hook = None
         self._forward_at = 0.0
+        self._comm = None
+        self._sent_host = False
+        self._hosts: list[str] = []
+        self._times = None
+        self._prev_end: float | None = None
+        self._wait_seen = 0.0
+        self._reductions_seen = 0
 
-    # -- per step ---------------------------------------------------------------------------
-    def step_done(self, started: float, times, step: int, active_ranks: int, comm) -> None:
-        """Record the step that just ended; report the window when ``step`` ends one.
+    # -- per step, local ----------------------------------------------------------------------
+    def step_done(self, started: float, times, num_reductions: int) -> None:
+        """Note that ``step()`` ended; store its row when a reduction finished since the last one.
+
+        Local: no collective. Called in ``step()``'s ``finally``, also when the step raised.
 
         Args:
             started: when ``step()`` was entered.
             times: the reducer's ``ReductionTimes``.
-            step: the optimizer's step count after this step (the same on every rank).
-            active_ranks: ranks that had data in the last reduction (all, unless a join is on).
-            comm: the optimizer's communicator.
+            num_reductions: the reducer's completed reductions now.
         """
-        if comm.size == 1:
-            return
         now = time.perf_counter()
-        if comm is not self._comm or times is not self._times:
-            self._reset(comm, times)
-        if not self._registered and state.is_initialized():
-            state.at_shutdown(self._report_at_shutdown, at_exit=False)
-            self._registered = True
-        if self._start_step is None:
-            self._start_step = step - 1
-        self._last_step = step
-        if active_ranks < comm.size:
-            self._partial = True
-        prev = self._prev_end
+        if times is not self._times:  # a new reducer (rebind_): its counts start afresh
+            self._times, self._prev_end = times, None
+            self._wait_seen, self._reductions_seen = times.wait_total, num_reductions
         wait = times.wait_total - self._wait_seen
-        self._wait_seen = times.wait_total
-        if prev is not None:
-            self._store(prev, started, now, wait, times)
-        if step % self.every == 0:
-            self._report(comm, step)
-            self._reset(comm, times)
+        if num_reductions != self._reductions_seen and self._prev_end is not None:
+            self._store(self._prev_end, started, now, wait, times)
+        self._wait_seen, self._reductions_seen = times.wait_total, num_reductions
         self._prev_end = time.perf_counter()
         self._forward_at = 0.0
         if self._hook is None:
             self._hook = register_module_forward_pre_hook(self._on_forward)
+
+    def stop(self) -> None:
+        """Disarm the forward hook (the optimizer's reducer was closed: its steps are local from now on)."""
+        hook, self._hook = self._hook, None
+        if hook is not None:
+            hook.remove()
 
     def _on_forward(self, mod, inputs) -> None:
         # A loss or a transform without parameters called before the model is data, not forward.
         if next(mod.parameters(), None) is None:
             return
         self._forward_at = time.perf_counter()
-        hook, self._hook = self._hook, None
-        if hook is not None:
-            hook.remove()
+        self.stop()
 
     def _store(self, prev: float, started: float, now: float, wait: float, times) -> None:
         nan = math.nan
@@ -357,46 +354,68 @@ class StepTimeRecorder:
         optimizer = now - max(started, times.wait_end)
         other = compute - optimizer - (0.0 if math.isnan(backward) else data_forward + backward)
         row = (self._num_rows % self._capacity) * _ROW
-        ring = self._ring
-        ring[row] = interval
-        ring[row + 1] = wait
-        ring[row + 2] = compute
-        ring[row + 3] = data
-        ring[row + 4] = forward
-        ring[row + 5] = data_forward
-        ring[row + 6] = backward
-        ring[row + 7] = optimizer
-        ring[row + 8] = max(other, 0.0)
+        values = (interval, wait, compute, data, forward, data_forward, backward, optimizer, max(other, 0.0))
+        self._ring[row : row + _ROW] = array("d", values)
         self._num_rows += 1
 
-    # -- per window -------------------------------------------------------------------------
+    # -- per reduction: collective over the reduction's ranks at a window's end ---------------
+    def reduction_done(self, num_reductions: int, active_ranks: int, comm) -> None:
+        """Note that reduction ``num_reductions`` completed; at a window's end, report it (collective).
+
+        Called by the reducer on every rank that completed the reduction, before it returns,
+        with numbers every rank has alike.
+
+        Args:
+            num_reductions: the reducer's completed reductions, this one included.
+            active_ranks: ranks that had data in it (all, unless a join is on).
+            comm: the communicator of the reduction's buckets (the gradient channel's).
+        """
+        self._partial |= active_ranks < comm.size
+        if num_reductions % self.every:
+            return
+        if not self._partial:  # rule 3
+            self._report(comm, num_reductions)
+        self._num_rows, self._partial = 0, False
+
     def _medians(self) -> list[float]:
         rows = min(self._num_rows, self._capacity)
+        if rows == 0:
+            return [math.nan] * _ROW
         window = torch.frombuffer(self._ring, dtype=torch.float64)[: rows * _ROW].view(rows, _ROW)
         return window.nanmedian(dim=0).values.tolist()
 
-    def _report(self, comm, step: int) -> None:
+    def _report(self, comm, last: int) -> None:
         """Send this window's medians to rank 0 (collective over ``comm``); rank 0 judges and prints."""
-        if self._partial or self._num_rows == 0:
-            return  # rule 3; the ring is empty only at the first window of a fresh recorder
         started = time.perf_counter()
+        if comm is not self._comm:  # another reducer's channel (rebind_): send the host names again
+            self._comm, self._sent_host = comm, False
         rank = state.rank() if state.is_initialized() else comm.rank
         node = state.node_rank() if state.is_initialized() else 0
-        values = array("d", [*self._medians(), rank, node, min(self._num_rows, self._capacity)])
-        payload = values.tobytes()
-        if self._hosts is None:
+        rows = min(self._num_rows, self._capacity)
+        payload = array("d", [*self._medians(), rank, node, rows]).tobytes()
+        if not self._sent_host:
             payload += socket.gethostname().encode()[:255]
+        first_report = not self._sent_host
+        self._sent_host = True
         payloads = comm.gather_object(payload, 0)
         report = None
         if payloads is not None:
-            table, hosts = unpack(payloads)
-            if self._hosts is None:
-                self._hosts = hosts
-            report = judge(table, self._hosts, step - int(values[-1]) + 1, step)
-            _publish(report)
-        elif self._hosts is None:
-            self._hosts = []
+            try:  # rank 0's own work: an error here must not leave it out of step with the others
+                report = self._judge(payloads, first_report, last)
+            except Exception:
+                log.exception("hpcddp: straggler report of steps %d-%d failed on rank 0", last - self.every + 1, last)
         self._mark(started, report)
+
+    def _judge(self, payloads: list[bytes], first_report: bool, last: int) -> StragglerReport | None:
+        table, hosts = unpack(payloads)
+        if first_report:
+            self._hosts = hosts
+        if int(table[:, _F["steps"]].min()) < MIN_ROWS:
+            return None  # too few steps on some rank to tell noise from a straggler
+        label = f"DistributedOptimizer #{self.number}" if _num_recorders > 1 else ""
+        report = judge(table, self._hosts, max(1, last - self.every + 1), last, optimizer=label)
+        _publish(report)
+        return report
 
     def _mark(self, started: float, report: StragglerReport | None) -> None:
         recorder = timeline.current() if self._record_timeline else None
@@ -409,19 +428,6 @@ class StepTimeRecorder:
                 "stragglers": ", ".join(f"rank {s.rank} {s.waited_ms:.0f} ms" for s in report.stragglers) or "none",
             }
         recorder.span("straggler report", started, time.perf_counter(), **args)
-
-    def _report_at_shutdown(self) -> None:
-        """Report the steps since the last window (rule 4); collective, from ``hpcddp.shutdown()``.
-
-        Only on the job's communicator: a process set's may be gone by then.
-        """
-        self._registered = False
-        comm = self._comm
-        if comm is None or comm is not state.communicator() or read_elastic_session(os.environ) is not None:
-            return
-        if self._start_step is not None and self._last_step - self._start_step >= MIN_FINAL_STEPS:
-            self._report(comm, self._last_step)
-        self._reset(comm, self._times)
 
 
 def _publish(report: StragglerReport) -> None:
@@ -532,7 +538,9 @@ def unpack(payloads: list[bytes]) -> tuple[torch.Tensor, list[str]]:
     return table.view(len(payloads), len(FIELDS)), [p[width:].decode(errors="replace") for p in payloads]
 
 
-def judge(table: torch.Tensor, hosts: list[str], first_step: int, last_step: int) -> StragglerReport:
+def judge(
+    table: torch.Tensor, hosts: list[str], first_step: int, last_step: int, optimizer: str = ""
+) -> StragglerReport:
     """Name the ranks that made the others wait, from every rank's medians.
 
     Args:
@@ -540,6 +548,7 @@ def judge(table: torch.Tensor, hosts: list[str], first_step: int, last_step: int
         hosts: the ranks' host names ("" or missing: unknown).
         first_step: the window's first step.
         last_step: its last step.
+        optimizer: the optimizer the lines name ("": the job's only one).
     """
     num_ranks = table.shape[0]
     compute = table[:, _F["compute"]]
@@ -568,6 +577,7 @@ def judge(table: torch.Tensor, hosts: list[str], first_step: int, last_step: int
         typical=typical,
         table=table,
         hosts=tuple(hosts),
+        optimizer=optimizer,
     )
 
 
@@ -601,7 +611,8 @@ def describe(straggler: Straggler, report: StragglerReport) -> str:
     host = f" (host {straggler.host})" if straggler.host else ""
     return (
         f"straggler: rank {straggler.rank}{host} made the others wait {straggler.waited_ms:.0f} ms per step "
-        f"(median of steps {report.first_step}-{report.last_step}, {100 * straggler.share:.0f} % of the step); "
+        f"({report.optimizer + ', ' if report.optimizer else ''}median of steps {report.first_step}-{report.last_step}, "
+        f"{100 * straggler.share:.0f} % of the step); "
         f"its time went to (this rank/a typical rank): {went}"
     )
 
