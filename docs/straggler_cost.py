@@ -2,10 +2,10 @@
 
 Rank 0, per report: every rank's payload (``FIELDS`` as float64, plus its host name in the
 first report) pickled as mpi4py's gather sends it, unpickled as rank 0 receives it, then
-``unpack``, ``judge`` and the lines (``_publish``, logged to nowhere), with 1 in 512 ranks
-slow. Per step: ``StepTimeRecorder.step_done`` between reports (with the forward hook armed,
-and fired by the next module call) and ``ReductionTimes.waited``, against one training step
-of ``hpcddp bench train``'s MLP on this machine. Run on the CPU:
+``unpack``, ``judge`` and the lines (``publish``, logged to nowhere), with 1 in 512 ranks
+slow. Per step: ``StepTimeRecorder.reduction_done`` and ``step_done`` between reports (with
+the forward hook armed, and fired by the next module call) and ``ReductionTimes.waited``,
+against one training step of ``hpcddp bench train``'s MLP on this machine. Run on the CPU:
 
     PYTHONPATH=. python docs/straggler_cost.py            # p = 512 and 4,096, 7 runs each
 """
@@ -23,7 +23,8 @@ import torch
 from hpcddp.bench.models import build_workload
 from hpcddp.ddp.timing import ReductionTimes
 from hpcddp.observe import stragglers
-from hpcddp.observe.stragglers import FIELDS, StepTimeRecorder, judge, unpack
+from hpcddp.observe.step_times import StepTimeRecorder
+from hpcddp.observe.stragglers import FIELDS, judge, unpack
 
 RUNS = 7
 
@@ -60,7 +61,7 @@ def rank0_cost(num_ranks: int, first: bool) -> tuple[float, int, float]:
     judging = time.perf_counter()
     table, hosts = unpack(received)
     report = judge(table, hosts, 1, 200)
-    stragglers._publish(report)
+    stragglers.publish(report)
     end = time.perf_counter()
     assert len(report.stragglers) == max(1, num_ranks // 512), report.stragglers
     return end - start, sum(len(b) for b in blobs), end - judging
@@ -71,7 +72,7 @@ class _Comm:
 
 
 def per_step_cost(steps: int = 20_000) -> tuple[float, float]:
-    """Return (seconds of ``step_done`` + ``waited`` per step, seconds of the hooked module call's extra)."""
+    """Return (seconds of ``reduction_done`` + ``step_done`` + ``waited`` per step, seconds of the hooked module call's extra)."""
     recorder = StepTimeRecorder(10**9)
     times, comm, module = ReductionTimes(), _Comm(), torch.nn.Linear(1, 1)
     x = torch.zeros(1)
@@ -81,12 +82,13 @@ def per_step_cost(steps: int = 20_000) -> tuple[float, float]:
         times.backward_end = times.backward_start
         start = time.perf_counter()
         times.waited(times.backward_end)
-        recorder.step_done(start, times, step, 4, comm)
+        recorder.reduction_done(step, 4, comm)
+        recorder.step_done(start, times, step)
         samples.append(time.perf_counter() - start)
     # The one hooked module call per step, against the same call unhooked.
     hooked, plain = [], []
     for _ in range(2_000):
-        recorder._hook is None and recorder.step_done(time.perf_counter(), times, 1, 4, comm)
+        recorder._hook is None and recorder.step_done(time.perf_counter(), times, 1)
         start = time.perf_counter()
         module(x)
         hooked.append(time.perf_counter() - start)
@@ -131,7 +133,7 @@ def main() -> None:
     bookkeeping, hook = per_step_cost()
     step = mlp_step()
     print(
-        f"per step: step_done + waited {bookkeeping * 1e6:.1f} us, hooked module call +{hook * 1e6:.1f} us; "
+        f"per step: reduction_done + step_done + waited {bookkeeping * 1e6:.1f} us, hooked module call +{hook * 1e6:.1f} us; "
         f"MLP step {step * 1e3:.1f} ms; overhead {(bookkeeping + hook) / step * 100:.3f} %"
     )
 

@@ -11,6 +11,7 @@ which the ranks step an optimizer unevenly; each rank prints ``DONE <rank>`` at 
 
 import json
 import logging
+import os
 import sys
 import time
 
@@ -137,6 +138,8 @@ def uneven(case: str) -> None:
     hpcddp.init()
     torch.set_num_threads(1)
     rank = hpcddp.rank()
+    if case == "every-differs" and rank == 1:
+        os.environ["HPCDDP_STRAGGLER_EVERY"] = "7"  # as on a host that mpirun gave no -x HPCDDP_STRAGGLER_EVERY
     model = mlp()
     sgd = FailsOnce(model.parameters(), lr=0.01)
     optimizer = hpcddp.DistributedOptimizer(sgd, model.named_parameters())
@@ -163,6 +166,8 @@ def uneven(case: str) -> None:
         if rank == 1:
             optimizer.zero_grad()
             optimizer.step()
+    elif case == "every-differs":  # EVERY=5 on rank 0, 7 on rank 1
+        reduced_steps(8)
     elif case == "inner-raises":  # EVERY=5: rank 1's wrapped step raises at step 5
         sgd.fail_at = 5 if rank == 1 else 0
         reduced_steps(8)
@@ -182,7 +187,7 @@ def uneven(case: str) -> None:
     print(f"DONE {rank}", flush=True)
 
 
-CASES = ("after-close", "no-backward", "inner-raises", "uneven-shutdown", "exit-rank-0")
+CASES = ("after-close", "no-backward", "inner-raises", "uneven-shutdown", "exit-rank-0", "every-differs")
 
 
 if __name__ == "__main__":

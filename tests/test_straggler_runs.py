@@ -127,6 +127,7 @@ def run_case(case: str, every: int):
         ("no-backward", 5),  # rank 1's 5th step() follows no backward pass
         ("inner-raises", 5),  # rank 1's wrapped step raises at step 5; the script catches it
         ("uneven-shutdown", 200),  # shutdown() after 10 steps on rank 0, 9 on rank 1
+        ("every-differs", 5),  # rank 1's HPCDDP_STRAGGLER_EVERY is 7 (not exported to its host)
     ],
 )
 def test_ranks_that_step_unevenly_end_as_with_the_reports_off(case, every):
@@ -135,6 +136,10 @@ def test_ranks_that_step_unevenly_end_as_with_the_reports_off(case, every):
     assert sorted(line for line in result.stdout.splitlines() if line.startswith("DONE ")) == ["DONE 0", "DONE 1"]
     if case == "inner-raises":
         assert "CAUGHT 1 inner step failed" in result.stdout
+    if case == "every-differs":
+        assert "hpcddp: HPCDDP_STRAGGLER_EVERY differs between the ranks (5, 7): straggler reports are off" in (
+            result.stdout
+        )
 
 
 def test_rank_0_leaving_by_sys_exit_ends_the_job_as_with_the_reports_off():

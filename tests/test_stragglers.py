@@ -11,8 +11,9 @@ import torch
 
 from hpcddp.ddp.timing import ReductionTimes
 from hpcddp.env.settings import read_settings, read_straggler_every
-from hpcddp.observe import stragglers, timeline
-from hpcddp.observe.stragglers import FIELDS, MAX_NAMED, StepTimeRecorder, describe, judge
+from hpcddp.observe import step_times, stragglers, timeline
+from hpcddp.observe.step_times import StepTimeRecorder
+from hpcddp.observe.stragglers import FIELDS, MAX_NAMED, describe, judge
 
 COLUMN = {name: i for i, name in enumerate(FIELDS)}
 
@@ -107,7 +108,7 @@ def test_many_stragglers_are_named_up_to_a_limit_then_counted(caplog):
         computes[rank] = 40.0 + rank
     report = judge(table(computes), hosts(32), 1, 20)
     with caplog.at_level(logging.WARNING, logger="hpcddp"):
-        stragglers._publish(report)
+        stragglers.publish(report)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == MAX_NAMED + 1
     assert lines[0].startswith("hpcddp: straggler: rank 31 (host n7)")
@@ -123,6 +124,9 @@ class FakeComm:
         self.rank, self.size = 0, size
         self.extra_ms = extra_ms
         self.gathers = []
+
+    def allgather_object(self, obj):
+        return [obj] * self.size
 
     def gather_object(self, payload, root):
         self.gathers.append(payload)
@@ -256,12 +260,26 @@ def test_a_timeline_marks_each_report(monkeypatch):
 
 
 def test_every_zero_turns_the_reports_off(monkeypatch):
+    comm = FakeComm()
     monkeypatch.setenv("HPCDDP_STRAGGLER_EVERY", "0")
-    assert stragglers.recorder_for(record_timeline=False) is None
+    assert step_times.recorder_for(comm, record_timeline=False) is None
     monkeypatch.setenv("HPCDDP_STRAGGLER_EVERY", "50")
-    assert stragglers.recorder_for(record_timeline=False).every == 50
+    assert step_times.recorder_for(comm, record_timeline=False).every == 50
     monkeypatch.delenv("HPCDDP_STRAGGLER_EVERY")
-    assert stragglers.recorder_for(record_timeline=False).every == 200  # on by default
+    assert step_times.recorder_for(comm, record_timeline=False).every == 200  # on by default
+    assert step_times.recorder_for(FakeComm(size=1, extra_ms=()), record_timeline=False) is None
+
+
+def test_ranks_given_different_windows_all_turn_the_reports_off(monkeypatch, caplog):
+    class OthersSay20(FakeComm):
+        def allgather_object(self, obj):
+            return [obj, 20, 20, 20]
+
+    monkeypatch.setenv("HPCDDP_STRAGGLER_EVERY", "50")  # this rank only: mpirun without -x on other hosts
+    with caplog.at_level(logging.WARNING, logger="hpcddp"):
+        assert step_times.recorder_for(OthersSay20(), record_timeline=False) is None
+    (record,) = caplog.records
+    assert record.getMessage().startswith("hpcddp: HPCDDP_STRAGGLER_EVERY differs between the ranks (20, 50)")
 
 
 @pytest.mark.parametrize("raw", ["-1", "ten", "2.5"])
@@ -292,8 +310,8 @@ def test_the_optimizer_records_nothing_at_world_size_one(monkeypatch):
 def test_rank_0_leaves_the_last_report_for_hpcddp_run(tmp_path, monkeypatch):
     monkeypatch.setenv("HPCDDP_RUN_STATUS", str(tmp_path))
     assert stragglers.run_status_lines(str(tmp_path)) == []
-    stragglers._publish(judge(table([5.0, 5.0, 45.0, 5.0]), hosts(4), 1, 20))
+    stragglers.publish(judge(table([5.0, 5.0, 45.0, 5.0]), hosts(4), 1, 20))
     (line,) = stragglers.run_status_lines(str(tmp_path))
     assert line.startswith("straggler: rank 2 (host n0) made the others wait 40 ms per step")
-    stragglers._publish(judge(table([5.0, 5.0, 5.0, 5.0]), hosts(4), 21, 40))
+    stragglers.publish(judge(table([5.0, 5.0, 5.0, 5.0]), hosts(4), 21, 40))
     assert stragglers.run_status_lines(str(tmp_path)) == ["no straggler in steps 21-40 (median step 6 ms)"]

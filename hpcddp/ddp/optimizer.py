@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..comm.base import Communicator, ReduceOp
-from ..observe import stragglers, timeline
+from ..observe import step_times, timeline
 from .buckets import MB, Bucket
 from .compression import Compressor
 from .facade import OptimizerFacade
@@ -91,7 +91,7 @@ class DistributedOptimizer(OptimizerFacade):
     #: the reducer's ``num_reductions`` at the last step: unchanged at a step, nothing was reduced for it
     _reductions_at_step = 0
     _warned_outside = False
-    #: this rank's step times for the straggler reports (``hpcddp.observe.stragglers``); None: off
+    #: this rank's step times for the straggler reports (``hpcddp.observe.step_times``); None: off
     _step_times = None
 
     def __init__(
@@ -124,7 +124,7 @@ class DistributedOptimizer(OptimizerFacade):
 
             communicator = current()
         self._gradient_predivide_factor = gradient_predivide_factor
-        self._step_times = stragglers.recorder_for(record_timeline=default_comm) if communicator.size > 1 else None
+        self._step_times = step_times.recorder_for(communicator, record_timeline=default_comm)
         self._reducer_options = {
             "op": arguments.op,
             "bucket_cap_bytes": int(bucket_cap_mb * MB),

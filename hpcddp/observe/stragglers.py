@@ -6,47 +6,9 @@
     61-80, 87 % of the step); its time went to (this rank/a typical rank): data 40/0.1 ms,
     forward 1.0/0.8 ms, backward 0.4/0.3 ms, optimizer 0.4/0.4 ms, other 0.1/0.1 ms
 
-The rules, written once here. The optimizer calls ``StepTimeRecorder.step_done`` when each
-``step()`` ends (in a ``finally``) and its reducer calls ``reduction_done`` when each gradient
-reduction completes; nothing else calls in.
-
-1. **Per step, clocks only.** ``step_done`` stores one row of ``time.perf_counter()``
-   differences in a ring (at most ``MAX_WINDOW`` rows, preallocated), and only for a step
-   whose gradient reduction finished since the last row (none after ``close()``, none for a
-   step without a backward pass): the time from the end of the previous ``step()`` to the
-   end of this one, split into
-
-   - *wait*: the time the reducer spent finishing the step's reductions
-     (``ReductionTimes.wait_total``): a rank that is ahead waits there for the others;
-   - *data*: from the end of the previous step to the first call of a module that has
-     parameters (a global forward pre-hook armed at the end of each step, removed by its
-     first call: one module call per step takes torch's hooked path);
-   - *forward*: from there to the first gradient hook of the step's last backward pass;
-   - *backward*: that pass, up to its end (the wait comes after it);
-   - *optimizer*: the rest of ``step()`` after any wait in it;
-   - *other*: what is left (clipping, GradScaler, logging, evaluation).
-
-   A rank's own compute is its step-to-step time minus its wait. No collective, no host
-   synchronisation; the hook's handle is the one object made per step.
-2. **One gather per window, inside a reduction.** Windows are counted in the reducer's
-   completed reductions (``Reducer.num_reductions``), which every rank completes alike: when
-   reduction N ends and N is a multiple of ``every``, the reducer calls ``reduction_done``
-   before the reduction returns, and every rank sends the medians of its window (``FIELDS``,
-   float64; its host name too, the first time only) to rank 0 in one ``gather_object`` on the
-   optimizer's gradient channel (``Communicator.gradient_channel``), right after the
-   reduction's last bucket. A rank that completed the reduction is in the gather; a rank that
-   did not leaves the others waiting in the reduction itself, as it would with the reports off.
-   How a script steps its optimizer (a ``step()`` without backward, an error in the wrapped
-   step, local steps after ``close()``) cannot change which ranks gather. O(p) bytes at rank 0
-   once per window, nothing per step. Rank 0 judges the table (``judge``) and prints one line
-   per straggler, once every rank has at least ``MIN_ROWS`` rows in the window.
-3. **Only windows in which every rank stepped with data.** While some rank has run out of data
-   (``hpcddp.join``, Horovod's ``join``) it shadows the others' steps and would count as the
-   fastest rank: the reductions carry how many ranks had data (the same number on every rank),
-   and a window with any such reduction is dropped on every rank alike. At world size 1, or with
-   ``every=0``, nothing is recorded at all.
-4. **Nothing at shutdown.** ``hpcddp.shutdown()`` gathers nothing (ranks may reach it after
-   different numbers of steps, or not at all): the end-of-job report is the last window's.
+Each rank records its step times and sends rank 0 their medians once per window
+(``hpcddp.observe.step_times``: the rules of that collective); this module is what rank 0
+makes of them, and the reports' data.
 
 Rank 0 keeps the last report (``straggler_report``) and, under ``hpcddp run``, leaves its
 lines in the run's status directory (``RUN_STATUS_FILE``), which ``hpcddp run`` prints again
@@ -68,18 +30,15 @@ import logging
 import math
 import os
 import socket
-import time
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ..env.files import read_text_no_follow, write_atomically
 from ..env.settings import read_straggler_every, run_status_dir
 from ..runtime import state
-from . import timeline
 
 __all__ = [
     "BASELINE_QUANTILE",
@@ -87,14 +46,16 @@ __all__ = [
     "MIN_ROWS",
     "MIN_SHARE",
     "MIN_WAIT_S",
+    "NUM_TIMES",
     "RankTimes",
     "Straggler",
     "StepRateReport",
-    "StepTimeRecorder",
     "StragglerReport",
     "describe",
+    "gather_to_rank_0",
+    "job_rank",
     "judge",
-    "recorder_for",
+    "publish",
     "report_step_rates",
     "run_status_lines",
     "straggler_report",
@@ -119,10 +80,8 @@ FIELDS = (
     "steps",
 )
 _F = {name: index for index, name in enumerate(FIELDS)}
-#: the per-step columns of the ring (the first ``_ROW`` of ``FIELDS``)
-_ROW = _F["rank"]
-#: steps a window's medians are taken over at most (the last ones before the report)
-MAX_WINDOW = 1024
+#: the per-step times at the head of ``FIELDS`` (what ``step_times`` records each step)
+NUM_TIMES = _F["rank"]
 #: the quantile of the ranks' compute that counts as an unhindered rank's
 BASELINE_QUANTILE = 0.25
 # Both thresholds must be crossed. Measured on a 2-core machine running 4 ranks beside other
@@ -235,6 +194,7 @@ class StepRateReport:
         slow: the ranks whose steps took more than ``MIN_WAIT_S`` and ``MIN_SHARE`` longer than
             a typical rank's, slowest first.
         hosts: the ranks' host names.
+        ranks: the ranks (in the job) whose rates ``steps_per_s`` holds, in that order.
     """
 
     seconds: float
@@ -242,209 +202,44 @@ class StepRateReport:
     typical: float
     slow: tuple[int, ...]
     hosts: tuple[str, ...] = dataclasses.field(repr=False, compare=False)
+    ranks: tuple[int, ...] = dataclasses.field(repr=False, compare=False, default=())
 
 
 _last_report: StragglerReport | StepRateReport | None = None
-#: recorders made in this process (one per DistributedOptimizer): lines name the optimizer past the first
-_num_recorders = 0
 
 
 def straggler_report() -> StragglerReport | StepRateReport | None:
     """Return the last straggler report, on rank 0; None on the other ranks and before the first.
 
     A ``StragglerReport`` covers one window of ``HPCDDP_STRAGGLER_EVERY`` steps of a
-    ``DistributedOptimizer`` (the last one made when several report), or the steps before
-    ``hpcddp.shutdown()``; a balanced window gives a report with no stragglers. An
+    ``DistributedOptimizer`` (the last one made when several report); a balanced window
+    gives a report with no stragglers. An
     ``AsyncModelAverager`` reports each rank's steps per second when it closes
     (``StepRateReport``).
     """
     return _last_report
 
 
-def recorder_for(record_timeline: bool) -> StepTimeRecorder | None:
-    """Return a recorder for one optimizer, or None when HPCDDP_STRAGGLER_EVERY is 0.
-
-    Args:
-        record_timeline: mark each report in ``hpcddp.observe.timeline`` when one is recorded.
-    """
-    every = read_straggler_every(os.environ)
-    return StepTimeRecorder(every, record_timeline=record_timeline) if every else None
-
-
-class StepTimeRecorder:
-    """One optimizer's step times on this rank, reported to rank 0 every ``every`` reductions.
-
-    Args:
-        every: reductions per report (> 0).
-        record_timeline: mark each report in the timeline when one is recorded.
-    """
-
-    def __init__(self, every: int, *, record_timeline: bool = False) -> None:
-        if every <= 0:
-            raise ValueError(f"every must be > 0, got {every}")
-        global _num_recorders
-        _num_recorders += 1
-        #: which recorder of this process this is (the same on every rank: optimizers are made collectively)
-        self.number = _num_recorders
-        self.every = every
-        self._record_timeline = record_timeline
-        self._capacity = min(every, MAX_WINDOW)
-        self._ring = array("d", bytes(8 * self._capacity * _ROW))
-        self._num_rows = 0
-        self._partial = False
-        self._hook = None
-        self._forward_at = 0.0
-        self._comm = None
-        self._sent_host = False
-        self._hosts: list[str] = []
-        self._times = None
-        self._prev_end: float | None = None
-        self._wait_seen = 0.0
-        self._reductions_seen = 0
-
-    # -- per step, local ----------------------------------------------------------------------
-    def step_done(self, started: float, times, num_reductions: int) -> None:
-        """Note that ``step()`` ended; store its row when a reduction finished since the last one.
-
-        Local: no collective. Called in ``step()``'s ``finally``, also when the step raised.
-
-        Args:
-            started: when ``step()`` was entered.
-            times: the reducer's ``ReductionTimes``.
-            num_reductions: the reducer's completed reductions now.
-        """
-        now = time.perf_counter()
-        if times is not self._times:  # a new reducer (rebind_): its counts start afresh
-            self._times, self._prev_end = times, None
-            self._wait_seen, self._reductions_seen = times.wait_total, num_reductions
-        wait = times.wait_total - self._wait_seen
-        if num_reductions != self._reductions_seen and self._prev_end is not None:
-            self._store(self._prev_end, started, now, wait, times)
-        self._wait_seen, self._reductions_seen = times.wait_total, num_reductions
-        self._prev_end = time.perf_counter()
-        self._forward_at = 0.0
-        if self._hook is None:
-            self._hook = register_module_forward_pre_hook(self._on_forward)
-
-    def stop(self) -> None:
-        """Disarm the forward hook (the optimizer's reducer was closed: its steps are local from now on)."""
-        hook, self._hook = self._hook, None
-        if hook is not None:
-            hook.remove()
-
-    def _on_forward(self, mod, inputs) -> None:
-        # A loss or a transform without parameters called before the model is data, not forward.
-        if next(mod.parameters(), None) is None:
-            return
-        self._forward_at = time.perf_counter()
-        self.stop()
-
-    def _store(self, prev: float, started: float, now: float, wait: float, times) -> None:
-        nan = math.nan
-        interval = now - prev
-        wait = min(max(wait, 0.0), interval)
-        compute = interval - wait
-        begin, end = times.backward_start, times.backward_end
-        data = forward = data_forward = backward = nan
-        if prev < begin <= end:
-            backward = end - begin
-            data_forward = begin - prev
-            if prev < self._forward_at <= begin:
-                data, forward = self._forward_at - prev, begin - self._forward_at
-        optimizer = now - max(started, times.wait_end)
-        other = compute - optimizer - (0.0 if math.isnan(backward) else data_forward + backward)
-        row = (self._num_rows % self._capacity) * _ROW
-        values = (interval, wait, compute, data, forward, data_forward, backward, optimizer, max(other, 0.0))
-        self._ring[row : row + _ROW] = array("d", values)
-        self._num_rows += 1
-
-    # -- per reduction: collective over the reduction's ranks at a window's end ---------------
-    def reduction_done(self, num_reductions: int, active_ranks: int, comm) -> None:
-        """Note that reduction ``num_reductions`` completed; at a window's end, report it (collective).
-
-        Called by the reducer on every rank that completed the reduction, before it returns,
-        with numbers every rank has alike.
-
-        Args:
-            num_reductions: the reducer's completed reductions, this one included.
-            active_ranks: ranks that had data in it (all, unless a join is on).
-            comm: the communicator of the reduction's buckets (the gradient channel's).
-        """
-        self._partial |= active_ranks < comm.size
-        if num_reductions % self.every:
-            return
-        if not self._partial:  # rule 3
-            self._report(comm, num_reductions)
-        self._num_rows, self._partial = 0, False
-
-    def _medians(self) -> list[float]:
-        rows = min(self._num_rows, self._capacity)
-        if rows == 0:
-            return [math.nan] * _ROW
-        window = torch.frombuffer(self._ring, dtype=torch.float64)[: rows * _ROW].view(rows, _ROW)
-        return window.nanmedian(dim=0).values.tolist()
-
-    def _report(self, comm, last: int) -> None:
-        """Send this window's medians to rank 0 (collective over ``comm``); rank 0 judges and prints."""
-        started = time.perf_counter()
-        if comm is not self._comm:  # another reducer's channel (rebind_): send the host names again
-            self._comm, self._sent_host = comm, False
-        rank = state.rank() if state.is_initialized() else comm.rank
-        node = state.node_rank() if state.is_initialized() else 0
-        rows = min(self._num_rows, self._capacity)
-        payload = array("d", [*self._medians(), rank, node, rows]).tobytes()
-        if not self._sent_host:
-            payload += socket.gethostname().encode()[:255]
-        first_report = not self._sent_host
-        self._sent_host = True
-        payloads = comm.gather_object(payload, 0)
-        report = None
-        if payloads is not None:
-            try:  # rank 0's own work: an error here must not leave it out of step with the others
-                report = self._judge(payloads, first_report, last)
-            except Exception:
-                log.exception("hpcddp: straggler report of steps %d-%d failed on rank 0", last - self.every + 1, last)
-        self._mark(started, report)
-
-    def _judge(self, payloads: list[bytes], first_report: bool, last: int) -> StragglerReport | None:
-        table, hosts = unpack(payloads)
-        if first_report:
-            self._hosts = hosts
-        if int(table[:, _F["steps"]].min()) < MIN_ROWS:
-            return None  # too few steps on some rank to tell noise from a straggler
-        label = f"DistributedOptimizer #{self.number}" if _num_recorders > 1 else ""
-        report = judge(table, self._hosts, max(1, last - self.every + 1), last, optimizer=label)
-        _publish(report)
-        return report
-
-    def _mark(self, started: float, report: StragglerReport | None) -> None:
-        recorder = timeline.current() if self._record_timeline else None
-        if recorder is None:
-            return
-        args = {}
-        if report is not None:
-            args = {
-                "steps": f"{report.first_step}-{report.last_step}",
-                "stragglers": ", ".join(f"rank {s.rank} {s.waited_ms:.0f} ms" for s in report.stragglers) or "none",
-            }
-        recorder.span("straggler report", started, time.perf_counter(), **args)
-
-
-def _publish(report: StragglerReport) -> None:
+def publish(report: StragglerReport | StepRateReport) -> None:
+    """Keep ``report`` as the last one and log its lines (rank 0), also for ``hpcddp run``'s end-of-job summary."""
     global _last_report
     _last_report = report
-    lines = [describe(s, report) for s in report.stragglers[:MAX_NAMED]]
-    if len(report.stragglers) > MAX_NAMED:
+    if isinstance(report, StragglerReport):
+        named = [describe(s, report) for s in report.stragglers]
         rest = report.stragglers[MAX_NAMED:]
-        lines.append(
+        more = rest and (
             f"straggler: {len(rest)} more ranks made the others wait {rest[-1].waited_ms:.0f}-{rest[0].waited_ms:.0f} "
-            f"ms per step (hosts {', '.join(sorted({s.host for s in rest})[:8])}); hpcddp.straggler_report() has them"
+            f"ms per step (hosts {', '.join(sorted({s.host for s in rest})[:8])})"
         )
+        quiet = f"no straggler in steps {report.first_step}-{report.last_step} (median step {report.step_ms:.0f} ms)"
+    else:
+        named = [_describe_rate(report, report.ranks.index(rank)) for rank in report.slow]
+        more = f"straggler: {len(named) - MAX_NAMED} more slow ranks"
+        quiet = f"no straggler in {report.seconds:.0f} s of asynchronous averaging"
+    lines = named[:MAX_NAMED] + ([f"{more}; hpcddp.straggler_report() has them"] if len(named) > MAX_NAMED else [])
     for line in lines:
         log.warning("hpcddp: %s", line)
-    _write_run_status(
-        lines or [f"no straggler in steps {report.first_step}-{report.last_step} (median step {report.step_ms:.0f} ms)"]
-    )
+    _write_run_status(lines or [quiet])
 
 
 def _write_run_status(lines: list[str]) -> None:
@@ -487,55 +282,63 @@ def report_step_rates(comm, num_steps: int, seconds: float) -> StepRateReport | 
     """
     if comm.size == 1 or not read_straggler_every(os.environ):
         return None
-    rank = state.rank() if state.is_initialized() else comm.rank
-    payload = array("d", [num_steps, seconds, rank]).tobytes() + socket.gethostname().encode()[:255]
-    payloads = comm.gather_object(payload, 0)
-    if payloads is None:
+    gathered = gather_to_rank_0(comm, [num_steps, seconds, job_rank(comm)[0]], True)
+    if gathered is None:
         return None
-    rows = [array("d", p[:24]) for p in payloads]
-    rates = torch.tensor([steps / max(secs, 1e-9) for steps, secs, _ in rows], dtype=torch.float64)
+    table, hosts = gathered
+    rates = table[:, 0] / table[:, 1].clamp(min=1e-9)
     typical = float(torch.quantile(rates, 1 - BASELINE_QUANTILE, interpolation="higher"))
     # Slower by more than both thresholds, as a synchronous straggler: per step, in seconds and as a share.
     typical_step = 1.0 / typical if typical > 0 else math.inf
-    extra = 1.0 / rates.clamp(min=1e-9) - typical_step
-    slow = (extra > max(MIN_WAIT_S, MIN_SHARE * typical_step)).nonzero().flatten()
-    slow = slow[rates[slow].argsort()].tolist()
+    slow = _slowest(1.0 / rates.clamp(min=1e-9) - typical_step, typical_step)
     report = StepRateReport(
-        seconds=max(secs for _, secs, _ in rows),
+        seconds=float(table[:, 1].max()),
         steps_per_s=tuple(rates.tolist()),
         typical=typical,
-        slow=tuple(int(rows[i][2]) for i in slow),
-        hosts=tuple(p[24:].decode(errors="replace") for p in payloads),
+        slow=tuple(int(table[i, 2]) for i in slow),
+        hosts=tuple(hosts),
+        ranks=tuple(int(r) for r in table[:, 2].tolist()),
     )
-    global _last_report
-    _last_report = report
-    lines = []
-    for i in slow[:MAX_NAMED]:
-        host = f" (host {report.hosts[i]})" if report.hosts[i] else ""
-        lines.append(
-            f"straggler: rank {int(rows[i][2])}{host} ran {report.steps_per_s[i]:.1f} steps/s where a typical rank "
-            f"ran {typical:.1f} (asynchronous averaging: nobody waited for it, its model lagged and it trained on "
-            "fewer batches)"
-        )
-    if len(slow) > MAX_NAMED:
-        lines.append(f"straggler: {len(slow) - MAX_NAMED} more slow ranks; hpcddp.straggler_report() has them")
-    for line in lines:
-        log.warning("hpcddp: %s", line)
-    _write_run_status(lines or [f"no straggler in {report.seconds:.0f} s of asynchronous averaging"])
+    publish(report)
     return report
 
 
+def _describe_rate(report: StepRateReport, i: int) -> str:
+    host = f" (host {report.hosts[i]})" if report.hosts[i] else ""
+    return (
+        f"straggler: rank {report.ranks[i]}{host} ran {report.steps_per_s[i]:.1f} steps/s where a typical rank ran "
+        f"{report.typical:.1f} (asynchronous averaging: nobody waited for it, its model lagged and it trained on "
+        "fewer batches)"
+    )
+
+
+def job_rank(comm) -> tuple[int, int]:
+    """This rank's rank and node in the job (not in a process set's communicator)."""
+    return (state.rank(), state.node_rank()) if state.is_initialized() else (comm.rank, 0)
+
+
+def gather_to_rank_0(comm, values: list[float], with_host: bool) -> tuple[torch.Tensor, list[str]] | None:
+    """Send ``values`` (float64) and, ``with_host``, this host's name to rank 0 in one gather (collective over ``comm``).
+
+    Returns rank 0's table (a row of ``values`` per rank) and host names; None elsewhere.
+    """
+    payload = array("d", values).tobytes() + (socket.gethostname().encode()[:255] if with_host else b"")
+    payloads = comm.gather_object(payload, 0)
+    return None if payloads is None else unpack(payloads, len(values))
+
+
 # -- the verdict, on rank 0 -------------------------------------------------------------------
-def unpack(payloads: list[bytes]) -> tuple[torch.Tensor, list[str]]:
-    """Return the table of the ranks' medians (one row of ``FIELDS`` per rank) and the host names they sent.
+def unpack(payloads: list[bytes], num_values: int = len(FIELDS)) -> tuple[torch.Tensor, list[str]]:
+    """Return the table the ranks sent (one row of ``num_values`` per rank: ``FIELDS``) and their host names.
 
     Args:
-        payloads: what each rank sent, in rank order: ``FIELDS`` as float64, then its host
+        payloads: what each rank sent, in rank order: ``num_values`` float64, then its host
             name (UTF-8) in the first report only ("" after).
+        num_values: the numbers in each payload.
     """
-    width = 8 * len(FIELDS)
+    width = 8 * num_values
     table = torch.frombuffer(bytearray(b"".join(p[:width] for p in payloads)), dtype=torch.float64)
-    return table.view(len(payloads), len(FIELDS)), [p[width:].decode(errors="replace") for p in payloads]
+    return table.view(len(payloads), num_values), [p[width:].decode(errors="replace") for p in payloads]
 
 
 def judge(
@@ -555,10 +358,8 @@ def judge(
     step = float(table[:, _F["step"]].median())
     # "lower": a rank's own figure, never one interpolated towards the slow ones (at 2 ranks, 3/4 of the way).
     baseline = float(torch.quantile(compute, BASELINE_QUANTILE, interpolation="lower"))
-    threshold = max(MIN_WAIT_S, MIN_SHARE * step)
     excess = compute - baseline
-    slow = (excess > threshold).nonzero().flatten()
-    slow = slow[excess[slow].argsort(descending=True)].tolist()
+    slow = _slowest(excess, step)
     others = torch.ones(num_ranks, dtype=torch.bool)
     others[slow] = False
     typical = dataclasses.replace(_rank_times(table[others].nanmedian(dim=0).values.tolist(), ""), rank=-1)
@@ -582,11 +383,17 @@ def judge(
 
 
 # _rank_times fills RankTimes in FIELDS' order.
-assert [f.name for f in dataclasses.fields(RankTimes)][2:] == [f"{name}_ms" for name in FIELDS[:_ROW]]
+assert [f.name for f in dataclasses.fields(RankTimes)][2:] == [f"{name}_ms" for name in FIELDS[:NUM_TIMES]]
+
+
+def _slowest(excess: torch.Tensor, step: float) -> list[int]:
+    """Return the indices whose ``excess`` seconds per step exceed both thresholds (``step``: the median step), largest first."""
+    slow = (excess > max(MIN_WAIT_S, MIN_SHARE * step)).nonzero().flatten()
+    return slow[excess[slow].argsort(descending=True)].tolist()
 
 
 def _rank_times(values: list[float], host: str) -> RankTimes:
-    return RankTimes(int(values[_F["rank"]]), host, *(1000.0 * v for v in values[:_ROW]))
+    return RankTimes(int(values[_F["rank"]]), host, *(1000.0 * v for v in values[:NUM_TIMES]))
 
 
 def describe(straggler: Straggler, report: StragglerReport) -> str:
