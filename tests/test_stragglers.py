@@ -315,3 +315,37 @@ def test_rank_0_leaves_the_last_report_for_hpcddp_run(tmp_path, monkeypatch):
     assert line.startswith("straggler: rank 2 (host n0) made the others wait 40 ms per step")
     stragglers.publish(judge(table([5.0, 5.0, 5.0, 5.0]), hosts(4), 21, 40))
     assert stragglers.run_status_lines(str(tmp_path)) == ["no straggler in steps 21-40 (median step 6 ms)"]
+
+
+class RatesComm:
+    """Rank 0 of four under AsyncModelAverager: the others took ``steps`` steps in 1 s; ``off``: ranks whose reports are 0."""
+
+    rank, size = 0, 4
+
+    def __init__(self, steps, off=()):
+        self.steps, self.off = steps, off
+        self.gathers = 0
+
+    def gather_object(self, payload, root):
+        self.gathers += 1
+        return [payload] + [
+            array("d", [steps, 1.0, rank, rank not in self.off]).tobytes() + b"n1"
+            for rank, steps in enumerate(self.steps, start=1)
+        ]
+
+
+def test_asynchronous_averaging_names_the_rank_with_the_fewest_steps_per_second(caplog):
+    comm = RatesComm(steps=(100, 100, 30))
+    with caplog.at_level(logging.WARNING, logger="hpcddp"):
+        report = stragglers.report_step_rates(comm, 100, 1.0)
+    assert report.steps_per_s == (100.0, 100.0, 100.0, 30.0) and report.typical == 100.0
+    assert report.slow == (3,)  # 1/30 s - 1/100 s = 23 ms more per step: over 20 ms and 25 %
+    (record,) = caplog.records
+    assert record.getMessage().startswith("hpcddp: straggler: rank 3 (host n1) ran 30.0 steps/s where a typical")
+
+
+def test_a_rank_whose_reports_are_off_still_gathers_the_step_rates_and_nobody_is_named(caplog):
+    comm = RatesComm(steps=(100, 100, 30), off=(2,))
+    with caplog.at_level(logging.WARNING, logger="hpcddp"):
+        assert stragglers.report_step_rates(comm, 100, 1.0) is None
+    assert comm.gathers == 1 and not caplog.records

@@ -272,18 +272,20 @@ def report_step_rates(comm, num_steps: int, seconds: float) -> StepRateReport | 
 
     For asynchronous averaging, where a fast rank never waits for a slow one: what a slow rank
     costs is that its model lags and its batches are fewer, so the rates are the figure.
-    Returns the report on rank 0, None elsewhere (and when HPCDDP_STRAGGLER_EVERY is 0 or
-    ``comm`` has one rank).
+    Returns the report on rank 0, None elsewhere (and when HPCDDP_STRAGGLER_EVERY is 0 on
+    some rank, or ``comm`` has one rank). The gather runs whatever the setting, so that ranks
+    given different values (mpirun without ``-x`` on other hosts) never split it.
 
     Args:
         comm: the averager's communicator.
         num_steps: optimizer steps this rank took.
         seconds: over how long.
     """
-    if comm.size == 1 or not read_straggler_every(os.environ):
+    if comm.size == 1:
         return None
-    gathered = gather_to_rank_0(comm, [num_steps, seconds, job_rank(comm)[0]], True)
-    if gathered is None:
+    on = read_straggler_every(os.environ) > 0
+    gathered = gather_to_rank_0(comm, [num_steps, seconds, job_rank(comm)[0], on], True)
+    if gathered is None or not bool(gathered[0][:, 3].all()):
         return None
     table, hosts = gathered
     rates = table[:, 0] / table[:, 1].clamp(min=1e-9)
