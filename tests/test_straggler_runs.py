@@ -2,7 +2,8 @@
 
 One launch (tests/straggler_job.py) trains in phases with HPCDDP_STRAGGLER_EVERY=20; 4 ranks
 on 2 cores is oversubscribed, so the balanced phase runs 8 windows to show that the
-thresholds hold under the noise of a loaded machine.
+thresholds hold under the noise of a loaded machine. Then, at 2 ranks, the review's cases:
+scripts that step an optimizer unevenly end as they do with the reports off.
 """
 
 import json
