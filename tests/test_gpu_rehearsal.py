@@ -67,7 +67,7 @@ def test_a_ranks_job_runs_every_test_although_one_fails(monkeypatch):
     )
     commands = []
 
-    def fake_run_mpi(num_ranks, command, timeout, env, cwd):
+    def fake_run_mpi(num_ranks, command, timeout, env, cwd, **kwargs):
         commands.append(command)
         returncode, out = next(launches)
         return MPIRunResult(command, returncode, out, None)

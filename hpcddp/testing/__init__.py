@@ -34,6 +34,7 @@ def run_mpi(
     env: Mapping[str, str] | None = None,
     cwd: str | None = None,
     hostfile: str | None = None,
+    bind: bool = True,
 ) -> MPIRunResult:
     """Run ``args`` on ``num_ranks`` ranks under mpirun and return its result.
 
@@ -44,8 +45,9 @@ def run_mpi(
         env: extra environment variables for the ranks (and mpirun).
         cwd: working directory.
         hostfile: an mpirun hostfile; None runs every rank on this host.
+        bind: bind the ranks to cores on one host (``hpcddp.cli.launch.mpirun_command``).
     """
-    command = mpirun_command(num_ranks, list(args), env=env, hostfile=hostfile)
+    command = mpirun_command(num_ranks, list(args), env=env, hostfile=hostfile, bind=bind)
     full_env = {**os.environ, **(env or {})}
     deadline = time.monotonic() + timeout
     result = _run_once(command, timeout, full_env, cwd)
@@ -121,6 +123,7 @@ def run_script(
     timeout: float,
     env: Mapping[str, str] | None = None,
     cwd: str | None = None,
+    bind: bool = True,
 ) -> MPIRunResult:
     """Write ``source`` (dedented) to ``directory/job.py`` and run it on ``num_ranks`` ranks, unbuffered.
 
@@ -131,12 +134,13 @@ def run_script(
         timeout: seconds before every rank is killed.
         env: extra environment variables for the ranks.
         cwd: working directory.
+        bind: bind the ranks to cores on one host.
     """
     script = os.path.join(directory, "job.py")
     with open(script, "w") as file:
         file.write(textwrap.dedent(source))
     env = {"PYTHONUNBUFFERED": "1", **(env or {})}
-    return run_mpi(num_ranks, [sys.executable, script], timeout=timeout, env=env, cwd=cwd)
+    return run_mpi(num_ranks, [sys.executable, script], timeout=timeout, env=env, cwd=cwd, bind=bind)
 
 
 def run_pytest_on_ranks(

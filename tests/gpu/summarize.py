@@ -1,11 +1,17 @@
 """Print the GPU suite's outcome on one screen, from what run_gpu_suite.sh left in its output folder.
 
     python tests/gpu/summarize.py OUT_DIR STAGES_FILE
+    python tests/gpu/summarize.py --smoke-failures OUT_DIR/smoke.xml
 
 STAGES_FILE has one line per stage, ``name<TAB>status<TAB>seconds<TAB>limit<TAB>note`` (status
-"ok", "failed (exit N)", "timed out", "not run"). The JUnit files (smoke.xml, suite.xml), the
-ranks' outcomes (ranks.json) and the benchmark (bench.json) add the detail. The same text is
-written to OUT_DIR/summary.txt. Exits 0 when every stage that ran passed.
+"ok", "failed (exit N)", "timed out", "skipped" (asked for, RUN_SUITE=0 or RUN_BENCH=0), "not
+run" (something before it failed, or no time was left)). The JUnit files (smoke.xml,
+suite.xml), the ranks' outcomes (ranks.json) and the benchmark (bench.json) add the detail.
+The same text is written to OUT_DIR/summary.txt. Exits 0 when every stage passed or was
+skipped on request; a ranks job whose last launch did not exit 0 fails it too.
+
+``--smoke-failures`` prints which of the smoke test's parts did not pass ("gpu", "mpi",
+"nccl"; space-separated, nothing when all did): run_gpu_suite.sh runs what the rest allows.
 """
 
 from __future__ import annotations
@@ -17,31 +23,63 @@ import xml.etree.ElementTree as ET
 
 #: lines of failure detail per stage, to stay on one screen
 MAX_LISTED = 6
+#: stage statuses that count as passed ("skipped": RUN_SUITE=0 or RUN_BENCH=0 asked for it)
+PASSING = ("ok", "skipped")
+#: the smoke test's parts, by a piece of their test's name (tests/gpu/test_smoke.py)
+SMOKE_PARTS = {"gpu": "the_gpu_and_nccl_are_seen", "mpi": "over_mpi", "nccl": "over_nccl"}
+
+
+def junit_outcomes(path: str) -> dict[str, tuple[str, str]]:
+    """``{test name: (passed|failed|skipped, first line of the failure)}`` of a pytest JUnit file.
+
+    A ``<testcase/>`` without a name (pytest interrupted at a stage's limit writes one) is no test.
+
+    Raises:
+        ET.ParseError: the file is not XML.
+    """
+    outcomes: dict[str, tuple[str, str]] = {}
+    if not os.path.exists(path):
+        return outcomes
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = case.get("name")
+        if not name:
+            continue
+        problem = case.find("failure")
+        if problem is None:
+            problem = case.find("error")
+        if problem is not None:
+            message = (problem.get("message") or problem.text or "").strip().splitlines()
+            outcomes[name] = ("failed", message[0][:150] if message else "")
+        elif case.find("skipped") is not None:
+            outcomes[name] = ("skipped", "")
+        else:
+            outcomes[name] = ("passed", "")
+    return outcomes
 
 
 def junit_counts(path: str) -> tuple[dict[str, int], list[str]]:
     """(passed/failed/skipped counts, "name: first line" per failed test) of a pytest JUnit file."""
     counts = {"passed": 0, "failed": 0, "skipped": 0}
-    failed: list[str] = []
-    if not os.path.exists(path):
-        return counts, failed
     try:
-        root = ET.parse(path).getroot()
+        outcomes = junit_outcomes(path)
     except ET.ParseError as err:
         return counts, [f"{os.path.basename(path)} unreadable: {err}"]
-    for case in root.iter("testcase"):
-        problem = case.find("failure")
-        if problem is None:
-            problem = case.find("error")
-        if problem is not None:
-            counts["failed"] += 1
-            message = (problem.get("message") or problem.text or "").strip().splitlines()
-            failed.append(f"{case.get('name')}: {message[0][:150] if message else ''}")
-        elif case.find("skipped") is not None:
-            counts["skipped"] += 1
-        else:
-            counts["passed"] += 1
+    failed = []
+    for name, (outcome, message) in outcomes.items():
+        counts[outcome] += 1
+        if outcome == "failed":
+            failed.append(f"{name}: {message}")
     return counts, failed
+
+
+def smoke_failures(path: str) -> list[str]:
+    """The smoke test's parts (``SMOKE_PARTS``) that did not pass in ``path``: failed, skipped or missing."""
+    try:
+        outcomes = junit_outcomes(path)
+    except ET.ParseError:
+        outcomes = {}
+    passed = [name for name, (outcome, _) in outcomes.items() if outcome == "passed"]
+    return [part for part, piece in SMOKE_PARTS.items() if not any(piece in name for name in passed)]
 
 
 def _counts_text(counts: dict[str, int]) -> str:
@@ -57,7 +95,7 @@ def summarize(out_dir: str, stages_file: str) -> tuple[list[str], bool]:
         with open(stages_file) as file:
             stages = [line.rstrip("\n").split("\t") for line in file if line.strip()]
     for name, status, seconds, limit, *note in stages:
-        all_ok &= status in ("ok", "not run")
+        all_ok &= status in PASSING
         timing = f"{seconds} s" + (f" of {limit}" if limit else "")
         lines.append(f"{name:<8} {status:<16} {timing:<12} {note[0] if note else ''}".rstrip())
         if name in ("smoke", "suite"):
@@ -66,7 +104,9 @@ def summarize(out_dir: str, stages_file: str) -> tuple[list[str], bool]:
                 lines.append(f"{'':<8} pytest: {_counts_text(counts)}")
             lines += [f"{'':<8}   FAILED {entry}" for entry in failed[:MAX_LISTED]]
         if name == "suite":
-            lines += _ranks_lines(os.path.join(out_dir, "ranks.json"))
+            ranks_lines, ranks_ok = _ranks_lines(os.path.join(out_dir, "ranks.json"))
+            lines += ranks_lines
+            all_ok &= ranks_ok
         if name == "bench":
             lines += _bench_lines(os.path.join(out_dir, "bench.json"))
     lines.append(f"== RESULT: {'PASSED' if all_ok and stages else 'FAILED'}; files in {out_dir}: "
@@ -74,12 +114,13 @@ def summarize(out_dir: str, stages_file: str) -> tuple[list[str], bool]:
     return lines, all_ok and bool(stages)
 
 
-def _ranks_lines(path: str) -> list[str]:
+def _ranks_lines(path: str) -> tuple[list[str], bool]:
+    """The ranks jobs' lines, and False when a job's last launch did not exit 0 (a crash after its tests)."""
     if not os.path.exists(path):
-        return []
+        return [], True
     with open(path) as file:
         jobs = json.load(file)
-    lines = []
+    lines, ok = [], True
     for job, outcome in jobs.items():
         tally: dict[str, int] = {}
         for result in outcome["tests"].values():
@@ -88,9 +129,12 @@ def _ranks_lines(path: str) -> list[str]:
         lines.append(f"{'':<8} {job}: {_counts_text(tally)}, {outcome['seconds']} s, {len(launches)} launch(es)")
         if len(launches) != 1 or not launches[0].startswith("exit 0"):
             lines.append(f"{'':<8}   launches: {'; '.join(launches)}")
+        if not launches or not launches[-1].startswith("exit 0"):
+            ok = False
+            lines.append(f"{'':<8}   FAILED: the job's last launch did not exit 0")
         bad = [nodeid for nodeid, result in outcome["tests"].items() if result in ("failed", "did not finish")]
         lines += [f"{'':<8}   {outcome['tests'][n].upper()} {n.split('::')[-1]}" for n in bad[:MAX_LISTED]]
-    return lines
+    return lines, ok
 
 
 def _bench_lines(path: str) -> list[str]:
@@ -110,8 +154,11 @@ def _bench_lines(path: str) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "--smoke-failures":
+        print(" ".join(smoke_failures(argv[1])))
+        return 0
     if len(argv) != 2:
-        print("usage: python tests/gpu/summarize.py OUT_DIR STAGES_FILE", file=sys.stderr)
+        print("usage: python tests/gpu/summarize.py OUT_DIR STAGES_FILE | --smoke-failures SMOKE_XML", file=sys.stderr)
         return 2
     out_dir, stages_file = argv
     lines, ok = summarize(out_dir, stages_file)

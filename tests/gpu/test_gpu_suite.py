@@ -1,13 +1,18 @@
 """The GPU suite on one GPU: 2 ranks sharing it over mpi, then nccl at world size 1 (mpirun jobs).
 
-Skipped without CUDA. ``HPCDDP_GPU_SUITE_DEVICE=cpu`` runs the 2-rank job on the CPU instead,
-where the tests that need CUDA skip: the rehearsal of the suite's plumbing (tests/gpu/rehearse.sh).
+Without CUDA it fails where ``HPCDDP_GPU_SUITE_DEVICE=cuda`` is set (run_gpu_suite.sh's default) and
+skips where it is unset (a plain ``pytest``). ``HPCDDP_GPU_SUITE_DEVICE=cpu`` runs the 2-rank job on
+the CPU instead, where the tests that need CUDA skip: the rehearsal of the suite's plumbing
+(tests/gpu/rehearse.sh). ``HPCDDP_GPU_SKIP_JOBS`` ("mpi", "nccl") skips the jobs whose smoke
+launch failed.
 
 Every test of a job runs even when one fails: ``hpcddp.testing.ranks`` ends the whole job at a
 rank's first failure (the other ranks would wait in their next collective), so a job that
 ended early is launched again without the tests that already ran, until each test has an
 outcome or the job's time is spent. The outcomes go to ``$HPCDDP_GPU_SUITE_OUT/ranks.json``
-for the summary (tests/gpu/summarize.py).
+for the summary (tests/gpu/summarize.py), after every launch and when the stage's limit
+interrupts one. A job whose last launch did not exit 0 fails, even with every test passed (a
+crash at shutdown).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 from hpcddp.testing import run_mpi
 
 from ..conftest import ROOT
+from .conftest import BIND, UNBOUND_ENV
 
 SUITE_DEVICE = os.environ.get("HPCDDP_GPU_SUITE_DEVICE", "cuda")
 OUT_DIR = os.environ.get("HPCDDP_GPU_SUITE_OUT")
@@ -37,14 +43,21 @@ MIN_LAUNCH_S = 30
 # has time for the tests after it (hpcddp's defaults, 60 s and 1800 s, outlast the limits).
 HANG_LIMITS = {"HPCDDP_STALL_TIMEOUT": "30", "HPCDDP_STALL_ABORT_AFTER": "60", "HPCDDP_DIST_TIMEOUT": "90"}
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        SUITE_DEVICE == "cuda" and not torch.cuda.is_available(),
-        reason=f"no CUDA GPU here (torch {torch.__version__}): tests/gpu/run_gpu_suite.sh runs this suite on a GPU "
-        "machine; HPCDDP_GPU_SUITE_DEVICE=cpu rehearses its CPU-runnable part",
-    ),
-]
+#: the jobs run_gpu_suite.sh skips because their smoke launch failed ("mpi", "nccl")
+SKIPPED_JOBS = os.environ.get("HPCDDP_GPU_SKIP_JOBS", "").split()
+
+pytestmark = [pytest.mark.gpu]
+
+
+@pytest.fixture(autouse=True)
+def _cuda_where_the_suite_asks_for_it():
+    """No CUDA: a failure where run_gpu_suite.sh asked for it (a device that lost its GPU must not pass), else a skip."""
+    if SUITE_DEVICE != "cuda" or torch.cuda.is_available():
+        return
+    reason = f"no CUDA GPU here (torch {torch.__version__}, CUDA {torch.version.cuda})"
+    if os.environ.get("HPCDDP_GPU_SUITE_DEVICE") == "cuda":
+        pytest.fail(f"{reason}, and HPCDDP_GPU_SUITE_DEVICE=cuda asks for one (cpu rehearses its CPU part)")
+    pytest.skip(f"{reason}: tests/gpu/run_gpu_suite.sh runs this suite on a GPU machine")
 
 # A test's id as pytest -v prints it; a stall report or a killed launch's command line may name
 # one too, followed by punctuation.
@@ -55,7 +68,9 @@ _ABORTED = re.compile(rf"\[rank (\d+)\] FAILED ({_NODEID})")
 _COLLECTION_ERROR = re.compile(r"\[rank \d+\] ERROR collecting")
 
 
-def run_job_to_the_end(num_ranks: int, path: str, env: dict[str, str], limit_s: float) -> dict:
+def run_job_to_the_end(
+    num_ranks: int, path: str, env: dict[str, str], limit_s: float, on_launch=lambda outcome: None
+) -> dict:
     """Run ``path``'s tests on ``num_ranks`` ranks, relaunching after a failure until each test has an outcome.
 
     Returns ``{"tests": {nodeid: outcome}, "launches": [how each ended], "seconds": s, "tails": [the
@@ -67,19 +82,34 @@ def run_job_to_the_end(num_ranks: int, path: str, env: dict[str, str], limit_s: 
         path: the test file, relative to the repository root.
         env: more environment variables for the ranks.
         limit_s: seconds for all launches together.
+        on_launch: called with the outcome so far after each launch, and before a
+            KeyboardInterrupt (the stage's SIGTERM) is raised on.
     """
     started_at = time.monotonic()
     deadline = started_at + limit_s
     outcomes: dict[str, str] = {}
     launches: list[str] = []
     tails: list[str] = []
+
+    def so_far() -> dict:
+        return {"tests": outcomes, "launches": launches, "seconds": round(time.monotonic() - started_at), "tails": tails}
+
     while deadline - time.monotonic() >= MIN_LAUNCH_S:
         launched = time.monotonic()
         command = [sys.executable, "-m", "pytest", "-v", "-rs", "--color=no", "-p", "no:cacheprovider"]
         command += ["-p", "hpcddp.testing.ranks", path]
         command += [arg for nodeid in outcomes for arg in ("--deselect", nodeid)]
-        job_env = {"HPCDDP_MPI_TESTS": "1", "PYTHONUNBUFFERED": "1", **HANG_LIMITS, **env}
-        result = run_mpi(num_ranks, command, timeout=deadline - time.monotonic(), env=job_env, cwd=ROOT)
+        job_env = {"HPCDDP_MPI_TESTS": "1", "PYTHONUNBUFFERED": "1", **HANG_LIMITS, **UNBOUND_ENV, **env}
+        try:
+            result = run_mpi(
+                num_ranks, command, timeout=deadline - time.monotonic(), env=job_env, cwd=ROOT, bind=BIND
+            )  # fmt: skip
+        except KeyboardInterrupt:
+            # run_mpi ended the job (its output goes with it): keep what the launches before it found.
+            launches.append(f"interrupted by the stage's limit after {time.monotonic() - launched:.0f} s")
+            tails.append(f"[interrupted] the launch had run {time.monotonic() - launched:.0f} s: {' '.join(command)}")
+            on_launch(so_far())
+            raise
         out = result.stdout
         ended = "killed at the job's limit" if result.timed_out else f"exit {result.returncode}"
         launches.append(f"{ended} after {time.monotonic() - launched:.0f} s")
@@ -93,9 +123,10 @@ def run_job_to_the_end(num_ranks: int, path: str, env: dict[str, str], limit_s: 
             outcomes[nodeid] = "failed"
         for nodeid in _STARTED.findall(out):
             outcomes.setdefault(nodeid, "did not finish")
+        on_launch(so_far())
         if result.returncode == 0 or _COLLECTION_ERROR.search(out) or len(outcomes) == before:
             break  # done, or nothing would run differently in another launch
-    return {"tests": outcomes, "launches": launches, "seconds": round(time.monotonic() - started_at), "tails": tails}
+    return so_far()
 
 
 def _record(job: str, outcome: dict) -> None:
@@ -108,6 +139,8 @@ def _record(job: str, outcome: dict) -> None:
         with open(path) as file:
             jobs = json.load(file)
     jobs[job] = {key: value for key, value in outcome.items() if key != "tails"}
+    if outcome["tails"]:  # the end of the last failed launch's output, for a job interrupted or crashed
+        jobs[job]["last_failed_tail"] = outcome["tails"][-1][-2000:]
     with open(path, "w") as file:
         json.dump(jobs, file, indent=1)
 
@@ -121,21 +154,28 @@ def _assert_all_passed(job: str, outcome: dict) -> None:
     failed_launches = "".join(f"\n--- a failed launch's last lines ---\n{tail}" for tail in outcome["tails"])
     assert tests, f"{job}: no test reported a result{failed_launches}"
     assert not bad, f"{job}: {len(bad)} of {len(tests)} did not pass: {bad}{failed_launches}"
+    last = outcome["launches"][-1]
+    assert last.startswith("exit 0"), f"{job}: every test passed but its last launch ended '{last}'{failed_launches}"
+
+
+def _run_and_record(job: str, num_ranks: int, path: str, env: dict[str, str], limit_s: float) -> None:
+    outcome = run_job_to_the_end(num_ranks, path, env, limit_s, on_launch=lambda so_far: _record(job, so_far))
+    _assert_all_passed(job, outcome)
 
 
 def test_two_ranks_sharing_the_gpu_over_mpi():
+    if "mpi" in SKIPPED_JOBS:
+        pytest.skip("the smoke test's mpi launch failed (HPCDDP_GPU_SKIP_JOBS)")
     env = {"HPCDDP_BACKEND": "mpi", "HPCDDP_GPU_SUITE_DEVICE": SUITE_DEVICE}
     if SUITE_DEVICE == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
-    outcome = run_job_to_the_end(2, "tests/gpu/ranks/test_mpi_ranks.py", env, MPI_JOB_LIMIT_S)
-    _record("mpi, 2 ranks", outcome)
-    _assert_all_passed("mpi, 2 ranks", outcome)
+    _run_and_record("mpi, 2 ranks", 2, "tests/gpu/ranks/test_mpi_ranks.py", env, MPI_JOB_LIMIT_S)
 
 
 def test_nccl_at_world_size_one():
     if SUITE_DEVICE != "cuda":
         pytest.skip("nccl needs CUDA")
+    if "nccl" in SKIPPED_JOBS:
+        pytest.skip("the smoke test's nccl launch failed (HPCDDP_GPU_SKIP_JOBS)")
     env = {"HPCDDP_BACKEND": "nccl", "HPCDDP_GPU_SUITE_DEVICE": "cuda"}
-    outcome = run_job_to_the_end(1, "tests/gpu/ranks/test_nccl_rank.py", env, NCCL_JOB_LIMIT_S)
-    _record("nccl, 1 rank", outcome)
-    _assert_all_passed("nccl, 1 rank", outcome)
+    _run_and_record("nccl, 1 rank", 1, "tests/gpu/ranks/test_nccl_rank.py", env, NCCL_JOB_LIMIT_S)
