@@ -108,7 +108,7 @@ class StepTimeRecorder:
             raise ValueError(f"every must be > 0, got {every}")
         global _num_recorders
         _num_recorders += 1
-        #: which recorder of this process this is (the same on every rank: optimizers are made collectively)
+        #: which recorder of this process this is: rank 0's lines name the optimizer by it (DistributedOptimizer #2)
         self.number = _num_recorders
         self.every = every
         self._record_timeline = record_timeline
