@@ -24,14 +24,12 @@ import sys
 import time
 
 import pytest
-import torch
 
 from hpcddp.testing import run_mpi
 
 from ..conftest import ROOT
-from .conftest import BIND, UNBOUND_ENV
+from .conftest import BIND, SUITE_DEVICE, UNBOUND_ENV
 
-SUITE_DEVICE = os.environ.get("HPCDDP_GPU_SUITE_DEVICE", "cuda")
 OUT_DIR = os.environ.get("HPCDDP_GPU_SUITE_OUT")
 # Each job's limit, all its launches together; with the smoke stage and the benchmark, inside
 # run_gpu_suite.sh's limits on the GPU machine. The rehearsal on a busy CPU machine gives more.
@@ -46,18 +44,8 @@ HANG_LIMITS = {"HPCDDP_STALL_TIMEOUT": "30", "HPCDDP_STALL_ABORT_AFTER": "60", "
 #: the jobs run_gpu_suite.sh skips because their smoke launch failed ("mpi", "nccl")
 SKIPPED_JOBS = os.environ.get("HPCDDP_GPU_SKIP_JOBS", "").split()
 
-pytestmark = [pytest.mark.gpu]
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_where_the_suite_asks_for_it")]
 
-
-@pytest.fixture(autouse=True)
-def _cuda_where_the_suite_asks_for_it():
-    """No CUDA: a failure where run_gpu_suite.sh asked for it (a device that lost its GPU must not pass), else a skip."""
-    if SUITE_DEVICE != "cuda" or torch.cuda.is_available():
-        return
-    reason = f"no CUDA GPU here (torch {torch.__version__}, CUDA {torch.version.cuda})"
-    if os.environ.get("HPCDDP_GPU_SUITE_DEVICE") == "cuda":
-        pytest.fail(f"{reason}, and HPCDDP_GPU_SUITE_DEVICE=cuda asks for one (cpu rehearses its CPU part)")
-    pytest.skip(f"{reason}: tests/gpu/run_gpu_suite.sh runs this suite on a GPU machine")
 
 # A test's id as pytest -v prints it; a stall report or a killed launch's command line may name
 # one too, followed by punctuation.
@@ -92,7 +80,12 @@ def run_job_to_the_end(
     tails: list[str] = []
 
     def so_far() -> dict:
-        return {"tests": outcomes, "launches": launches, "seconds": round(time.monotonic() - started_at), "tails": tails}
+        return {
+            "tests": outcomes,
+            "launches": launches,
+            "seconds": round(time.monotonic() - started_at),
+            "tails": tails,
+        }
 
     while deadline - time.monotonic() >= MIN_LAUNCH_S:
         launched = time.monotonic()

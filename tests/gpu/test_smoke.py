@@ -16,25 +16,14 @@ import torch
 
 from hpcddp.testing import run_script
 
-from .conftest import BIND, UNBOUND_ENV
+from .conftest import BIND, SUITE_DEVICE, UNBOUND_ENV
 
-SUITE_DEVICE = os.environ.get("HPCDDP_GPU_SUITE_DEVICE", "cuda")
 #: one launch's limit: two fit in the stage's 120 s (run_gpu_suite.sh); 17-57 s measured on
 #: 2 busy CPU cores in the rehearsal
 LAUNCH_LIMIT_S = float(os.environ.get("HPCDDP_GPU_SMOKE_LAUNCH_S", "50"))
 
-pytestmark = [pytest.mark.gpu]
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_where_the_suite_asks_for_it")]
 
-
-@pytest.fixture(autouse=True)
-def _cuda_where_the_suite_asks_for_it():
-    """No CUDA: a failure where run_gpu_suite.sh asked for it (a device that lost its GPU must not pass), else a skip."""
-    if SUITE_DEVICE != "cuda" or torch.cuda.is_available():
-        return
-    reason = f"no CUDA GPU here (torch {torch.__version__}, CUDA {torch.version.cuda})"
-    if os.environ.get("HPCDDP_GPU_SUITE_DEVICE") == "cuda":
-        pytest.fail(f"{reason}, and HPCDDP_GPU_SUITE_DEVICE=cuda asks for one (cpu rehearses on the CPU)")
-    pytest.skip(f"{reason}: tests/gpu/run_gpu_suite.sh runs this on a GPU machine")
 
 # Every rank checks its own result and exits 1 on a wrong one; mpirun then fails the launch.
 ALLREDUCE_JOB = """
