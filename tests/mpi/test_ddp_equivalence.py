@@ -440,7 +440,9 @@ class SparseEmbedding(torch.nn.Module):
 def test_sparse_gradients_reach_the_optimizer_sparse_as_with_ddp(gloo, optimizer_cls):
     generator = torch.Generator().manual_seed(300 + hpcddp.rank())
     # Each rank touches a different set of rows; some rows no rank touches.
-    data = [(torch.randint(0, 30, (8, 3), generator=generator), torch.randn(8, 6, generator=generator)) for _ in range(6)]
+    data = [
+        (torch.randint(0, 30, (8, 3), generator=generator), torch.randn(8, 6, generator=generator)) for _ in range(6)
+    ]
     reference = SparseEmbedding()
     ddp = DDP(reference)
     reference_optimizer = optimizer_cls(ddp.parameters(), lr=0.05)
@@ -459,14 +461,18 @@ def test_sparse_gradients_reach_the_optimizer_sparse_as_with_ddp(gloo, optimizer
 @pytest.mark.parametrize("how", ["a backward before wrapping", "step(closure)"])
 def test_sparse_adam_trains_as_with_ddp_when_the_gradient_predates_the_optimizer_or_comes_from_a_closure(gloo, how):
     generator = torch.Generator().manual_seed(400 + hpcddp.rank())
-    data = [(torch.randint(0, 30, (8, 3), generator=generator), torch.randn(8, 6, generator=generator)) for _ in range(4)]
+    data = [
+        (torch.randint(0, 30, (8, 3), generator=generator), torch.randn(8, 6, generator=generator)) for _ in range(4)
+    ]
     reference, model = SparseEmbedding(), SparseEmbedding()
     ddp = DDP(reference)
     if how == "a backward before wrapping":  # the sparse gradient is in place when the buckets are built
         for net in (ddp, model):
             F.mse_loss(net(data[0][0]), data[0][1]).backward()
     reference_optimizer = torch.optim.SparseAdam(ddp.parameters(), lr=0.05)
-    optimizer = hpcddp.DistributedOptimizer(torch.optim.SparseAdam(model.parameters(), lr=0.05), model.named_parameters())
+    optimizer = hpcddp.DistributedOptimizer(
+        torch.optim.SparseAdam(model.parameters(), lr=0.05), model.named_parameters()
+    )
     for ids, target in data:
         for net, opt in ((ddp, reference_optimizer), (model, optimizer)):
 
