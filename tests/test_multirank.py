@@ -67,3 +67,21 @@ def test_a_job_that_fails_by_itself_is_not_launched_again(monkeypatch):
     monkeypatch.setattr(testing, "_run_once", run_once)
     assert run_mpi(2, [sys.executable, "-c", "pass"], timeout=120).returncode == 1
     assert len(calls) == 1
+
+
+def test_a_job_ended_by_hpcddp_inside_a_test_shows_why(tmp_path):
+    # pytest holds fd 2 while a test runs: without the ranks plugin's abort callback the reason hpcddp
+    # writes before MPI_Abort ended with the process, unseen.
+    (tmp_path / "test_ends.py").write_text(
+        "import hpcddp\n"
+        "from hpcddp.fault.abort import abort_job\n\n\n"
+        "def test_ends_the_job():\n"
+        "    print('printed by the test')\n"
+        "    if hpcddp.rank() == 1:\n"
+        "        abort_job('[hpcddp rank 1] the reason for the abort', use_mpi=True)\n"
+        "    hpcddp.barrier()\n"
+    )
+    result = run_pytest_on_ranks(2, [str(tmp_path / "test_ends.py")], timeout=120, cwd=str(tmp_path))
+    assert result.returncode != 0
+    assert "[rank 1] the job ends inside test_ends.py::test_ends_the_job; it printed:" in result.stdout, result.stdout
+    assert "printed by the test" in result.stdout and "the reason for the abort" in result.stdout, result.stdout
