@@ -14,15 +14,20 @@ Only CUDA calls live here; CPU-only torch never reaches them (``is_cuda_tensor``
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
 
 import torch
 
-__all__ = ["GpuCompletion", "current_cuda_device", "is_cuda_tensor", "use_cuda_device"]
+__all__ = ["GpuCompletion", "current_cuda_device", "is_cuda_tensor", "set_rank_cuda_device", "use_cuda_device"]
+
+log = logging.getLogger("hpcddp")
 
 _lock = threading.Lock()
+#: the rank's GPU index, set by ``init()`` (``hpcddp.runtime.bootstrap``); None on the CPU
+_rank_device: int | None = None
 _side_streams: dict[torch.device, Any] = {}
 _anchors: dict[torch.device, tuple[Any, float]] = {}
 
@@ -34,9 +39,27 @@ def is_cuda_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.is_cuda
 
 
+def set_rank_cuda_device(index: int | None) -> None:
+    """Record the rank's GPU (``init()`` calls this after ``torch.cuda.set_device``), or None on the CPU.
+
+    Args:
+        index: the rank's CUDA device index, or None where the rank runs on the CPU.
+    """
+    global _rank_device
+    _rank_device = index
+
+
 def current_cuda_device() -> int | None:
-    """The CUDA device this thread works on (``init()`` set the rank's), or None where CUDA was never started."""
-    return torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    """The CUDA device a thread made now must work on, or None where CUDA was never started.
+
+    The rank's GPU once ``init()`` chose one, whatever device the calling thread has
+    selected at the moment: a communicator made inside ``with torch.cuda.device(k)`` must
+    not send its communication thread's work to cuda:k for good. Before ``init()`` (or
+    on the CPU), the calling thread's current device.
+    """
+    if not torch.cuda.is_initialized():
+        return None
+    return _rank_device if _rank_device is not None else torch.cuda.current_device()
 
 
 def use_cuda_device(index: int | None) -> None:
@@ -44,10 +67,24 @@ def use_cuda_device(index: int | None) -> None:
 
     The current device is per thread and a new thread starts on cuda:0: without this, a
     future callback run on a communication thread (a DDP comm hook's division, say) would
-    queue its kernels on cuda:0 on a node where this rank owns another GPU.
+    queue its kernels on cuda:0 on a node where this rank owns another GPU. A failure is
+    logged as an error naming the thread and the device, and the thread goes on on its
+    current device: raised here, it would end a communication thread whose queue other
+    threads wait for (a hang), with only a traceback on stderr to say why.
+
+    Args:
+        index: the device index, or None to leave the thread's device as it is.
     """
-    if index is not None:
+    if index is None:
+        return
+    try:
         torch.cuda.set_device(index)
+    except Exception as err:  # noqa: BLE001 - reported, and the thread keeps serving its queue
+        log.error(
+            "hpcddp: thread %s could not select cuda:%d (%s: %s): its GPU work runs on its current device "
+            "instead; check CUDA_VISIBLE_DEVICES and that device %d exists on this node",
+            threading.current_thread().name, index, type(err).__name__, err, index,
+        )  # fmt: skip
 
 
 def _device_of(value: Any) -> torch.device:

@@ -13,6 +13,7 @@ import logging
 
 import torch
 
+from ..comm._cuda_events import set_rank_cuda_device
 from ..comm.base import Communicator
 from ..comm.mpi.waits import share_cores
 from ..env import ClusterEnvironment, RankLayout, detect_environment
@@ -67,6 +68,9 @@ def start(config: InitConfig) -> Runtime:
     device = placed.device
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    # Communication threads take this device, not the one selected where they are made (a
+    # communicator made under `with torch.cuda.device(k)`): CUDA's current device is per thread.
+    set_rank_cuda_device(device.index if device.type == "cuda" else None)
     export_layout(environment, layout)
     export_rendezvous(environment.away_from(environment.rendezvous(config.interface), taken))
     comm = _create_communicator(
