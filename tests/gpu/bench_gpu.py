@@ -1,18 +1,20 @@
-"""Time one training step on one GPU: no wrapper, torch DDP and hpcddp, at world size 1 over nccl, bf16 autocast.
+"""Time one training step on one GPU: no wrapper, torch DDP and hpcddp, over nccl's group of one, bf16 autocast.
 
     python tests/gpu/bench_gpu.py --out $OUT/bench.json      # run_gpu_suite.sh runs it after the suite
 
-At world size 1 neither DDP nor hpcddp has another rank to wait for, so what the wrappers
-add to a step (hooks, bucket copies, launches, host syncs) shows here and nowhere else. Two
-models: a ResNet-50 (built here, the same layers as torchvision's, 25.6 M parameters, channels
-last) and a stack of pre-norm transformer encoder blocks. Each variant keeps its own copy of
-the model and optimizer; the variants' timed runs are interleaved (a different order each
-round) and each figure is the median over rounds of the mean step of a run.
+With one GPU neither DDP nor hpcddp has another rank to wait for, so what the wrappers add to
+a step (hooks, bucket copies, launches, host syncs) shows here and nowhere else. DDP reduces
+its buckets over the real group of one. A DistributedOptimizer at world size 1 makes no
+buckets, so hpcddp's runs on a communicator over that same group that claims two ranks
+(``tests.gpu.one_gpu.claiming_two_ranks``): its whole bucket path runs, each bucket an NCCL
+allreduce over one rank, as DDP's. Two models: a ResNet-50 (built here, the same layers as
+torchvision's, 25.6 M parameters, channels last) and a stack of pre-norm transformer encoder
+blocks. Each variant keeps its own copy of the model and optimizer; the variants' timed runs
+are interleaved (a different order each round) and each figure is the median over rounds of
+the mean step of a run.
 
-Host syncs per step are counted apart from the timed runs with torch's sync debug mode
-(``torch.cuda.set_sync_debug_mode("warn")``: one warning per synchronizing CUDA call torch
-makes, such as a device-to-host copy (``.item()``, ``.tolist()``) or a stream synchronize;
-an event's synchronize is not one), over steady-state steps.
+Host syncs per step are counted apart from the timed runs, over steady-state steps
+(``tests.gpu.one_gpu.host_syncs``: torch's sync debug mode).
 
 ``HPCDDP_GPU_SUITE_DEVICE=cpu`` (the rehearsal) runs tiny sizes on the CPU over gloo: it proves
 the script, not the speed.
@@ -29,7 +31,6 @@ import random
 import statistics
 import sys
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 import hpcddp  # noqa: E402 - after the repository root is on the path
+from tests.gpu.one_gpu import claiming_two_ranks, host_syncs  # noqa: E402
 
 VARIANTS = ("plain", "ddp", "hpcddp")
 
@@ -132,14 +134,16 @@ def workloads(device: torch.device, tiny: bool, args) -> list[dict]:
     ]
 
 
-def make_variant(kind: str, work: dict, device: torch.device):
+def make_variant(kind: str, work: dict, device: torch.device, backend: str):
     """Return ``step()`` for one variant over its own copy of the model and optimizer."""
     model = copy.deepcopy(work["model"])
     optimizer = work["optimizer"](model.parameters())
     if kind == "ddp":
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     elif kind == "hpcddp":
-        optimizer = hpcddp.DistributedOptimizer(optimizer, model.named_parameters())
+        # Its own communicator: a second optimizer's gradient channel on one would make every bucket agree.
+        communicator = claiming_two_ranks(backend, device)
+        optimizer = hpcddp.DistributedOptimizer(optimizer, model.named_parameters(), communicator=communicator)
     inputs, loss_of = work["inputs"], work["loss"]
 
     def step() -> None:
@@ -168,25 +172,15 @@ def time_steps(step, steps: int, device: torch.device) -> float:
 
 
 def count_host_syncs(step, steps: int, device: torch.device) -> list[int] | None:
-    """Synchronizing CUDA calls torch made in each of ``steps`` steps (sync debug mode), None off CUDA."""
+    """Synchronizing CUDA calls torch made in each of ``steps`` steps, None off CUDA."""
     if device.type != "cuda":
         return None
-    counts = []
-    for _ in range(steps):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        counts.append(sum("synchroniz" in str(w.message) for w in caught))
-    return counts
+    return [len(causes) for causes in host_syncs(step, steps)]
 
 
-def bench(work: dict, device: torch.device, args, deadline: float) -> dict:
+def bench(work: dict, device: torch.device, backend: str, args, deadline: float) -> dict:
     """Interleaved timed runs of the three variants of one workload; medians, ratios and host syncs."""
-    steps = {kind: make_variant(kind, work, device) for kind in VARIANTS}
+    steps = {kind: make_variant(kind, work, device, backend) for kind in VARIANTS}
     for step, _ in steps.values():  # buckets, caches, cuDNN's choice of algorithms
         for _ in range(args.warmup):
             step()
@@ -201,9 +195,10 @@ def bench(work: dict, device: torch.device, args, deadline: float) -> dict:
             samples[kind].append(time_steps(steps[kind][0], args.steps, device))
         if time.perf_counter() > deadline:
             break
-    for kind, (_, optimizer) in steps.items():
-        if kind == "hpcddp":
-            optimizer.close()
+    buckets = len(steps["hpcddp"][1].buckets)
+    steps["hpcddp"][1].close()
+    if buckets == 0:
+        raise RuntimeError(f"{work['name']}: hpcddp's optimizer made no buckets, so its bucket path was not timed")
     median = {kind: statistics.median(values) for kind, values in samples.items()}
     return {
         "model": work["name"],
@@ -211,6 +206,7 @@ def bench(work: dict, device: torch.device, args, deadline: float) -> dict:
         "parameters": sum(p.numel() for p in work["model"].parameters()),
         "rounds": len(samples["plain"]),
         "steps_per_run": args.steps,
+        "hpcddp_buckets": buckets,
         "median_ms": {kind: round(value * 1e3, 3) for kind, value in median.items()},
         "runs_ms": {kind: [round(v * 1e3, 3) for v in values] for kind, values in samples.items()},
         "hpcddp_over_ddp": round(median["hpcddp"] / median["ddp"], 4),
@@ -258,7 +254,7 @@ def main(argv=None) -> int:
         while planned:
             work = planned.pop(0)
             share = (args.budget_s - (time.perf_counter() - started)) / (len(planned) + 1)
-            results.append(bench(work, device, args, deadline=time.perf_counter() + share))
+            results.append(bench(work, device, backend, args, deadline=time.perf_counter() + share))
             del work
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -271,8 +267,10 @@ def main(argv=None) -> int:
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
         "backend": backend,
         "world_size": 1,
+        "hpcddp_communicator": "claims 2 ranks over the group of one (tests/gpu/one_gpu.py): its buckets run",
         "autocast": "bfloat16",
-        "host_syncs_method": "torch.cuda.set_sync_debug_mode('warn'), warnings counted per steady-state step",
+        "host_syncs_method": "torch.cuda.set_sync_debug_mode('warn'), warnings counted per steady-state step "
+        "(tests/gpu/one_gpu.py host_syncs)",
         "seconds": round(time.perf_counter() - started, 1),
         "results": results,
     }
@@ -281,7 +279,8 @@ def main(argv=None) -> int:
         sync_text = ", ".join(f"{kind} {max(syncs[kind])}" for kind in VARIANTS) if syncs["plain"] else "n/a off CUDA"
         print(
             f"[bench] {row['model']:<11} plain {ms['plain']:9.2f} ms  ddp {ms['ddp']:9.2f} ms  hpcddp {ms['hpcddp']:9.2f}"
-            f" ms  hpcddp/ddp {row['hpcddp_over_ddp']:.3f}  host syncs/step: {sync_text}"
+            f" ms  hpcddp/ddp {row['hpcddp_over_ddp']:.3f}  hpcddp buckets {row['hpcddp_buckets']}"
+            f"  host syncs/step: {sync_text}"
             f"  ({row['rounds']} rounds x {row['steps_per_run']} steps; {row['shape']})"
         )
     if args.out:

@@ -148,7 +148,7 @@ def _bench_lines(path: str) -> list[str]:
         sync_text = f"host syncs/step hpcddp {max(syncs['hpcddp'])} ddp {max(syncs['ddp'])}" if syncs["plain"] else ""
         lines.append(
             f"{'':<8} {row['model']:<11} plain {ms['plain']:.2f} ddp {ms['ddp']:.2f} hpcddp {ms['hpcddp']:.2f} ms"
-            f"  hpcddp/ddp {row['hpcddp_over_ddp']:.3f}  {sync_text}".rstrip()
+            f"  hpcddp/ddp {row['hpcddp_over_ddp']:.3f}  {row.get('hpcddp_buckets', '?')} buckets  {sync_text}".rstrip()
         )
     return lines
 
