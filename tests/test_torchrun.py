@@ -511,3 +511,34 @@ def test_the_mpi_warning_stays_where_rank_or_size_is_not_mpis():
         warnings.simplefilter("always")
         supply_store(init_process_group, world, lambda: False)("mpi", rank=1, world_size=2)
     assert caught
+
+
+LOCAL_RANKS = """
+import os
+import hpcddp
+
+announced = os.environ["LOCAL_RANK"]  # what the script saw before hpcddp.init(), from the launcher
+hpcddp.init()
+print("LOCAL", hpcddp.rank(), announced, os.environ["OMPI_COMM_WORLD_LOCAL_RANK"], hpcddp.local_rank(), flush=True)
+hpcddp.shutdown()
+"""
+
+
+def test_the_local_rank_a_script_saw_before_init_is_hpcddps_under_an_oversubscribed_mpirun(tmp_path, monkeypatch):
+    # Open MPI 5 numbers a node's ranks out of rank order when it oversubscribes (4 ranks on
+    # 2 cores: ranks 1 and 2 get local ranks 2 and 1); a script that chose its GPU from
+    # LOCAL_RANK must find the same local rank in hpcddp, and no warning that it changed.
+    for name in (*TORCHRUN_NAMES, "MASTER_PORT", "GROUP_WORLD_SIZE", "PYTHONPATH"):
+        monkeypatch.delenv(name, raising=False)
+    script = tmp_path / "job.py"
+    script.write_text(LOCAL_RANKS)
+    # mpirun as a user types it (binding to cores, which is what reorders), not hpcddp's own command
+    command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "4", sys.executable, str(script)]
+    result = run_command(command, LIMIT_S, env={"OMPI_MCA_mpi_yield_when_idle": "1"}, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-5000:]
+    rows = sorted(line.split()[1:] for line in result.stdout.splitlines() if line.startswith("LOCAL "))
+    assert len(rows) == 4, result.stdout[-5000:]
+    for rank, before, launcher, after in rows:
+        assert before == launcher == after, (rank, before, launcher, after)
+    assert sorted(int(row[3]) for row in rows) == [0, 1, 2, 3]
+    assert "overriding LOCAL_RANK" not in result.stdout, result.stdout[-3000:]

@@ -16,7 +16,14 @@ from .network import (
     socket_ifname_hint,
 )
 
-__all__ = ["MPIEnvironment", "announced_ranks", "check_launcher_agrees", "find_free_port", "singleton_under_slurm"]
+__all__ = [
+    "MPIEnvironment",
+    "announced_ranks",
+    "check_launcher_agrees",
+    "find_free_port",
+    "node_order_key",
+    "singleton_under_slurm",
+]
 
 # What MPI launchers tell each rank before MPI starts: (rank, size, local rank, local size).
 # Open MPI's mpirun, MVAPICH, MPICH's Hydra and Intel MPI. None of them names the node's
@@ -49,6 +56,25 @@ def announced_ranks(environ: Mapping[str, str]) -> tuple[int, int, int, int] | N
             rank, size, local_rank, local_size = (read_int(environ, name) for name in names)
             return rank, size, local_rank, local_size
     return None
+
+
+def node_order_key(environ: Mapping[str, str], comm) -> int:
+    """Return the key that orders ``comm``'s ranks within their node: the launcher's local rank, else the rank.
+
+    A rank's Python learns LOCAL_RANK from the launcher before MPI starts (torchrun's
+    variables, exported before the script), and scripts pick their GPU from it. Open MPI 5
+    does not number a node's ranks in rank order when it oversubscribes (``mpirun -np 4
+    --oversubscribe`` on two cores: ranks 1 and 2 get local ranks 2 and 1), so splitting the
+    node by rank would give a rank another local rank, and another device, than its script chose.
+
+    Args:
+        environ: the environment to read.
+        comm: the mpi4py communicator being split; the launcher's numbers hold only for the whole job.
+    """
+    announced = announced_ranks(environ)
+    if announced is not None and announced[:2] == (comm.Get_rank(), comm.Get_size()):
+        return announced[2]
+    return comm.Get_rank()
 
 
 def singleton_under_slurm(environ: Mapping[str, str], mpi_size: int) -> bool:
@@ -114,7 +140,7 @@ class MPIEnvironment(ClusterEnvironment):
     def _compute_layout(self) -> RankLayout:
         MPI = import_mpi()
         comm = self._comm
-        node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=node_order_key(self.environ, comm))
         try:
             local_rank, local_size = node_comm.Get_rank(), node_comm.Get_size()
             # The local leaders (local rank 0) number the nodes in rank order.

@@ -54,7 +54,7 @@ def start(config: InitConfig) -> Runtime:
     mpi_comm = environment.mpi_comm
     if mpi_comm is not None:
         # Every rank gathers (a collective), so that ranks seeing different GPU counts cannot hang.
-        me, node_peers = _gather_node_peers(mpi_comm)
+        me, node_peers = _gather_node_peers(mpi_comm, environment.environ)
     else:
         me = layout.local_rank
         node_peers = assumed_node_peers(describe_self(), layout, gpus_bound_per_task(environment.environ))
@@ -82,11 +82,12 @@ def start(config: InitConfig) -> Runtime:
     return Runtime(config, environment, layout, device, comm, threads)
 
 
-def _gather_node_peers(mpi_comm) -> tuple[int, list[NodePeer]]:
+def _gather_node_peers(mpi_comm, environ) -> tuple[int, list[NodePeer]]:
     """This rank's position among its node's ranks, and what each of them sees (in local-rank order)."""
+    from ..env.mpi import node_order_key
     from ..env.mpi_import import import_mpi
 
-    node = mpi_comm.Split_type(import_mpi().COMM_TYPE_SHARED, key=mpi_comm.Get_rank())
+    node = mpi_comm.Split_type(import_mpi().COMM_TYPE_SHARED, key=node_order_key(environ, mpi_comm))
     try:
         return node.Get_rank(), node.allgather(describe_self())
     finally:
