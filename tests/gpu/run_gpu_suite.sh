@@ -25,10 +25,13 @@ OUT_DIR=${OUT:-/tmp/hpcddp-gpu-out}       # the device tool's $OUT when set: the
 TOTAL_LIMIT_S=${TOTAL_LIMIT_S:-560}       # the whole script: inside the device tool's 600 s per command
 PROBE_LIMIT_S=${PROBE_LIMIT_S:-60}        # each look around (nvidia-smi, torch's import, mpi4py)
 INSTALL_LIMIT_S=${INSTALL_LIMIT_S:-120}
-SMOKE_LIMIT_S=${SMOKE_LIMIT_S:-120}       # 2 launches of 50 s at most (HPCDDP_GPU_SMOKE_LAUNCH_S) and the GPU check
-export HPCDDP_GPU_SMOKE_LAUNCH_S=${HPCDDP_GPU_SMOKE_LAUNCH_S:-50}
-SUITE_LIMIT_S=${SUITE_LIMIT_S:-330}       # split 60/30 between the mpi and the nccl job (test_gpu_suite.py)
-BENCH_LIMIT_S=${BENCH_LIMIT_S:-150}       # kept free for the benchmark when the suite would cut into it
+# Multiplies the four limits below (not TOTAL_LIMIT_S): 1 on the GPU machine; the CPU
+# rehearsal (tests/gpu/rehearse.sh) sets 2, its 2 shared cores starting ranks more slowly.
+LIMIT_SCALE=${LIMIT_SCALE:-1}
+SMOKE_LIMIT_S=${SMOKE_LIMIT_S:-$((120 * LIMIT_SCALE))}  # 2 launches (HPCDDP_GPU_SMOKE_LAUNCH_S each) and the GPU check
+export HPCDDP_GPU_SMOKE_LAUNCH_S=${HPCDDP_GPU_SMOKE_LAUNCH_S:-$((50 * LIMIT_SCALE))}
+SUITE_LIMIT_S=${SUITE_LIMIT_S:-$((330 * LIMIT_SCALE))}  # split 60/30 between the mpi and the nccl job (test_gpu_suite.py)
+BENCH_LIMIT_S=${BENCH_LIMIT_S:-$((150 * LIMIT_SCALE))}  # kept free for the benchmark when the suite would cut into it
 GRACE_S=${GRACE_S:-20}                    # after a stage's SIGTERM: pytest ends its mpirun job, then SIGKILL
 RUN_SUITE=${RUN_SUITE:-1}                 # 0: smoke and benchmark only (the rehearsal's fast part)
 RUN_BENCH=${RUN_BENCH:-1}                 # 0: no benchmark (a rerun that must fit the device time left)
@@ -39,6 +42,13 @@ export HPCDDP_GPU_SUITE_BIND=${HPCDDP_GPU_SUITE_BIND:-0}
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
+# The prefix's mpirun and libmpi are run: a fixed name in /tmp must not be someone else's
+# folder or a link planted there.
+mkdir -p "$PREFIX"
+if [ -L "$PREFIX" ] || [ ! -O "$PREFIX" ]; then
+  echo "run_gpu_suite.sh: PREFIX=$PREFIX is a symbolic link or not owned by $(id -un): set PREFIX to a folder of your own" >&2
+  exit 2
+fi
 mkdir -p "$OUT_DIR"
 STAGES=$(mktemp -d /tmp/hpcddp-gpu-stages.XXXXXX)
 trap 'rm -rf "$STAGES"' EXIT
@@ -104,6 +114,9 @@ skip_stage() { printf '%s\t%s\t0\t\t%s\n' "$1" "$2" "$3" >>"$STAGES/stages.tsv";
 
 probe() {
   echo "== found: $(date -u +%FT%TZ) on $(hostname), $(nproc) CPUs, device $HPCDDP_GPU_SUITE_DEVICE"
+  echo "== settings: RUN_SUITE=$RUN_SUITE RUN_BENCH=$RUN_BENCH HPCDDP_GPU_SUITE_BIND=$HPCDDP_GPU_SUITE_BIND" \
+    "LIMIT_SCALE=$LIMIT_SCALE; limits total $TOTAL_LIMIT_S, smoke $SMOKE_LIMIT_S (launch $HPCDDP_GPU_SMOKE_LAUNCH_S)," \
+    "suite $SUITE_LIMIT_S, bench $BENCH_LIMIT_S s"
   if command -v nvidia-smi >/dev/null; then
     timeout -k 5 "$PROBE_LIMIT_S" nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader |
       sed 's/^/== GPU: /' || echo "== GPU: nvidia-smi failed or did not answer in $PROBE_LIMIT_S s"
