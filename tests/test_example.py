@@ -78,26 +78,28 @@ SEEDS = (0, 1)
 
 @pytest.fixture(scope="module")
 def uncompressed_accuracy(tmp_path_factory):
-    """Mean test accuracy of plain fp32 gradients at 4 ranks over SEEDS, on this machine."""
+    """Mean test accuracy of plain fp32 gradients at 2 ranks over SEEDS, on this machine."""
     tmp_path = tmp_path_factory.mktemp("fp32")
-    return sum(run_example(4, tmp_path, "--seed", str(seed))["test_accuracy"] for seed in SEEDS) / len(SEEDS)
+    return sum(run_example(2, tmp_path, "--seed", str(seed))["test_accuracy"] for seed in SEEDS) / len(SEEDS)
 
 
 @pytest.mark.parametrize("compression", ["powersgd", "int8"])
-def test_compressed_gradients_cost_under_one_and_a_half_points_on_four_ranks(
+def test_compressed_gradients_cost_under_one_and_a_half_points_on_two_ranks(
     tmp_path, compression, uncompressed_accuracy
 ):
     # Compared with fp32 on the same machine, averaged over two seeds: a lossy compressor
     # amplifies the processor's rounding (BLAS kernels differ), so one seed's accuracy on
     # one machine is no threshold (PowerSGD seed 0: 98.9 % on one Xeon, 97.2 % on an EPYC).
     # Measured on a 2-core Xeon, 4 ranks, seeds 0 and 1: fp32 98.0 %, PowerSGD 98.3 %,
-    # int8 98.6 %; single runs spread 97.2-99.2 %. PowerSGD without error feedback reaches
+    # int8 98.6 %; single runs spread 97.2-99.2 %. At 2 ranks (half the launch time of 4 on
+    # 2 cores, the same global batch and compressed buckets): fp32 98.2 %, PowerSGD 98.3 %,
+    # int8 97.9 %. PowerSGD without error feedback reaches
     # 62-64 %; int8 without it ~98 %, so error feedback itself is checked in
     # tests/mpi/test_compression.py (the cumulative gradient it applies stays bounded).
     accuracies = []
     for seed in SEEDS:
-        metrics = run_example(4, tmp_path, "--compression", compression, "--seed", str(seed))
-        assert metrics["world_size"] == 4
+        metrics = run_example(2, tmp_path, "--compression", compression, "--seed", str(seed))
+        assert metrics["world_size"] == 2
         assert metrics["test_accuracy"] >= 0.95, metrics  # the example's promise, as for fp32
         accuracies.append(metrics["test_accuracy"])
     mean = sum(accuracies) / len(accuracies)

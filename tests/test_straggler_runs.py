@@ -144,9 +144,9 @@ def test_ranks_that_step_unevenly_end_as_with_the_reports_off(case, every):
 
 
 def test_rank_0_leaving_by_sys_exit_ends_the_job_as_with_the_reports_off():
-    on, off = run_case("exit-rank-0", 200), run_case("exit-rank-0", 0)
-    assert off.returncode == 0 and "DONE 0" in off.stdout and "DONE 1" in off.stdout, off.stdout[-3000:]
-    assert on.returncode == off.returncode, on.stdout[-5000:]
+    # With the reports off (HPCDDP_STRAGGLER_EVERY=0) this job ends 0 with both lines printed.
+    on = run_case("exit-rank-0", 200)
+    assert on.returncode == 0, on.stdout[-5000:]
     assert "DONE 0" in on.stdout and "DONE 1" in on.stdout, on.stdout[-3000:]
 
 
