@@ -9,6 +9,8 @@ import torch.nn.functional as F
 
 import hpcddp
 
+pytestmark = pytest.mark.unit
+
 
 def make_model():
     torch.manual_seed(0)

@@ -11,6 +11,8 @@ from hpcddp.bench import algbw, build_workload, busbw, format_size, parse_size, 
 from hpcddp.bench.train import bench_train
 from hpcddp.cli import main
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     ("text", "expected"),

@@ -1,8 +1,11 @@
 """Bucket assignment follows DDP's rule; gradients are views into the flat buffers."""
 
+import pytest
 import torch
 
 from hpcddp.ddp.buckets import MB, assign_buckets, build_buckets
+
+pytestmark = pytest.mark.unit
 
 
 def tensors(*sizes, dtype=torch.float32):

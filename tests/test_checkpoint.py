@@ -16,6 +16,8 @@ from hpcddp.checkpoint import check_checkpoint_dir, find_checkpoints
 
 from .conftest import ROOT
 
+pytestmark = pytest.mark.unit
+
 
 class Unpicklable:
     def __reduce__(self):
@@ -189,9 +191,12 @@ def test_a_full_disk_names_the_checkpoint_and_keeps_the_older_one(tmp_path):
         subprocess.run(["umount", str(full)], check=False)
 
 
-def test_a_directory_another_running_job_saves_into_is_refused_until_that_job_ends(tmp_path, caplog):
+def test_a_directory_another_running_job_saves_into_is_refused_until_that_job_ends(tmp_path, caplog, monkeypatch):
+    from hpcddp.checkpoint import owner as owner_module
     from hpcddp.checkpoint.owner import _start_time
 
+    # Each refusal first waits out the grace an exiting owner gets (2 s): three of them made this test 6 s.
+    monkeypatch.setattr(owner_module, "_EXIT_GRACE_S", 0.2)
     other = subprocess.Popen(["sleep", "60"])  # rank 0 of the other job
     try:
         owner = {

@@ -20,6 +20,8 @@ from hpcddp.cli.launch import mpirun_command
 
 from .conftest import ROOT
 
+pytestmark = pytest.mark.ranks
+
 NUM_ELEMENTS = 8 * 1024 * 1024  # 32 MiB of float32: a write takes long enough to land in
 WRITER = textwrap.dedent(
     f"""

@@ -45,6 +45,7 @@ def assert_same_parameters(model, reference):
         assert torch.equal(model.state_dict()[name], value), name
 
 
+@pytest.mark.unit
 def test_training_state_records_the_run_and_the_number_of_ranks(tmp_path, monkeypatch):
     state, _ = saved_state(tmp_path, monkeypatch, "1234-20250101T000000Z")
     assert (state["run_id"], state["world_size"], len(state["rng"])) == ("1234-20250101T000000Z", 1, 1)
@@ -52,6 +53,7 @@ def test_training_state_records_the_run_and_the_number_of_ranks(tmp_path, monkey
     assert state["run_id"] is None
 
 
+@pytest.mark.unit
 def test_another_runs_checkpoint_is_refused_before_anything_is_loaded(tmp_path, monkeypatch):
     state, _ = saved_state(tmp_path, monkeypatch, "7-old")
     monkeypatch.setenv("HPCDDP_RUN_ID", "7-new")  # the same job number, a new job
@@ -68,6 +70,7 @@ def test_another_runs_checkpoint_is_refused_before_anything_is_loaded(tmp_path, 
     assert torch.equal(fresh_optimizer.state_dict()["state"][0]["momentum_buffer"], momentum)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("how", ["argument", "HPCDDP_RESUME=any-run", "HPCDDP_RESUME=any"])
 def test_another_run_resumes_when_asked(tmp_path, monkeypatch, how):
     state, saved_model = saved_state(tmp_path, monkeypatch, "7-old")
@@ -82,6 +85,7 @@ def test_another_run_resumes_when_asked(tmp_path, monkeypatch, how):
     assert_same_parameters(fresh, saved_model)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("saver, loader", [(None, "7-new"), ("7-old", None), (None, None), ("7", "7")])
 def test_a_run_resumes_its_own_and_unnamed_checkpoints_and_a_job_naming_no_run_resumes_any(
     tmp_path, monkeypatch, saver, loader
@@ -109,6 +113,7 @@ def two_rank_state(tmp_path, monkeypatch):
     return state, draws
 
 
+@pytest.mark.unit
 def test_another_number_of_ranks_is_refused(tmp_path, monkeypatch):
     state, _ = two_rank_state(tmp_path, monkeypatch)
     fresh, fresh_optimizer = model_and_optimizer(1)
@@ -124,6 +129,7 @@ def test_another_number_of_ranks_is_refused(tmp_path, monkeypatch):
     assert_same_parameters(fresh, untouched)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("rank, size", [(0, 1), (1, 3), (2, 3)])
 def test_any_size_continues_the_saved_ranks_streams_and_new_ranks_keep_theirs(tmp_path, monkeypatch, rank, size):
     state, draws = two_rank_state(tmp_path, monkeypatch)
@@ -138,6 +144,7 @@ def test_any_size_continues_the_saved_ranks_streams_and_new_ranks_keep_theirs(tm
     assert torch.equal(torch.rand(3), draws[rank] if rank < 2 else own)
 
 
+@pytest.mark.unit
 def test_resume_must_name_a_known_policy(tmp_path, monkeypatch):
     state, _ = saved_state(tmp_path, monkeypatch, None)
     fresh, _ = model_and_optimizer(1)
@@ -151,6 +158,7 @@ def test_resume_must_name_a_known_policy(tmp_path, monkeypatch):
 # ---- examples/train.py: 1 rank saves, 2 ranks resume ------------------------------------------
 
 
+@pytest.mark.ranks
 def test_a_one_rank_checkpoint_stops_a_two_rank_job_unless_any_size_and_then_ends_as_one_rank_would(tmp_path):
     checkpoints = tmp_path / "checkpoints"
     common = [SCRIPT, "--quiet", "--epochs", "1", "--dtype", "float64"]
@@ -186,6 +194,7 @@ def test_a_one_rank_checkpoint_stops_a_two_rank_job_unless_any_size_and_then_end
         torch.testing.assert_close(got[name], value, rtol=0, atol=1e-12)
 
 
+@pytest.mark.unit
 def test_a_run_does_not_save_over_another_runs_checkpoints(tmp_path, monkeypatch):
     saved_state(tmp_path, monkeypatch, "8-old")
     monkeypatch.setenv("HPCDDP_RUN_ID", "8-new")  # never restored: it would overwrite step 7 and delete the rest
@@ -204,6 +213,7 @@ def test_a_run_does_not_save_over_another_runs_checkpoints(tmp_path, monkeypatch
     hpcddp.save_checkpoint(tmp_path, {"step": 9, "run_id": "8-new"})  # the directory is 8-new's now
 
 
+@pytest.mark.unit
 def test_a_job_naming_no_run_saves_where_it_is_told(tmp_path, monkeypatch):
     saved_state(tmp_path, monkeypatch, "9-old")
     monkeypatch.delenv("HPCDDP_RUN_ID")  # plain mpirun: the directory the user chose is the user's run
@@ -211,6 +221,7 @@ def test_a_job_naming_no_run_saves_where_it_is_told(tmp_path, monkeypatch):
     assert hpcddp.load_checkpoint(tmp_path)["step"] == 8
 
 
+@pytest.mark.unit
 def test_resume_is_read_like_hpcddp_resume_whatever_its_case():
     from hpcddp.checkpoint.identity import resume_policy
 

@@ -18,6 +18,7 @@ from .conftest import ROOT
 HPCDDP = [sys.executable, "-m", "hpcddp.cli"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("command", [[], ["run"], ["info"], ["bench"], ["bench", "allreduce"], ["bench", "train"]])
 def test_every_command_has_help(command):
     result = CliRunner().invoke(main, [*command, "--help"])
@@ -38,6 +39,7 @@ def train_py(tmp_path, monkeypatch):
     return "train.py"
 
 
+@pytest.mark.unit
 def test_dry_run_starts_python_scripts_with_this_python_and_binds_ranks_to_cores(train_py):
     argv = dry_run("-np", "1", train_py, "--epochs", "3")
     assert argv[argv.index("-np") + 1] == "1"
@@ -47,6 +49,7 @@ def test_dry_run_starts_python_scripts_with_this_python_and_binds_ranks_to_cores
     assert argv[argv.index("--map-by") + 1] == f"slot:PE={cpus}:HWTCPUS" and "hwthread" in argv
 
 
+@pytest.mark.unit
 def test_dry_run_oversubscribes_and_yields_past_the_cores():
     argv = dry_run("-np", str(len(os.sched_getaffinity(0)) + 2), "-x", "FOO=bar", "hpcddp", "info")
     assert "--oversubscribe" in argv and argv[argv.index("--bind-to") + 1] == "none"
@@ -54,6 +57,7 @@ def test_dry_run_oversubscribes_and_yields_past_the_cores():
     assert "FOO=bar" in argv and argv[-2:] == ["hpcddp", "info"]
 
 
+@pytest.mark.unit
 def test_a_variable_forwarded_by_name_keeps_its_value_off_the_command_line(train_py):
     # Any local user reads mpirun's command line in /proc/<pid>/cmdline: a key forwarded with
     # -x NAME must reach the ranks through mpirun's environment, not as NAME=value.
@@ -72,6 +76,7 @@ def _rank_value(argv, environ, name):
     return value
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "items, shell, expected",
     [
@@ -106,6 +111,7 @@ def test_the_last_x_for_a_name_wins_and_the_shells_value_stays_off_the_command_l
         assert ["-genv", "FOO", "bar"] == argv[argv.index("-genv") : argv.index("-genv") + 3]
 
 
+@pytest.mark.unit
 def test_the_last_x_for_a_name_wins_in_a_dry_run(train_py):
     argv = dry_run("-np", "2", "-x", "FOO", "-x", "FOO=bar", train_py, env={"FOO": "s3cret"})
     assert "FOO=bar" in argv and "s3cret" not in " ".join(argv)
@@ -113,6 +119,7 @@ def test_the_last_x_for_a_name_wins_in_a_dry_run(train_py):
     assert "FOO=bar" in argv
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("extra", [2, 0])
 def test_oversubscribing_is_said_in_one_line(train_py, extra):
     cpus = len(os.sched_getaffinity(0))
@@ -124,12 +131,14 @@ def test_oversubscribing_is_said_in_one_line(train_py, extra):
     assert result.stderr.splitlines() == ([note] if extra else [])
 
 
+@pytest.mark.unit
 def test_n_is_an_alias_of_np_as_in_mpirun(train_py):
     for args in (["-n", "1"], ["-n1"], ["--num-proc", "1"]):
         argv = dry_run(*args, train_py)
         assert argv[argv.index("-np") + 1] == "1" and argv[-2:] == [sys.executable, "train.py"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "option, suggestion",
     [("--num-porc", "'--num-proc'"), ("--num-porc=2", "'--num-proc'"), ("--dryrun", "'--dry-run'")],
@@ -141,11 +150,13 @@ def test_a_mistyped_option_of_run_suggests_the_close_one(train_py, option, sugge
     assert "Traceback" not in result.output
 
 
+@pytest.mark.unit
 def test_options_after_the_program_are_the_programs_even_when_they_look_like_runs(train_py):
     argv = dry_run("-np", "1", train_py, "--num-porc", "2", "-n", "3")
     assert argv[-6:] == [sys.executable, "train.py", "--num-porc", "2", "-n", "3"]
 
 
+@pytest.mark.unit
 def test_dry_run_with_hosts_leaves_placement_to_mpirun_and_forwards_variables(train_py):
     argv = dry_run("-np", "8", "-H", "node1:4,node2:4", train_py, env={"HPCDDP_STALL_TIMEOUT": "30"})
     assert argv[argv.index("-H") + 1] == "node1:4,node2:4"
@@ -153,6 +164,7 @@ def test_dry_run_with_hosts_leaves_placement_to_mpirun_and_forwards_variables(tr
     assert "HPCDDP_STALL_TIMEOUT" in argv  # forwarded with -x to remote ranks
 
 
+@pytest.mark.unit
 def test_inside_a_slurm_allocation_it_uses_srun(tmp_path, monkeypatch):
     srun = tmp_path / "srun"
     srun.write_text("#!/bin/sh\nexit 0\n")
@@ -176,6 +188,7 @@ def test_inside_a_slurm_allocation_it_uses_srun(tmp_path, monkeypatch):
     assert argv[argv.index("-np") + 1] == "6"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -194,6 +207,7 @@ def test_bad_arguments_are_one_line_usage_errors(args, message):
     assert "Traceback" not in result.output
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "program, message",
     [
@@ -207,6 +221,7 @@ def test_a_missing_script_fails_before_the_launcher_starts(program, message):
     assert "prterun" not in result.stderr and "mpirun" not in result.stderr
 
 
+@pytest.mark.ranks
 def test_ctrl_c_stops_the_job_with_130_and_says_so():
     code = "import sys, time; print('running', flush=True); time.sleep(120)"
     proc = subprocess.Popen(
@@ -227,6 +242,7 @@ def test_ctrl_c_stops_the_job_with_130_and_says_so():
     assert "[hpcddp run] interrupted (Ctrl-C): the job was stopped" in err
 
 
+@pytest.mark.ranks
 def test_signals_reach_every_rank():
     code = (
         "import signal, sys, time, hpcddp; hpcddp.init(); "
@@ -246,6 +262,7 @@ def test_signals_reach_every_rank():
     assert proc.returncode == 0 and sorted(out.split("\n")[:2]) == ["USR1 at 0", "USR1 at 1"], out
 
 
+@pytest.mark.unit
 def test_ranks_that_never_finish_fail_the_job_even_when_the_launcher_says_0(tmp_path, monkeypatch, capsys):
     from hpcddp.fault.supervise import supervise
 
@@ -264,6 +281,7 @@ def test_ranks_that_never_finish_fail_the_job_even_when_the_launcher_says_0(tmp_
     assert supervise([sys.executable, "-c", finished], os.environ) == 0
 
 
+@pytest.mark.ranks
 def test_run_status_is_one_file_per_node_whatever_its_number_of_ranks():
     # 3 ranks on this node: after every rank has started, the status directory holds this node's file only.
     script = (
@@ -278,6 +296,7 @@ def test_run_status_is_one_file_per_node_whatever_its_number_of_ranks():
     assert "True" in run.stdout, run.stdout
 
 
+@pytest.mark.ranks
 def test_run_returns_the_job_exit_code():
     ok = subprocess.run(
         [*HPCDDP, "run", "-np", "2", "python", "-c", "pass"], capture_output=True, text=True, timeout=120
@@ -289,6 +308,7 @@ def test_run_returns_the_job_exit_code():
     assert failed.returncode == 3
 
 
+@pytest.mark.ranks
 def test_info_under_two_ranks_prints_the_rank_map_and_a_working_allreduce():
     result = subprocess.run(
         [*HPCDDP, "run", "-np", "2", "hpcddp", "info"], capture_output=True, text=True, timeout=180, cwd=ROOT
@@ -304,6 +324,7 @@ def test_info_under_two_ranks_prints_the_rank_map_and_a_working_allreduce():
     assert "thread level  MULTIPLE" in out
 
 
+@pytest.mark.unit
 def test_info_json_in_one_process():
     result = subprocess.run([*HPCDDP, "info", "--json"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

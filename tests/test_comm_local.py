@@ -9,6 +9,8 @@ from hpcddp.comm.local import LocalCommunicator
 from hpcddp.env.settings import read_settings
 from hpcddp.runtime.config import InitConfig
 
+pytestmark = pytest.mark.unit
+
 
 def test_local_operations_are_the_identity_with_checked_arguments():
     comm = LocalCommunicator()

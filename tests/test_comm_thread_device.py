@@ -22,6 +22,8 @@ from hpcddp.comm.mpi.engine import Collective, Engine
 
 from .test_gpu_startup import fake_gpus, fresh, torchrun_rank  # noqa: F401 - fresh is a fixture
 
+pytestmark = pytest.mark.unit
+
 
 class _CommOfOne:
     """The little of an mpi4py communicator that an Engine touches before its first collective."""

@@ -172,6 +172,7 @@ def check_claims(command: str, output: str) -> None:
         pytest.fail(f"no claim to check for {command}: add one to check_claims")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("command, places", cases("pip"))
 def test_pip_install_line_names_what_exists(command, places):
     config = configparser.ConfigParser()
@@ -198,6 +199,7 @@ def test_pip_install_line_names_what_exists(command, places):
         assert index == [CPU_INDEX], f"{places}: a +cpu torch is on {CPU_INDEX} only: {command}"
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("command, places", cases("run"))
 def test_command_runs_as_documented(command, places, checkout):
     code, output = run_shell(command, checkout, TIMEOUT_S["run"])
@@ -205,6 +207,7 @@ def test_command_runs_as_documented(command, places, checkout):
     check_claims(command, output)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("command, places", cases("dry-run"))
 def test_command_onto_other_hosts_parses(command, places, checkout):
     hostfile = str(checkout / "vcluster-hostfile")
@@ -238,6 +241,7 @@ def sbatch_jobs(checkout, request):
                 subprocess.run(["scancel", job.group(1)], timeout=30, env=env)
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("command, places", cases("sbatch"))
 def test_sbatch_command_runs_on_the_test_cluster(command, places, checkout, sbatch_jobs):
     jobs, deadline = sbatch_jobs
@@ -254,6 +258,7 @@ def test_sbatch_command_runs_on_the_test_cluster(command, places, checkout, sbat
     check_claims(command, log)
 
 
+@pytest.mark.unit
 def test_every_source_has_commands_and_allowed_only_documented_ones():
     found = documented_commands()
     places = {place.split(":")[0] for where in found.values() for place in where}

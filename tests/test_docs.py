@@ -62,6 +62,7 @@ def public_api() -> dict[str, object]:
     }
 
 
+@pytest.mark.unit
 def test_mkdocs_build_is_strict_and_renders_every_public_name(tmp_path):
     if importlib.util.find_spec("mkdocs") is None:
         if CI:
@@ -95,6 +96,7 @@ def test_mkdocs_build_is_strict_and_renders_every_public_name(tmp_path):
             assert rendered[path] != "module", f"{path} is rendered as a module, but it is {obj!r}"
 
 
+@pytest.mark.unit
 def test_every_documented_name_imports():
     paths = documented_paths()
     assert paths, f"no `::: hpcddp...` lines in {REFERENCE}"
@@ -102,6 +104,7 @@ def test_every_documented_name_imports():
         resolve(path)  # raises AttributeError / ImportError naming the path
 
 
+@pytest.mark.unit
 def test_every_public_name_is_in_the_reference():
     documented = set(documented_paths())
     missing = [f"hpcddp.{name}" for name in hpcddp.__all__ if f"hpcddp.{name}" not in documented]
@@ -111,6 +114,7 @@ def test_every_public_name_is_in_the_reference():
         assert f"hpcddp.testing.{name}" in documented
 
 
+@pytest.mark.unit
 def test_every_public_function_and_class_has_a_docstring():
     undocumented = [
         path
@@ -120,11 +124,13 @@ def test_every_public_function_and_class_has_a_docstring():
     assert not undocumented, f"public names without a docstring: {undocumented}"
 
 
+@pytest.mark.unit
 def test_readme_is_under_12_kib():
     size = README.stat().st_size
     assert size < 12 * 1024, f"README.md is {size} bytes; move detail into docs/ and link to it"
 
 
+@pytest.mark.unit
 def test_readme_relative_links_point_to_files():
     text = README.read_text()
     targets = re.findall(r"\]\(([^)\s]+)\)", text)
@@ -138,6 +144,7 @@ def test_readme_relative_links_point_to_files():
     assert not broken, f"README.md links to files that do not exist: {broken}"
 
 
+@pytest.mark.ranks
 def test_readme_example_trains_on_two_ranks(tmp_path):
     section = README.read_text().split("## A training script", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
@@ -148,6 +155,7 @@ def test_readme_example_trains_on_two_ranks(tmp_path):
     assert "epoch 4: loss" in result.stdout and "on 2 ranks" in result.stdout, result.stdout[-5000:]
 
 
+@pytest.mark.ranks
 def test_checkpoints_guide_loop_stops_on_every_rank_and_resumes(tmp_path):
     page = (DOCS / "guide" / "checkpoints.md").read_text()
     code = re.search(r"## A preemption-safe loop\n.*?```python\n(.*?)```", page, re.DOTALL).group(1)

@@ -26,6 +26,7 @@ def hvd_world(world_of_one):
 # ---- hosts -------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_host_lists_parse_as_mpirun_and_horovod_write_them(tmp_path):
     assert parse_hosts("node1:2,node2") == [Host("node1", 2), Host("node2", 1)]
     assert parse_host_lines("a:4\n\n# down for repair\nb:2  # rack 3\n") == [Host("a", 4), Host("b", 2)]
@@ -36,6 +37,7 @@ def test_host_lists_parse_as_mpirun_and_horovod_write_them(tmp_path):
     assert slurm_hosts(env) == [Host("n1", 2), Host("n2", 2), Host("n3", 1)]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "text, message",
     [("a", r"'a' names no slots: write host:slots, e.g. a:2"), ("a:0", r"'a:0' is not host:slots with slots >= 1")],
@@ -45,6 +47,7 @@ def test_a_discovery_line_without_slots_is_refused_naming_the_script(text, messa
         parse_host_lines(text)
 
 
+@pytest.mark.unit
 def test_a_failed_host_comes_back_only_after_discovery_dropped_and_listed_it_again(tmp_path):
     listing = tmp_path / "hosts.txt"
     script = tmp_path / "discover.sh"
@@ -61,6 +64,7 @@ def test_a_failed_host_comes_back_only_after_discovery_dropped_and_listed_it_aga
     assert pool.discover() == [Host("a", 2), Host("b", 2)]  # it went away and returned
 
 
+@pytest.mark.unit
 def test_a_failed_host_is_checked_again_after_a_cooldown_that_doubles(monkeypatch):
     now = [1000.0]
     monkeypatch.setattr(hosts_module.time, "monotonic", lambda: now[0])
@@ -80,6 +84,7 @@ def test_a_failed_host_is_checked_again_after_a_cooldown_that_doubles(monkeypatc
     assert pool.due_for_recheck() == []
 
 
+@pytest.mark.unit
 def test_a_failing_discovery_script_is_named(tmp_path):
     script = tmp_path / "discover.sh"
     script.write_text("#!/bin/sh\necho broken >&2\nexit 3\n")
@@ -91,6 +96,7 @@ def test_a_failing_discovery_script_is_named(tmp_path):
 # ---- the rank's session variables, messages, commits ------------------------------------------
 
 
+@pytest.mark.unit
 def test_the_session_variables_are_read_or_refused_in_one_line():
     assert read_elastic_session({}) is None
     env = {"HPCDDP_ELASTIC_DRIVER": "10.0.0.1,127.0.0.1:4567", "HPCDDP_ELASTIC_LAUNCH": "2", "HPCDDP_ELASTIC_RUN": "r"}
@@ -100,12 +106,14 @@ def test_the_session_variables_are_read_or_refused_in_one_line():
         read_elastic_session({"HPCDDP_ELASTIC_DRIVER": "10.0.0.1"})
 
 
+@pytest.mark.unit
 def test_messages_split_across_reads_arrive_whole():
     reader = LineReader()
     assert reader.feed(b'{"beat": 1}\n{"com') == [{"beat": 1}]
     assert reader.feed(b'mit": 3}\nnot json\n') == [{"commit": 3}]
 
 
+@pytest.mark.unit
 def test_a_node_keeps_only_its_newest_whole_commit(tmp_path):
     store = CommitStore("run/1", root=str(tmp_path), host="vnode1")
     other = CommitStore("run/1", root=str(tmp_path), host="vnode2")
@@ -123,6 +131,7 @@ def test_a_node_keeps_only_its_newest_whole_commit(tmp_path):
     assert store.latest_serial() == -1
 
 
+@pytest.mark.unit
 def test_an_elastic_job_on_this_host_alone_is_started_as_a_plain_run_oversubscribed_past_the_cores():
     from hpcddp.cli.elastic.launchers import JobLauncher
 
@@ -153,6 +162,7 @@ def _shards(dataset, num_ranks, state=None, epoch=0):
     return shards
 
 
+@pytest.mark.unit
 def test_the_sampler_shards_a_seeded_permutation_and_reshards_what_is_left(monkeypatch):
     monkeypatch.setattr(sampler_module, "size", sampler_module.size)
     monkeypatch.setattr(sampler_module, "rank", sampler_module.rank)
@@ -169,6 +179,7 @@ def test_the_sampler_shards_a_seeded_permutation_and_reshards_what_is_left(monke
     assert left == [order[16:][r::3] for r in range(3)]
 
 
+@pytest.mark.unit
 def test_the_sampler_counts_batches_over_every_rank_and_set_epoch_starts_over(monkeypatch):
     monkeypatch.setattr(sampler_module, "size", lambda: 2)
     monkeypatch.setattr(sampler_module, "rank", lambda: 1)
@@ -182,6 +193,7 @@ def test_the_sampler_counts_batches_over_every_rank_and_set_epoch_starts_over(mo
     assert list(sampler) == [1, 3, 5, 7, 9]
 
 
+@pytest.mark.unit
 def test_every_rank_gets_a_full_shard_when_fewer_samples_than_ranks_are_left(monkeypatch):
     # 10 samples, 3 ranks, batches of 3: 9 processed before a commit; the start that resumes
     # from it has 1 sample for 3 ranks. A rank with an empty shard would skip the step the
@@ -200,6 +212,7 @@ def test_every_rank_gets_a_full_shard_when_fewer_samples_than_ranks_are_left(mon
 # ---- states ------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_object_state_restores_the_last_commit_and_keeps_attributes(hvd_world):
     state = hvd.elastic.ObjectState(epoch=0, best=None)
     state.epoch, state.best = 3, 0.5
@@ -211,6 +224,7 @@ def test_object_state_restores_the_last_commit_and_keeps_attributes(hvd_world):
     assert state.epoch == 3
 
 
+@pytest.mark.unit
 def test_torch_state_restores_model_optimizer_and_sampler_to_the_commit(hvd_world):
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
@@ -244,6 +258,7 @@ def test_torch_state_restores_model_optimizer_and_sampler_to_the_commit(hvd_worl
     assert not torch.equal(new_model.weight, torch.zeros_like(new_model.weight))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "updates, skip_sync", [([HostUpdate.removed], True), ([HostUpdate.added], False), ([1, 2], False)]
 )
@@ -259,6 +274,7 @@ def test_commit_raises_hosts_updated_once_per_new_update(hvd_world, updates, ski
     state.commit()
 
 
+@pytest.mark.unit
 def test_run_restores_the_commit_and_runs_the_reset_callbacks_after_an_internal_error(hvd_world):
     state = hvd.elastic.ObjectState(step=0)
     calls, resets = [], []
@@ -279,6 +295,7 @@ def test_run_restores_the_commit_and_runs_the_reset_callbacks_after_an_internal_
     assert calls == [0, 2] and resets == [1]
 
 
+@pytest.mark.unit
 def test_a_host_update_sent_while_a_start_began_reaches_its_ranks(hvd_world, monkeypatch):
     import importlib
     import socket
@@ -340,6 +357,7 @@ def test_a_host_update_sent_while_a_start_began_reaches_its_ranks(hvd_world, mon
     assert session.left == ["the hosts changed"] and state.step == 8
 
 
+@pytest.mark.unit
 def test_a_rank_lost_after_another_finished_ends_the_job_without_a_start_from_scratch():
     from hpcddp.cli.elastic.driver import ElasticConfig, ElasticDriver
     from hpcddp.cli.elastic.launchers import JobLauncher
@@ -356,6 +374,7 @@ def test_a_rank_lost_after_another_finished_ends_the_job_without_a_start_from_sc
     assert (outcome.kind, outcome.code) == ("finished", 137)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "garbage",
     [b"[" * 3000 + b"\n", b"x" * 200_000, b'{"hello":"secret","launch":0}\n', b"\xff\xfe\n"],
@@ -383,6 +402,7 @@ def test_a_stranger_on_the_driver_port_leaves_the_driver_watching_its_ranks(garb
         server.close()
 
 
+@pytest.mark.unit
 def test_a_discovery_script_that_fails_or_prints_garbage_leaves_a_running_job_as_it_is(tmp_path):
     from hpcddp.cli.elastic.launchers import JobLauncher
     from hpcddp.cli.elastic.watch import HostWatch
@@ -406,6 +426,7 @@ def test_a_discovery_script_that_fails_or_prints_garbage_leaves_a_running_job_as
     assert look() == HostUpdate.added
 
 
+@pytest.mark.ranks
 def test_a_discovery_script_unusable_from_the_start_ends_the_job_in_one_line(tmp_path):
     import subprocess
     import sys
@@ -425,6 +446,7 @@ def test_a_discovery_script_unusable_from_the_start_ends_the_job_in_one_line(tmp
     assert "Traceback" not in result.stderr and "is not host:slots with slots >= 1" in result.stderr, result.stderr
 
 
+@pytest.mark.unit
 def test_a_restarted_process_resumes_from_the_nodes_commit_once_not_at_each_elastic_function(tmp_path):
     from hpcddp.elastic.session import WorkerSession
 
@@ -439,6 +461,7 @@ def test_a_restarted_process_resumes_from_the_nodes_commit_once_not_at_each_elas
     assert session.newest_commit(gather, bcast) is None
 
 
+@pytest.mark.unit
 def test_commits_live_in_a_directory_of_this_user_alone(tmp_path):
     store = CommitStore("run", root=str(tmp_path), host="h")
     store.write(0, {"w": 1})
@@ -448,6 +471,7 @@ def test_commits_live_in_a_directory_of_this_user_alone(tmp_path):
         store.read()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "where, code, reported",
     [
@@ -498,6 +522,7 @@ def test_sys_exit_with_a_failure_code_in_an_elastic_run_is_reported_as_an_error(
     assert session.finished == reported
 
 
+@pytest.mark.unit
 def test_the_driver_quotes_a_failed_ranks_error_on_one_line_of_bounded_length(capsys):
     from hpcddp.cli.elastic.driver import ElasticConfig, ElasticDriver
     from hpcddp.cli.elastic.launchers import JobLauncher
@@ -527,6 +552,7 @@ def test_the_driver_quotes_a_failed_ranks_error_on_one_line_of_bounded_length(ca
 # ---- at scale: hundreds of hosts, thousands of ranks ----------------------------------------
 
 
+@pytest.mark.unit
 def test_health_checks_of_512_hosts_sharing_the_drivers_cores_fail_only_the_bad_hosts(monkeypatch):
     from hpcddp.cli.elastic import launchers
     from hpcddp.testing.fake_hosts import FakeHosts
@@ -545,6 +571,7 @@ def test_health_checks_of_512_hosts_sharing_the_drivers_cores_fail_only_the_bad_
     assert fakes.started == 512 + len(hung)  # a timeout is checked once more before it fails the host
 
 
+@pytest.mark.unit
 def test_the_driver_holds_more_rank_connections_than_the_soft_open_file_limit():
     import socket
     import subprocess
@@ -587,6 +614,7 @@ def test_the_driver_holds_more_rank_connections_than_the_soft_open_file_limit():
         server.wait(timeout=30)
 
 
+@pytest.mark.unit
 def test_the_driver_says_in_one_line_when_the_ranks_cannot_fit_under_its_hard_file_limit():
     from hpcddp.cli.elastic.monitor import DriverServer
 
@@ -611,6 +639,7 @@ def wait_for(condition, seconds=10):
     return condition()
 
 
+@pytest.mark.unit
 def test_beats_keep_a_rank_seen_and_a_connection_closed_without_a_last_word_is_a_lost_rank():
     import socket
     import time
@@ -636,6 +665,7 @@ def test_beats_keep_a_rank_seen_and_a_connection_closed_without_a_last_word_is_a
 # ---- the token and the driver's socket: no other process joins the job -----------------------
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("where", ["this host alone", "two hosts", "srun"])
 def test_the_token_reaches_the_launcher_in_its_environment_never_on_its_command_line(tmp_path, monkeypatch, where):
     from hpcddp.cli.elastic.launchers import JobLauncher
@@ -659,6 +689,7 @@ def test_the_token_reaches_the_launcher_in_its_environment_never_on_its_command_
         assert ("-x", "HPCDDP_ELASTIC_TOKEN") in pairs and ("-x", "HPCDDP_ELASTIC_LAUNCH") in pairs
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("items, shell", [(["FOO", "FOO=bar"], "s3cret"), (["FOO=bar", "FOO"], None)])
 def test_the_elastic_launcher_keeps_the_last_x_for_a_name(items, shell):
     from hpcddp.cli.elastic.launchers import JobLauncher
@@ -671,6 +702,7 @@ def test_the_elastic_launcher_keeps_the_last_x_for_a_name(items, shell):
         assert launch_environ["FOO"] == "bar" and "FOO=bar" in command and "s3cret" not in " ".join(command)
 
 
+@pytest.mark.unit
 def test_this_host_is_known_by_its_names_and_addresses_and_no_other_is():
     import socket
 
@@ -685,6 +717,7 @@ def test_this_host_is_known_by_its_names_and_addresses_and_no_other_is():
     assert not any(map(is_this_host, others))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "own, fqdn, name, resolves_to, expected",
     [
@@ -724,6 +757,7 @@ def test_a_name_is_this_host_only_when_it_is_its_own_or_resolves_here_alone(
         release.set()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "hosts, bound",
     [
@@ -761,6 +795,7 @@ def test_the_driver_listens_on_loopback_alone_when_every_host_of_the_job_is_this
     assert (told == ["127.0.0.1"]) is (bound == "127.0.0.1")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "hello",
     [
@@ -836,6 +871,7 @@ def driver_server():
 _HELLO = {"hello": "secret", "rank": 0, "size": 2, "host": "h", "launch": 1}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "field, value, why",
     [
@@ -871,6 +907,7 @@ def test_a_hello_with_the_token_for_no_rank_of_this_start_is_refused_in_one_line
     assert "refused a hello from 127.0.0.1:" in line and why in line
 
 
+@pytest.mark.unit
 def test_a_hello_of_this_start_is_accepted_and_answered(driver_server):
     import json
     import socket
@@ -881,6 +918,7 @@ def test_a_hello_of_this_start_is_accepted_and_answered(driver_server):
         assert list(driver_server.records()) == [1]
 
 
+@pytest.mark.unit
 def test_a_lost_forger_for_a_rank_past_the_size_ends_nothing(driver_server):
     import json
     import socket
@@ -902,6 +940,7 @@ def _link(server, rank=0):
     return DriverLink(session, rank, 2, "h")
 
 
+@pytest.mark.unit
 def test_a_rank_whose_hello_is_refused_says_so_in_one_warning(driver_server, caplog):
     import json
     import socket
@@ -922,6 +961,7 @@ def test_a_rank_whose_hello_is_refused_says_so_in_one_warning(driver_server, cap
     assert not link.accepted and driver_server.records()[0].host == "forger"
 
 
+@pytest.mark.unit
 def test_a_rank_whose_driver_closes_the_connection_at_once_says_so(caplog):
     import socket
     import threading
@@ -950,6 +990,7 @@ def test_a_rank_whose_driver_closes_the_connection_at_once_says_so(caplog):
     )
 
 
+@pytest.mark.unit
 def test_an_accepted_rank_warns_of_nothing_and_its_close_is_its_own(driver_server, caplog):
     link = _link(driver_server, rank=1)
     assert _wait_for(lambda: link.accepted)
@@ -958,6 +999,7 @@ def test_an_accepted_rank_warns_of_nothing_and_its_close_is_its_own(driver_serve
     assert caplog.records == []
 
 
+@pytest.mark.unit
 def test_the_session_keeps_the_token_out_of_its_repr():
     env = {"HPCDDP_ELASTIC_DRIVER": "127.0.0.1:4567", "HPCDDP_ELASTIC_TOKEN": "5ec7e7-token"}
     session = read_elastic_session(env)
@@ -967,6 +1009,7 @@ def test_the_session_keeps_the_token_out_of_its_repr():
 # ---- connections that never say hello --------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_a_connection_without_a_hello_is_closed_after_the_deadline(driver_server, monkeypatch):
     import socket
     import time
@@ -986,6 +1029,7 @@ def test_a_connection_without_a_hello_is_closed_after_the_deadline(driver_server
     assert _wait_for(lambda: not driver_server._connections)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("line", [b"1\n", b"[]\n", b'"x"\n', b"not json\n", b"\n"])
 def test_a_first_line_that_is_no_json_object_closes_the_connection_at_once(driver_server, line):
     import socket
@@ -995,6 +1039,7 @@ def test_a_first_line_that_is_no_json_object_closes_the_connection_at_once(drive
         assert _read_until_closed(stranger) == [{"refused": "the first line is not a JSON object"}]
 
 
+@pytest.mark.unit
 def test_idle_connections_past_the_cap_close_the_oldest_and_ranks_still_get_in(driver_server):
     import json
     import socket
@@ -1012,6 +1057,7 @@ def test_idle_connections_past_the_cap_close_the_oldest_and_ranks_still_get_in(d
             sock.close()
 
 
+@pytest.mark.unit
 def test_a_low_open_file_limit_lowers_the_cap_on_waiting_connections(monkeypatch):
     from hpcddp.cli.elastic import monitor
 
@@ -1022,6 +1068,7 @@ def test_a_low_open_file_limit_lowers_the_cap_on_waiting_connections(monkeypatch
         assert server.max_waiting == cap
 
 
+@pytest.mark.unit
 def test_a_health_check_that_cannot_start_leaves_the_host_in_the_job(monkeypatch, capsys):
     from hpcddp.cli.elastic import launchers
 

@@ -21,6 +21,8 @@ from .cluster_jobs import require_cluster_tests, start, vcluster_state
 from .conftest import ROOT
 from .elastic_reference import assert_matches_replay, read_steps
 
+pytestmark = pytest.mark.system
+
 VCLUSTER = os.path.join(ROOT, "slurm", "testing", "virtual_cluster.sh")
 COMMIT_EVERY = 3
 TIME_LIMIT_S = 600

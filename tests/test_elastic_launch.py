@@ -14,6 +14,8 @@ from hpcddp.testing import run_command
 from .conftest import ROOT
 from .elastic_reference import assert_matches_replay, read_steps
 
+pytestmark = pytest.mark.ranks
+
 TIME_LIMIT_S = 300
 HPCDDP = [sys.executable, "-m", "hpcddp.cli"]
 

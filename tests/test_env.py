@@ -14,6 +14,8 @@ from hpcddp.env import (
 )
 from hpcddp.env.mpi import singleton_under_slurm
 
+pytestmark = pytest.mark.unit
+
 
 def test_plain_process_is_single():
     env = detect_environment({})

@@ -11,6 +11,8 @@ from hpcddp.testing import run_script
 
 from .conftest import ROOT
 
+pytestmark = pytest.mark.ranks
+
 LIMIT_S = 180  # a busy 2-core machine starts two torch processes in ~10 s
 
 

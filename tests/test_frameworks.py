@@ -5,9 +5,12 @@ Each job (tests/frameworks) trains a tiny model for 16 steps on 2 ranks under mp
 never imports hpcddp; every rank of both runs must end with the same parameters, bit for bit.
 """
 
+import pytest
 import torch
 
 from . import framework_jobs as jobs
+
+pytestmark = pytest.mark.ranks
 
 # 64 samples over 2 ranks in batches of 4, for 2 epochs (tests/frameworks/_common.py).
 NUM_STEPS = 64 // (2 * 4) * 2

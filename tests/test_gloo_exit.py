@@ -12,6 +12,8 @@ from hpcddp.testing import run_script
 
 from .conftest import LAUNCHER_VARIABLES, ROOT
 
+pytestmark = pytest.mark.ranks
+
 SCRIPT = """
     import torch, torch.nn.functional as F, torch.distributed as dist
     import hpcddp

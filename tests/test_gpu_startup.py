@@ -91,6 +91,7 @@ def agree(peers_per_node, allow_gpu_sharing=(False,)):
 # -- which GPU a rank takes -----------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_every_gpu_visible_gives_local_rank_i_cuda_i():
     node = [NodePeer((gpu("GPU-a", 1), gpu("GPU-b", 2)), frozenset({0}))] * 2
     placed, job = agree([node])
@@ -98,6 +99,7 @@ def test_every_gpu_visible_gives_local_rank_i_cuda_i():
     assert choose_backend("auto", job, mpi_launched=True) == ("nccl", None)
 
 
+@pytest.mark.unit
 def test_one_gpu_per_task_gives_every_rank_cuda_0():
     # srun --gpus-per-task=1: rank i sees only its own GPU, as cuda:0.
     node = [NodePeer((gpu("GPU-a", 1),), frozenset()), NodePeer((gpu("GPU-b", 2),), frozenset())]
@@ -107,6 +109,7 @@ def test_one_gpu_per_task_gives_every_rank_cuda_0():
     assert choose_backend("auto", job, mpi_launched=True) == ("nccl", None)
 
 
+@pytest.mark.unit
 def test_more_ranks_than_gpus_needs_sharing_and_auto_then_picks_mpi():
     node = [NodePeer((gpu("GPU-a", 1),), frozenset())] * 2
     placed, job = agree([node, [NodePeer((gpu("GPU-c", 1),), frozenset())]])
@@ -133,6 +136,7 @@ def test_more_ranks_than_gpus_needs_sharing_and_auto_then_picks_mpi():
         choose_backend("nccl", job, mpi_launched=True)
 
 
+@pytest.mark.unit
 def test_mig_slices_of_one_gpu_are_distinct_devices_but_not_for_nccl():
     # Each rank sees one MIG slice (CUDA enumerates one per process); both slices sit at one PCI address.
     node = [NodePeer((gpu("MIG-1", 0x3B),), frozenset()), NodePeer((gpu("MIG-2", 0x3B),), frozenset())]
@@ -140,6 +144,7 @@ def test_mig_slices_of_one_gpu_are_distinct_devices_but_not_for_nccl():
     check_gpu_sharing(job, placed[0])  # not one device shared
 
 
+@pytest.mark.unit
 def test_sharing_allowed_on_some_ranks_only_raises_on_every_rank():
     # HPCDDP_GPU_SHARING=1 on rank 0 only: one decision for all, naming the rank that forbids it.
     node = [NodePeer((gpu("GPU-a", 1),), frozenset())] * 2
@@ -153,6 +158,7 @@ def test_sharing_allowed_on_some_ranks_only_raises_on_every_rank():
         choose_backend("nccl", job, mpi_launched=True)
 
 
+@pytest.mark.unit
 def test_a_rank_without_cuda_makes_every_rank_agree_on_mpi():
     with_gpu = [NodePeer((gpu("GPU-a", 1),), frozenset())]
     without = [NodePeer((), frozenset())]
@@ -166,6 +172,7 @@ def test_a_rank_without_cuda_makes_every_rank_agree_on_mpi():
         choose_backend("nccl", job, mpi_launched=True)
 
 
+@pytest.mark.unit
 def test_gpu_sharing_knob():
     assert read_settings({"HPCDDP_GPU_SHARING": "1"}) == {"allow_gpu_sharing": True}
     assert read_settings({"HPCDDP_GPU_SHARING": "0"}) == {"allow_gpu_sharing": False}
@@ -189,6 +196,7 @@ def torchrun_rank(monkeypatch, rank, size):
         monkeypatch.setenv(name, str(value))
 
 
+@pytest.mark.unit
 def test_torchrun_ranks_that_all_see_cuda_visible_devices_0_share_it(fresh):
     # Every worker inherits torchrun's CUDA_VISIBLE_DEVICES=0: both would take that GPU.
     torchrun_rank(fresh, 1, 2)
@@ -199,6 +207,7 @@ def test_torchrun_ranks_that_all_see_cuda_visible_devices_0_share_it(fresh):
         hpcddp.init()
 
 
+@pytest.mark.unit
 def test_torchrun_ranks_sharing_a_gpu_on_request_run_gloo_and_say_so(fresh, caplog):
     torchrun_rank(fresh, 0, 2)
     fresh.setenv("CUDA_VISIBLE_DEVICES", "0")
@@ -215,6 +224,7 @@ def test_torchrun_ranks_sharing_a_gpu_on_request_run_gloo_and_say_so(fresh, capl
     ]
 
 
+@pytest.mark.unit
 def test_srun_one_gpu_per_task_takes_cuda_0_and_keeps_local_rank(fresh):
     # srun --mpi=none --gpus-per-task=1, task 1 of 2 on one node: it sees its GPU (global 1) as cuda:0.
     for name, value in {
@@ -238,6 +248,7 @@ def test_srun_one_gpu_per_task_takes_cuda_0_and_keeps_local_rank(fresh):
     assert hpcddp.backend() == "nccl"
 
 
+@pytest.mark.unit
 def test_init_process_group_mpi_after_init_on_a_gpu_node_makes_an_mpi_group(fresh):
     fake_gpus(fresh, [("GPU-a", 1)])
     hpcddp.init()  # "auto" on a GPU: nccl for hpcddp's own collectives, made when first needed
@@ -248,6 +259,7 @@ def test_init_process_group_mpi_after_init_on_a_gpu_node_makes_an_mpi_group(fres
     torch.testing.assert_close(t, torch.arange(4.0))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("backend", ["hpcddp", "mpi"])
 def test_init_process_group_with_a_cuda_device_id(fresh, backend):
     hpcddp.init(backend="mpi")
@@ -293,6 +305,7 @@ hpcddp.shutdown()
 """
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize(
     "devices, expected",
     [
@@ -341,6 +354,7 @@ else:
 """
 
 
+@pytest.mark.ranks
 def test_ranks_that_disagree_on_gpu_sharing_all_raise_under_mpirun(tmp_path):
     result = run_script(2, SHARING_ON_RANK_0_ONLY, tmp_path, timeout=120, env={"HPCDDP_DIST_TIMEOUT": "20"}, cwd=ROOT)
     found = sorted(line.split(" with ")[0] for line in result.stdout.splitlines() if re.match(r"rank \d: ", line))
@@ -357,6 +371,7 @@ echo "srun $*"
 """
 
 
+@pytest.mark.unit
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 @pytest.mark.parametrize(
     "env, srun_flags, said",

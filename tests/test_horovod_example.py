@@ -15,6 +15,8 @@ from hpcddp.testing import run_mpi
 
 from .conftest import ROOT
 
+pytestmark = pytest.mark.ranks
+
 ARGS = ["--epochs", "2", "--dtype", "float64"]
 
 

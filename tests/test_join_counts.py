@@ -8,11 +8,14 @@ not a bf16 number); 9 have joined and send zeros. Reference: plain arithmetic.
 
 import threading
 
+import pytest
 import torch
 
 from hpcddp.comm.base import Handle, ReduceOp
 from hpcddp.comm.local import LocalCommunicator
 from hpcddp.ddp.reducer import Reducer
+
+pytestmark = pytest.mark.unit
 
 SIZE, ACTIVE = 300, 291
 

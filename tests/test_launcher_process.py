@@ -18,7 +18,7 @@ import pytest
 from hpcddp.cli.launch import mpirun_command
 from hpcddp.fault.launcher_process import remove_session_directory, stop_launcher
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Open MPI 5 on Linux")
+pytestmark = [pytest.mark.ranks, pytest.mark.skipif(sys.platform != "linux", reason="Open MPI 5 on Linux")]
 
 # A rank that ends by itself when mpirun is gone (a killed mpirun leaves its ranks running).
 _RANK = (

@@ -8,7 +8,11 @@ functions), so a circle hidden behind a deferred import counts as one.
 import ast
 from pathlib import Path
 
+import pytest
+
 from .conftest import ROOT
+
+pytestmark = pytest.mark.unit
 
 PACKAGE = Path(ROOT) / "hpcddp"
 

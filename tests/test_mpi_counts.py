@@ -42,6 +42,7 @@ def count_calls(num_ranks, library, tmp_path, hostfile=None, env=None, timeout=3
     return buckets, steps, per_rank
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("num_ranks", [2, 4])
 def test_a_training_step_makes_one_data_allreduce_per_bucket_and_one_small_check_per_step(
     num_ranks, counting_library, tmp_path
@@ -90,6 +91,7 @@ def four_nodes():
         subprocess.run(["bash", script, "down"], env=env, capture_output=True, timeout=120)
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("num_ranks", [8, 16])
 def test_the_counts_stay_the_same_at_8_and_16_ranks_across_virtual_nodes(
     num_ranks, counting_library, four_nodes, tmp_path

@@ -32,6 +32,8 @@ from .cluster_jobs import (
 )
 from .conftest import ROOT
 
+pytestmark = pytest.mark.system
+
 VCLUSTER = os.path.join(ROOT, "slurm", "testing", "virtual_cluster.sh")
 NODES = ("vnode1", "vnode2")
 # Every rank's line in examples/train.py's log: which host it runs on, with which backend.

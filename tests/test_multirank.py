@@ -8,6 +8,8 @@ from hpcddp.testing import assert_pytest_passed, run_mpi, run_pytest_on_ranks
 
 from .conftest import ROOT
 
+pytestmark = pytest.mark.ranks
+
 # Generous for a shared 2-core machine: 4 ranks start torch and run DDP side by side.
 TIME_LIMIT_S = 600
 

@@ -1,9 +1,12 @@
 """skip_nonfinite in a world of one (no buckets: the gradients themselves are checked)."""
 
+import pytest
 import torch
 
 import hpcddp
 from hpcddp.comm.local import LocalCommunicator
+
+pytestmark = pytest.mark.unit
 
 
 def test_world_of_one_skips_nonfinite_steps():

@@ -9,6 +9,8 @@ from hpcddp.comm.base import Communicator, ReduceOp, completed
 from hpcddp.comm.local import LocalCommunicator
 from hpcddp.ddp.optimizer import DistributedOptimizer
 
+pytestmark = pytest.mark.unit
+
 
 class TwinRanks(Communicator):
     """Pretends a second rank holds exactly the same tensors: a sum doubles them."""

@@ -22,6 +22,8 @@ from hpcddp.checkpoint.owner import OWNER_FILE
 from hpcddp.elastic.commits import CommitStore
 from hpcddp.fault.run_status import aborted_ranks, mark_aborted, mark_started, unfinished_ranks
 
+pytestmark = pytest.mark.unit
+
 SECRET = "the-secret-contents\n"
 
 

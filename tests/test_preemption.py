@@ -30,6 +30,7 @@ TRAIN_ARGS = ["--quiet", "--epochs", str(EPOCHS), "--dropout", "0.2"]
 # ---- PreemptionHandler in one process -------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_a_signal_only_sets_the_flag_until_should_stop_is_asked():
     with hpcddp.PreemptionHandler() as preemption:
         assert not preemption.should_stop()
@@ -39,6 +40,7 @@ def test_a_signal_only_sets_the_flag_until_should_stop_is_asked():
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
 
 
+@pytest.mark.unit
 def test_check_every_asks_only_every_nth_call():
     with hpcddp.PreemptionHandler(check_every=3) as preemption:
         signal.raise_signal(signal.SIGTERM)
@@ -46,11 +48,13 @@ def test_check_every_asks_only_every_nth_call():
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
+@pytest.mark.unit
 def test_requeue_outside_slurm_is_a_no_op(monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     assert hpcddp.PreemptionHandler().requeue() is False
 
 
+@pytest.mark.unit
 def test_requeue_reports_a_failing_scontrol(monkeypatch, tmp_path, caplog):
     scontrol = tmp_path / "scontrol"
     scontrol.write_text(
@@ -64,6 +68,7 @@ def test_requeue_reports_a_failing_scontrol(monkeypatch, tmp_path, caplog):
     assert "presently disabled" in caplog.text and "sbatch --requeue" in caplog.text
 
 
+@pytest.mark.unit
 def test_requeue_is_not_tried_for_a_job_submitted_without_requeue(monkeypatch, tmp_path, caplog):
     scontrol = tmp_path / "scontrol"
     scontrol.write_text(
@@ -78,6 +83,7 @@ def test_requeue_is_not_tried_for_a_job_submitted_without_requeue(monkeypatch, t
     assert "without --requeue (Requeue=0)" in caplog.text
 
 
+@pytest.mark.unit
 def test_check_every_must_be_positive():
     with pytest.raises(ValueError, match="check_every must be an int >= 1, got 0"):
         hpcddp.PreemptionHandler(check_every=0)
@@ -96,6 +102,7 @@ def default_stop_handlers():
         signal.signal(signum, signal.SIG_DFL)
 
 
+@pytest.mark.unit
 def test_a_signal_held_before_the_handler_is_its_first_stop(default_stop_handlers):
     hold_stop_signals(60)
     signal.raise_signal(signal.SIGTERM)  # still here: held
@@ -106,6 +113,7 @@ def test_a_signal_held_before_the_handler_is_its_first_stop(default_stop_handler
     assert [signal.getsignal(s) for s in STOP_SIGNALS] == [signal.SIG_DFL, signal.SIG_DFL]
 
 
+@pytest.mark.unit
 def test_nothing_is_held_without_a_signal_and_a_handler_of_the_script_stays(default_stop_handlers):
     def own(signum, frame):
         pass
@@ -119,6 +127,7 @@ def test_nothing_is_held_without_a_signal_and_a_handler_of_the_script_stays(defa
     assert signal.getsignal(signal.SIGTERM) is own and signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
 
 
+@pytest.mark.unit
 def test_a_handler_installed_from_c_stays(default_stop_handlers):
     import faulthandler
 
@@ -131,6 +140,7 @@ def test_a_handler_installed_from_c_stays(default_stop_handlers):
         faulthandler.unregister(signal.SIGUSR1)
 
 
+@pytest.mark.unit
 def test_a_child_forked_from_a_rank_gets_the_default_handlers(default_stop_handlers):
     hold_stop_signals(60)
     read, write = os.pipe()
@@ -144,12 +154,14 @@ def test_a_child_forked_from_a_rank_gets_the_default_handlers(default_stop_handl
     os.close(read)
 
 
+@pytest.mark.unit
 def test_shutdown_ends_the_holding(world_of_one):
     assert getattr(signal.getsignal(signal.SIGUSR1), "holds_stop_signals", False)
     hpcddp.shutdown()
     assert [signal.getsignal(s) for s in STOP_SIGNALS] == [signal.SIG_DFL, signal.SIG_DFL]
 
 
+@pytest.mark.unit
 def test_stop_wait_setting():
     assert read_stop_wait({}) == 25.0
     assert read_stop_wait({"HPCDDP_STOP_WAIT": "0"}) == 0.0
@@ -181,6 +193,7 @@ def results(output):
     return sorted(line.split()[1:] for line in output.splitlines() if line.startswith("RESULT "))
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("name", ["SIGUSR1", "SIGTERM"])
 def test_a_stop_signal_while_the_job_starts_stops_every_rank_at_its_first_check(tmp_path, name):
     script = tmp_path / "job.py"
@@ -194,6 +207,7 @@ def test_a_stop_signal_while_the_job_starts_stops_every_rank_at_its_first_check(
     assert f"hpcddp: {name} before any PreemptionHandler was entered: held for the next one" in result.stdout
 
 
+@pytest.mark.ranks
 def test_under_hpcddp_run_a_signal_is_held_from_interpreter_start(tmp_path):
     script = tmp_path / "job.py"
     # Before hpcddp (and torch) are even imported: only hpcddp run's sitecustomize has run.
@@ -211,6 +225,7 @@ def test_under_hpcddp_run_a_signal_is_held_from_interpreter_start(tmp_path):
     assert saved.read_text() == "saved"
 
 
+@pytest.mark.ranks
 def test_a_script_without_a_handler_still_ends_on_sigterm(tmp_path):
     source = """
     import os, signal, sys, time
@@ -295,6 +310,7 @@ def uninterrupted_parameters(tmp_path):
     return torch.load(final)
 
 
+@pytest.mark.ranks
 def test_sigusr1_to_mpirun_checkpoints_and_the_resumed_run_ends_bitwise_equal(tmp_path):
     checkpoints = tmp_path / "ckpt"
     rc, output, metrics = run_and_signal(tmp_path, checkpoints, lambda mpirun: [mpirun], signal.SIGUSR1)
@@ -321,6 +337,7 @@ def test_sigusr1_to_mpirun_checkpoints_and_the_resumed_run_ends_bitwise_equal(tm
     assert "--batch-size 32 differs from the 64 the checkpoint" in other.stdout, other.stdout[-3000:]
 
 
+@pytest.mark.ranks
 def test_sigterm_to_one_rank_stops_both_at_the_same_step(tmp_path):
     checkpoints = tmp_path / "ckpt"
     # One rank only: the other must learn of it through should_stop(), or it would wait forever.

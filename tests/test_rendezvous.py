@@ -25,12 +25,14 @@ from .conftest import ROOT
 LO = Interface("lo", "127.0.0.1", "255.0.0.0")
 
 
+@pytest.mark.unit
 def test_this_host_has_loopback_and_it_reaches_itself():
     interfaces = list_interfaces()
     assert any(i.name == "lo" and i.address == "127.0.0.1" for i in interfaces), interfaces
     assert local_interface_for("127.0.0.1", interfaces).name == "lo"
 
 
+@pytest.mark.unit
 def test_rank_0_publishes_the_interface_every_node_shares_a_subnet_with():
     # eth0 is a management network only rank 0's node is on; ib0 connects all nodes.
     rank0 = [LO, Interface("eth0", "192.0.2.10", "255.255.255.0"), Interface("ib0", "10.1.0.1", "255.255.0.0")]
@@ -41,6 +43,7 @@ def test_rank_0_publishes_the_interface_every_node_shares_a_subnet_with():
     assert choose_rendezvous_interface(rank0, others).name == "ib0"
 
 
+@pytest.mark.unit
 def test_without_a_shared_subnet_the_routing_table_decides(monkeypatch):
     rank0 = [LO, Interface("eth0", "192.0.2.10", "255.255.255.0"), Interface("eth1", "203.0.113.5", "255.255.255.0")]
     others = [[LO, Interface("eth0", "198.51.100.7", "255.255.255.0")]]
@@ -50,6 +53,7 @@ def test_without_a_shared_subnet_the_routing_table_decides(monkeypatch):
     assert choose_rendezvous_interface(rank0, others) is None
 
 
+@pytest.mark.unit
 def test_a_named_interface_that_is_missing_names_those_there_are():
     interfaces = [LO, Interface("eth0", "10.213.0.12", "255.255.255.0")]
     with pytest.raises(ValueError) as error:
@@ -60,16 +64,19 @@ def test_a_named_interface_that_is_missing_names_those_there_are():
     assert interface_towards("10.213.0.11", None, interfaces).name == "eth0"  # same subnet
 
 
+@pytest.mark.unit
 def test_gloo_and_nccl_interface_hints():
     assert socket_ifname_hint({"GLOO_SOCKET_IFNAME": "ib0"}) == "ib0"
     assert socket_ifname_hint({"NCCL_SOCKET_IFNAME": "^docker,lo"}) is None  # NCCL's prefix syntax
     assert socket_ifname_hint({}) is None
 
 
+@pytest.mark.unit
 def test_settings_read_the_interface_and_the_backend():
     assert read_settings({"HPCDDP_IFACE": "ib0", "HPCDDP_BACKEND": "GLOO"}) == {"interface": "ib0", "backend": "gloo"}
 
 
+@pytest.mark.unit
 def test_slurm_node_address_comes_from_scontrol_not_dns(monkeypatch):
     line = "NodeName=vnode1 Arch=x86_64 CoresPerSocket=1 NodeAddr=10.213.0.11 NodeHostName=vnode1 Version=22.05.8"
     monkeypatch.setattr(slurm.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, line, ""))
@@ -78,6 +85,7 @@ def test_slurm_node_address_comes_from_scontrol_not_dns(monkeypatch):
     assert slurm.node_address("vnode1") == "vnode1"
 
 
+@pytest.mark.unit
 def test_exported_interface_follows_the_rendezvous_unless_the_user_set_one(monkeypatch, caplog):
     from hpcddp.env import Rendezvous
     from hpcddp.runtime.exports import export_rendezvous
@@ -96,6 +104,7 @@ def test_exported_interface_follows_the_rendezvous_unless_the_user_set_one(monke
     assert "GLOO_SOCKET_IFNAME=eth1 differs from ib0 (HPCDDP_IFACE): keeping GLOO_SOCKET_IFNAME" in caplog.text
 
 
+@pytest.mark.unit
 def test_an_unreachable_rendezvous_is_one_line_within_seconds():
     from hpcddp.comm.rendezvous import connect_store
 
@@ -112,6 +121,7 @@ def test_an_unreachable_rendezvous_is_one_line_within_seconds():
     assert "within 1.5 s (Connection refused): set HPCDDP_IFACE (or init(interface=))" in message
 
 
+@pytest.mark.ranks
 def test_under_mpirun_every_rank_says_why_in_one_line(tmp_path):
     # Rank 0 cannot serve the store (its port is taken); every rank fails with one line.
     from hpcddp.testing import run_mpi
@@ -145,6 +155,7 @@ def listening_addresses(port):
     return found
 
 
+@pytest.mark.unit
 def test_rank_0s_store_listens_only_on_the_published_address():
     from hpcddp.comm.rendezvous import connect_store
 

@@ -5,6 +5,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from hpcddp.fault.run_status import aborted_ranks, started_ranks, unfinished_ranks
 
 from .conftest import ROOT
@@ -22,6 +24,7 @@ def rank_process(directory, rank, end):
     return subprocess.Popen([sys.executable, "-c", script], env=env)
 
 
+@pytest.mark.ranks
 def test_four_ranks_of_a_node_share_one_file_and_the_killed_ones_are_named(tmp_path):
     ends = {0: "exit", 1: "killed", 2: "exit", 3: "abort"}
     processes = [rank_process(tmp_path, rank, end) for rank, end in ends.items()]
@@ -34,6 +37,7 @@ def test_four_ranks_of_a_node_share_one_file_and_the_killed_ones_are_named(tmp_p
     assert aborted_ranks(str(tmp_path)) == {3: 7}
 
 
+@pytest.mark.unit
 def test_a_record_cut_short_is_ignored(tmp_path):
     (tmp_path / "n1.ranks").write_text("started 0 n1\nstarted 1 n1\nfinished 0\nfinish")
     (tmp_path / "n2.ranks").write_text("started 2 n2\n")

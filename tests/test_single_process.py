@@ -9,6 +9,8 @@ import torch
 
 import hpcddp
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def single(world_of_one):

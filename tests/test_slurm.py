@@ -28,6 +28,8 @@ from .cluster_jobs import (
 )
 from .conftest import ROOT
 
+pytestmark = pytest.mark.system
+
 START = os.path.join(ROOT, "slurm", "testing", "start_cluster.sh")
 STOP = os.path.join(ROOT, "slurm", "testing", "stop_cluster.sh")
 LAUNCHERS = ["srun", "mpirun"]

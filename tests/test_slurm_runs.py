@@ -20,6 +20,8 @@ import torch
 from . import test_slurm
 from .cluster_jobs import TRAIN_SH, one_node_environment, outcome, preempt_together, submit
 
+pytestmark = pytest.mark.system
+
 # test_slurm.py's fixtures: the one-node cluster (started once), and the environment for sbatch.
 slurm_cluster = test_slurm.slurm_cluster
 slurm_env = test_slurm.slurm_env

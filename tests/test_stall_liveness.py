@@ -63,6 +63,7 @@ SCRIPT = f"""
 """
 
 
+@pytest.mark.unit
 def test_a_process_is_busy_while_it_computes_not_while_it_sleeps_or_once_stopped_or_dead():
     computing = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     sleeping = subprocess.Popen(["sleep", "60"])
@@ -88,6 +89,7 @@ def launch(tmp_path, how, timeout_s=TIMEOUT_S, num_ranks=2, **env):
     return result.stdout, time.monotonic() - started
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("rank", [1, 0])
 def test_a_rank_holding_the_gil_in_one_long_c_call_is_busy_not_lost(tmp_path, rank):
     # Rank 1 does not answer rank 0's questions; rank 0 does not answer rank 1's alarm.
@@ -99,6 +101,7 @@ def test_a_rank_holding_the_gil_in_one_long_c_call_is_busy_not_lost(tmp_path, ra
     assert re.search(rf"rank {rank} on (node )?\S+ is busy in a long call outside Python \(CPU time advancing\)", out)
 
 
+@pytest.mark.ranks
 def test_a_stopped_rank_is_still_lost(tmp_path):
     out, elapsed = launch(tmp_path, "rank 1 stopped")
     assert "sum 3" not in out, out[-5000:]
@@ -114,6 +117,7 @@ PAUSED_TIMEOUT_S = 30
 PAUSE_S = 52
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("rank", [1, 0])
 def test_a_rank_paused_for_less_than_the_stall_timeout_past_the_stall_is_not_lost(tmp_path, rank):
     # A rank silent and using no CPU for a while (its node's links stalled, the VM paused, a
@@ -125,6 +129,7 @@ def test_a_rank_paused_for_less_than_the_stall_timeout_past_the_stall_is_not_los
     assert elapsed >= PAUSE_S
 
 
+@pytest.mark.ranks
 def test_a_rank_that_wakes_briefly_between_pauses_longer_than_a_round_is_not_lost(tmp_path):
     # Each pause outlasts a round of questions (10 s) but not the 12 s a rank must stay silent:
     # rank 1 answers every round late. Before the fix its late answers were thrown away, and
@@ -135,6 +140,7 @@ def test_a_rank_that_wakes_briefly_between_pauses_longer_than_a_round_is_not_los
     assert "rank 0 sum 3" in out and "rank 1 sum 3" in out, out[-5000:]
 
 
+@pytest.mark.ranks
 def test_a_stopped_rank_is_lost_while_rank_0_waits_in_no_operation(tmp_path):
     # Rank 0 computes outside hpcddp (a long evaluation), rank 1 waits for rank 2, which is
     # stopped for good. Rank 0 only asks when rank 1 alarms (every stall timeout); before the fix

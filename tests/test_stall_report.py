@@ -10,6 +10,8 @@ from hpcddp.fault.stall import explain_stall
 from hpcddp.fault.stall.report import exit_reason
 from hpcddp.fault.stall.verdict import Exit, judge, stable
 
+pytestmark = pytest.mark.unit
+
 WORLD = "world"
 
 

@@ -20,7 +20,10 @@ from .conftest import ROOT
 
 SCRIPT = os.path.join(ROOT, "slurm", "testing", "start_cluster.sh")
 
-pytestmark = pytest.mark.skipif(shutil.which("bash") is None or sys.platform != "linux", reason="needs bash on Linux")
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.skipif(shutil.which("bash") is None or sys.platform != "linux", reason="needs bash on Linux"),
+]
 
 
 # A stand-in daemon: listens on a port of its own (0: one the kernel picks), writes the port to a
@@ -147,7 +150,7 @@ def test_a_controller_that_died_fails_with_its_log_although_another_answers(clus
 def test_a_daemon_that_dies_just_after_starting_is_caught(cluster):
     cluster.daemon("slurmctld")
     cluster.daemon("slurmd", seconds=0.3)  # alive at the first look, gone before SLURM_TEST_SETTLE
-    result = cluster.check(settle=2)
+    result = cluster.check(settle=1)  # whole seconds; 2 made this test 5 s
     assert result.returncode == 1 and "slurmd is not running" in result.stderr
 
 

@@ -15,6 +15,8 @@ from hpcddp.observe import step_times, stragglers, timeline
 from hpcddp.observe.step_times import StepTimeRecorder
 from hpcddp.observe.stragglers import FIELDS, MAX_NAMED, describe, judge
 
+pytestmark = pytest.mark.unit
+
 COLUMN = {name: i for i, name in enumerate(FIELDS)}
 
 

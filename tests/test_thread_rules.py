@@ -6,6 +6,8 @@ import pytest
 
 from hpcddp.env.mpi_import import require_thread_multiple
 
+pytestmark = pytest.mark.unit
+
 
 def fake_mpi(granted):
     levels = {"THREAD_SINGLE": 0, "THREAD_FUNNELED": 1, "THREAD_SERIALIZED": 2, "THREAD_MULTIPLE": 3}

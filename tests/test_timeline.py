@@ -70,6 +70,7 @@ def check_training_track(track, reduces=True):
     return [e for e in top if e["name"] == "backward"]
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_timeline_of_two_ranks_shows_nested_bucket_phases_and_overlap(tmp_path, backend):
     script = tmp_path / "train.py"
@@ -109,6 +110,7 @@ def test_timeline_of_two_ranks_shows_nested_bucket_phases_and_overlap(tmp_path, 
                 assert backwards[step]["ts"] <= launches[0][step] < end(backwards[step])
 
 
+@pytest.mark.ranks
 def test_single_process_timeline_from_init_argument(tmp_path):
     trace_path = tmp_path / "one.json"
     (tmp_path / "one.json.ranks").mkdir()
@@ -123,6 +125,7 @@ def test_single_process_timeline_from_init_argument(tmp_path):
     assert not (tmp_path / "one.json.ranks").exists()
 
 
+@pytest.mark.ranks
 def test_a_link_planted_at_the_old_temporary_name_is_never_followed(tmp_path):
     trace_path = tmp_path / "one.json"
     victim = tmp_path / "victim.txt"
@@ -135,6 +138,7 @@ def test_a_link_planted_at_the_old_temporary_name_is_never_followed(tmp_path):
     assert load(trace_path)[1][(0, None)] == "rank 0"
 
 
+@pytest.mark.unit
 def test_timeline_must_be_a_path():
     from hpcddp.runtime.config import InitConfig
 
@@ -142,6 +146,7 @@ def test_timeline_must_be_a_path():
         InitConfig(timeline="")
 
 
+@pytest.mark.ranks
 def test_unwritable_timeline_path_fails_at_init_in_one_line_per_rank(tmp_path):
     (tmp_path / "file").write_text("")
     trace_path = tmp_path / "file" / "trace.json"  # below a regular file: unwritable even for root
@@ -156,6 +161,7 @@ def test_unwritable_timeline_path_fails_at_init_in_one_line_per_rank(tmp_path):
     assert "Traceback" not in result.stdout
 
 
+@pytest.mark.unit
 def test_events_go_to_the_ranks_file_in_chunks_while_recording(tmp_path):
     from hpcddp.observe import timeline
 
@@ -175,6 +181,7 @@ def test_events_go_to_the_ranks_file_in_chunks_while_recording(tmp_path):
     assert {"name": "process_name", "ph": "M", "pid": 3, "args": {"name": "rank 3"}} in events
 
 
+@pytest.mark.unit
 def test_merge_reads_the_files_it_can_names_missing_ranks_and_the_command_completes_it(tmp_path):
     from click.testing import CliRunner
 
@@ -212,6 +219,7 @@ def test_merge_reads_the_files_it_can_names_missing_ranks_and_the_command_comple
     assert victim.read_text() == "keep me"
 
 
+@pytest.mark.unit
 def test_a_link_planted_at_the_ranks_event_directory_is_refused(tmp_path):
     from hpcddp.observe import timeline
 
@@ -233,6 +241,7 @@ print("merged", len(result.merged), "missing", result.missing)
 """
 
 
+@pytest.mark.unit
 def test_merge_of_more_rank_files_than_open_files_allowed_holds_every_event(tmp_path):
     # 100 ranks under a limit of 40 open files: the merge must not hold every rank file open at once.
     trace = tmp_path / "trace.json"
@@ -273,6 +282,7 @@ hpcddp.shutdown()
 """
 
 
+@pytest.mark.ranks
 def test_a_rank_that_fails_with_an_exception_commits_its_events_as_the_job_aborts(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text(FAILING_RANK)
@@ -287,6 +297,7 @@ def test_a_rank_that_fails_with_an_exception_commits_its_events_as_the_job_abort
     assert "hpcddp timeline merge" in result.stdout
 
 
+@pytest.mark.unit
 def test_a_new_run_removes_the_unfinished_files_of_a_killed_run(tmp_path):
     from hpcddp.observe import timeline
 
@@ -319,6 +330,7 @@ class _PeerDied:
         raise RuntimeError("connection closed by peer")
 
 
+@pytest.mark.unit
 def test_rank_0_merges_the_files_that_exist_when_another_rank_died(tmp_path, caplog):
     from hpcddp.observe import timeline
 

@@ -6,6 +6,8 @@ from hpcddp.testing import run_script
 
 from .conftest import ROOT
 
+pytestmark = pytest.mark.ranks
+
 LIMIT_S = 180
 
 SCRIPT = """

@@ -13,18 +13,21 @@ from .conftest import ROOT
 TIME_LIMIT_S = 300
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("num_ranks", [2, 3])
 def test_torch_backend_suite(num_ranks):
     result = run_pytest_on_ranks(num_ranks, ["tests/mpi_torch"], timeout=TIME_LIMIT_S, cwd=ROOT)
     assert_pytest_passed(result)
 
 
+@pytest.mark.ranks
 def test_engine_rules_at_four_ranks():
     """Two APIs on one communicator, torch's comm hooks, messages and groups, at four ranks too."""
     result = run_pytest_on_ranks(4, ["tests/mpi_torch/test_engine_rules.py"], timeout=TIME_LIMIT_S, cwd=ROOT)
     assert_pytest_passed(result)
 
 
+@pytest.mark.unit
 def test_init_process_group_hpcddp_in_a_world_of_one(world_of_one):
     import torch
     import torch.distributed as dist
@@ -39,6 +42,7 @@ def test_init_process_group_hpcddp_in_a_world_of_one(world_of_one):
         dist.destroy_process_group()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("dtype", "op", "error", "message"),
     [
@@ -58,6 +62,7 @@ def test_reductions_mpi_cannot_do_are_refused(dtype, op, error, message):
         check_reducible(getattr(torch, dtype), from_torch(getattr(dist.ReduceOp, op)))
 
 
+@pytest.mark.unit
 def test_integer_averages_divide_toward_zero_where_hpcddps_api_refuses_them():
     import torch
 
@@ -73,6 +78,7 @@ def test_integer_averages_divide_toward_zero_where_hpcddps_api_refuses_them():
         check_average(torch.int64, ReduceOp.AVERAGE)
 
 
+@pytest.mark.unit
 def test_16_bit_float_reductions_are_made_once_per_process():
     import torch
     from mpi4py import MPI

@@ -14,6 +14,8 @@ import pytest
 
 from tests.torch_suite.driver import SuiteRun, list_tests
 
+pytestmark = pytest.mark.ranks
+
 #: fewer passes than this means tests stopped running (a gate, an import), not that they got better
 LEAST_PASSING = {2: 95, 3: 95}
 

@@ -17,6 +17,8 @@ from hpcddp.testing import run_command
 
 from .conftest import ROOT
 
+pytestmark = pytest.mark.system
+
 #: where ``bash docs/torch_matrix.sh 2.14.1`` puts its venv (its VENVS default)
 MATRIX_PYTHON = Path("/work/venvs/torch-matrix/torch-2.14.1/bin/python")
 TIME_LIMIT_S = 600

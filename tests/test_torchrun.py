@@ -91,6 +91,7 @@ dist.destroy_process_group()
 )
 
 
+@pytest.mark.ranks
 def test_one_line_change_runs_under_torchrun(launch):
     result = launch(TORCHRUN, ONE_LINE_CHANGE)
     assert result.returncode == 0, result.stdout[-5000:]
@@ -117,6 +118,7 @@ say("RESULT", rank, *h.tolist(), *t.tolist())
 )
 
 
+@pytest.mark.ranks
 def test_hpcddp_shutdown_leaves_the_scripts_group_to_the_script(launch):
     result = launch(TORCHRUN, SCRIPT_GROUP_OUTLIVES_SHUTDOWN)
     assert result.returncode == 0, result.stdout[-5000:]
@@ -144,6 +146,7 @@ say("RESULT", hpcddp.rank(), dist.get_backend(), *[repr(v) for v in model.weight
 )
 
 
+@pytest.mark.ranks
 def test_distributed_optimizer_alone_under_torchrun(launch):
     """No init_process_group in the script: hpcddp makes the group at its first collective, through torchrun's store."""
     result = launch(TORCHRUN, OPTIMIZER_ONLY)
@@ -165,6 +168,7 @@ def test_distributed_optimizer_alone_under_torchrun(launch):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
+@pytest.mark.ranks
 def test_init_process_group_after_hpcddp_made_the_group_names_the_fix(launch):
     source = """
     import torch, torch.distributed as dist, hpcddp
@@ -182,6 +186,7 @@ def test_init_process_group_after_hpcddp_made_the_group_names_the_fix(launch):
     assert_every_error_is(result.stdout, message)
 
 
+@pytest.mark.ranks
 def test_init_process_group_mpi_under_torchrun_is_one_line(launch):
     result = launch(TORCHRUN, 'import torch.distributed as dist, hpcddp\ndist.init_process_group("mpi")\n')
     assert result.returncode != 0
@@ -213,12 +218,14 @@ dist.destroy_process_group()
 UNCHANGED_EXPECTED = {r: ["2", str(r), "0", str(r), "2", "127.0.0.1", "0.0", "3.0", "6.0", "9.0"] for r in (0, 1)}
 
 
+@pytest.mark.ranks
 def test_unchanged_torchrun_script_under_hpcddp_run(launch):
     result = launch(HPCDDP_RUN, UNCHANGED_SCRIPT)
     assert result.returncode == 0, result.stdout[-5000:]
     assert results(result.stdout) == UNCHANGED_EXPECTED, result.stdout[-5000:]
 
 
+@pytest.mark.ranks
 def test_init_process_group_after_import_hpcddp_under_plain_mpirun(tmp_path):
     """No sitecustomize: init_process_group itself fills in what env:// reads, from MPI."""
     from hpcddp.testing import run_script
@@ -236,6 +243,7 @@ def test_init_process_group_after_import_hpcddp_under_plain_mpirun(tmp_path):
     assert results(result.stdout) == {r: [str(r), "3.0", "3.0"] for r in (0, 1)}, result.stdout[-5000:]
 
 
+@pytest.mark.unit
 def test_env_init_without_a_launcher_names_the_fix(monkeypatch):
     import torch.distributed as dist
 
@@ -264,6 +272,7 @@ OPEN_MPI = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "environ, expected",
     [
@@ -302,6 +311,7 @@ def test_launcher_variables(environ, expected):
     assert launcher_variables(environ) == expected
 
 
+@pytest.mark.unit
 def test_sitecustomize_exports_the_ranks_before_the_script_without_mpi():
     """Every Python process under hpcddp run reads its ranks from mpirun's variables; none starts MPI there."""
     import subprocess
@@ -319,6 +329,7 @@ def test_sitecustomize_exports_the_ranks_before_the_script_without_mpi():
     assert result.stdout.split() == ["0", "8", "False"], result.stderr
 
 
+@pytest.mark.ranks
 def test_hpcddp_run_starts_ranks_without_the_shells_rank_variables():
     from hpcddp.cli.launch import LaunchConfig, build_launch_command
 
@@ -327,6 +338,7 @@ def test_hpcddp_run_starts_ranks_without_the_shells_rank_variables():
     assert not set(stale) & set(environ)
 
 
+@pytest.mark.ranks
 def test_hpcddp_run_gives_one_host_a_rendezvous():
     from hpcddp.cli.launch import LaunchConfig, build_launch_command
 
@@ -382,6 +394,7 @@ def installed_pth() -> str:
     pytest.fail(f"{os.path.basename(PTH)} is not in site-packages: reinstall hpcddp (pip install -e .)")
 
 
+@pytest.mark.unit
 def test_pip_installed_the_pth_next_to_the_editable_hook():
     path = installed_pth()
     with open(path) as installed, open(PTH) as source:
@@ -403,6 +416,7 @@ def run_checks_rank_itself(tmp_path, monkeypatch, backend, **env):
     return result
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_a_script_that_checks_rank_itself_runs_as_one_job_under_plain_mpirun(tmp_path, monkeypatch, backend):
     installed_pth()
@@ -415,6 +429,7 @@ def test_a_script_that_checks_rank_itself_runs_as_one_job_under_plain_mpirun(tmp
     assert "are ignored" not in result.stdout, result.stdout[-5000:]
 
 
+@pytest.mark.ranks
 def test_with_the_switch_off_each_rank_runs_alone_as_before(tmp_path, monkeypatch):
     result = run_checks_rank_itself(tmp_path, monkeypatch, "gloo", HPCDDP_TORCHRUN_ENV="0")
     assert result.returncode == 0, result.stdout[-5000:]
@@ -444,6 +459,7 @@ def plain_environ(**extra):
     return {**environ, "PYTHONPATH": ROOT, **extra}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "extra",
     [
@@ -466,6 +482,7 @@ def test_the_pth_line_loads_nothing_outside_a_launch_of_several(extra):
     assert rank == extra.get("RANK", "-")
 
 
+@pytest.mark.unit
 def test_the_pth_line_in_a_launch_exports_the_ranks_without_torch_mpi_or_the_package():
     modules, rank, stderr = exec_pth_line(plain_environ(**OPEN_MPI))
     assert rank == "5" and stderr == ""
@@ -480,6 +497,7 @@ def test_the_pth_line_in_a_launch_exports_the_ranks_without_torch_mpi_or_the_pac
     )
 
 
+@pytest.mark.unit
 def test_the_mpi_warning_stays_where_rank_or_size_is_not_mpis():
     import warnings
     from types import SimpleNamespace
@@ -524,6 +542,7 @@ hpcddp.shutdown()
 """
 
 
+@pytest.mark.ranks
 def test_the_local_rank_a_script_saw_before_init_is_hpcddps_under_an_oversubscribed_mpirun(tmp_path, monkeypatch):
     # Open MPI 5 numbers a node's ranks out of rank order when it oversubscribes (4 ranks on
     # 2 cores: ranks 1 and 2 get local ranks 2 and 1); a script that chose its GPU from

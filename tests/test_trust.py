@@ -14,6 +14,8 @@ import pytest
 from .conftest import ROOT
 from .test_failures import LIMIT_S, launch
 
+pytestmark = pytest.mark.ranks
+
 ABORTED = "[hpcddp stall inspector] aborting"
 DEADLOCK = "every rank waits in an operation that can never complete"
 

@@ -2,7 +2,11 @@
 
 import time
 
+import pytest
+
 from hpcddp.comm.mpi import waits
+
+pytestmark = pytest.mark.unit
 
 
 class Request:

@@ -84,10 +84,14 @@ def _read(path: Path) -> dict | None:
     return owner
 
 
+#: seconds an owner on this host that is still alive gets to finish exiting before it counts as live
+_EXIT_GRACE_S = 2.0
+
+
 def _owner_is_gone(owner: dict) -> bool:
     if owner.get("host") == socket.gethostname():
-        # A job killed a moment ago may still be exiting: give it two seconds.
-        deadline = time.monotonic() + 2.0
+        # A job killed a moment ago may still be exiting: give it a moment.
+        deadline = time.monotonic() + _EXIT_GRACE_S
         while _start_time(int(owner.get("pid", -1))) == owner.get("started"):
             if time.monotonic() >= deadline:
                 return False

@@ -7,6 +7,8 @@ import pytest
 
 from .run_horovod_suite import SUITE, run_suite, write_shim
 
+pytestmark = pytest.mark.system
+
 SOURCE = os.environ.get("HOROVOD_SRC")
 
 # Horovod 0.28.1 built on this machine passes 100 of its torch tests at 2 ranks; the 3 it

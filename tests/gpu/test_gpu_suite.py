@@ -44,7 +44,7 @@ HANG_LIMITS = {"HPCDDP_STALL_TIMEOUT": "30", "HPCDDP_STALL_ABORT_AFTER": "60", "
 #: the jobs run_gpu_suite.sh skips because their smoke launch failed ("mpi", "nccl")
 SKIPPED_JOBS = os.environ.get("HPCDDP_GPU_SKIP_JOBS", "").split()
 
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_where_the_suite_asks_for_it")]
+pytestmark = [pytest.mark.system, pytest.mark.gpu, pytest.mark.usefixtures("cuda_where_the_suite_asks_for_it")]
 
 
 # A test's id as pytest -v prints it; a stall report or a killed launch's command line may name

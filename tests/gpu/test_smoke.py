@@ -22,7 +22,7 @@ from .conftest import BIND, SUITE_DEVICE, UNBOUND_ENV
 #: 2 busy CPU cores in the rehearsal
 LAUNCH_LIMIT_S = float(os.environ.get("HPCDDP_GPU_SMOKE_LAUNCH_S", "50"))
 
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_where_the_suite_asks_for_it")]
+pytestmark = [pytest.mark.system, pytest.mark.gpu, pytest.mark.usefixtures("cuda_where_the_suite_asks_for_it")]
 
 
 # Every rank checks its own result and exits 1 on a wrong one; mpirun then fails the launch.
