@@ -20,21 +20,23 @@ measures is the host cost the road's shape sets. Run at 2 ranks:
     mpirun -np 2 python docs/lean_road_prototype.py 64
 """
 
+import os
 import queue
 import sys
 import threading
-import time
 
-import numpy as np
 import torch
 
-import hpcddp
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bucket_road_cost import LAYER_WIDTH, hpcddp_and_raw_steps, layers, time_in_turns  # noqa: E402
+
+import hpcddp  # noqa: E402
 
 
 class FlatGrads:
     """Gradients as views of one flat buffer, one bucket per parameter, counted by hooks."""
 
-    def __init__(self, params, comm, start_bucket) -> None:
+    def __init__(self, params, start_bucket) -> None:
         self.params = list(params)
         self.flat = torch.zeros(sum(p.numel() for p in self.params))
         self.views, offset = [], 0
@@ -43,14 +45,12 @@ class FlatGrads:
             offset += param.numel()
             param.grad = view
             self.views.append(view)
-        self.comm, self.start_bucket = comm, start_bucket
-        self.launched = 0
+        self.start_bucket = start_bucket
         for index, param in enumerate(self.params):
             param.register_post_accumulate_grad_hook(lambda _p, index=index: self.start_bucket(index))
 
     def zero_grad(self) -> None:
         self.flat.zero_()  # the views stay: backward accumulates into them
-        self.launched = 0
 
 
 def main(num_layers: int = 64, steps: int = 400) -> None:
@@ -61,50 +61,19 @@ def main(num_layers: int = 64, steps: int = 400) -> None:
     thread_comm = MPI.COMM_WORLD.Dup()
     size = comm.Get_size()
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    one_layer_mb = 16 * 16 * 4 / 2**20
-
-    def layers():
-        torch.manual_seed(0)  # the same weights for every road
-        return torch.nn.Sequential(*[torch.nn.Linear(16, 16, bias=False) for _ in range(num_layers)])
-
-    x = torch.randn(4, 16)
-
-    model = layers()
-    optimizer = hpcddp.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.0),
-        model.named_parameters(),
-        bucket_cap_mb=one_layer_mb,
-        first_bucket_mb=one_layer_mb,
-    )
-    assert len(optimizer.reducer.buckets) == num_layers
-
-    def hpcddp_step() -> None:
-        optimizer.zero_grad()
-        model(x).sum().backward()
-        optimizer.step()
-
-    reference = layers()
-    plain = torch.optim.SGD(reference.parameters(), lr=0.0)
-
-    def raw_step() -> None:
-        plain.zero_grad()
-        reference(x).sum().backward()
-        for param in reversed(list(reference.parameters())):
-            grad = param.grad.numpy()
-            comm.Allreduce(MPI.IN_PLACE, grad, op=MPI.SUM)
-            grad /= size
-        plain.step()
+    x = torch.randn(4, LAYER_WIDTH)
+    hpcddp_step, raw_step = hpcddp_and_raw_steps(num_layers, comm, x)
+    reference = raw_step.model
 
     # -- hook: Iallreduce from the hook ------------------------------------------------------
-    hook_model = layers()
+    hook_model = layers(num_layers)
     hook_sgd = torch.optim.SGD(hook_model.parameters(), lr=0.0)
     requests: list = []
 
     def start_in_hook(index: int) -> None:
         requests.append(comm.Iallreduce(MPI.IN_PLACE, hook_grads.views[index].numpy(), op=MPI.SUM))
 
-    hook_grads = FlatGrads(hook_model.parameters(), comm, start_in_hook)
+    hook_grads = FlatGrads(hook_model.parameters(), start_in_hook)
 
     def hook_step() -> None:
         hook_grads.zero_grad()
@@ -117,7 +86,7 @@ def main(num_layers: int = 64, steps: int = 400) -> None:
         hook_sgd.step()
 
     # -- thread: one communication thread ------------------------------------------------------
-    thread_model = layers()
+    thread_model = layers(num_layers)
     thread_sgd = torch.optim.SGD(thread_model.parameters(), lr=0.0)
     work: queue.SimpleQueue = queue.SimpleQueue()
     done = threading.Semaphore(0)
@@ -130,7 +99,7 @@ def main(num_layers: int = 64, steps: int = 400) -> None:
             thread_comm.Allreduce(MPI.IN_PLACE, thread_grads.views[index].numpy(), op=MPI.SUM)
             done.release()
 
-    thread_grads = FlatGrads(thread_model.parameters(), thread_comm, work.put)
+    thread_grads = FlatGrads(thread_model.parameters(), work.put)
     server = threading.Thread(target=serve, daemon=True)
     server.start()
 
@@ -152,19 +121,10 @@ def main(num_layers: int = 64, steps: int = 400) -> None:
             assert torch.equal(a.grad, b.grad)
 
     roads = [("hpcddp", hpcddp_step), ("raw", raw_step), ("hook", hook_step), ("thread", thread_step)]
-    samples: dict[str, list[float]] = {name: [] for name, _ in roads}
-    for step in range(steps):
-        for name, run in roads[step % len(roads) :] + roads[: step % len(roads)]:
-            comm.Barrier()
-            start = time.perf_counter()
-            run()
-            samples[name].append(time.perf_counter() - start)
+    slowest = time_in_turns(roads, steps, comm)
     work.put(None)
     server.join(timeout=10)
-    medians = {name: float(np.median(times[steps // 8 :])) * 1e6 for name, times in samples.items()}
-    every = comm.gather(medians)
     if comm.rank == 0:
-        slowest = {name: max(m[name] for m in every) for name in medians}
         raw = slowest["raw"]
         print(f"{num_layers} buckets, {size} ranks, medians of {steps - steps // 8} steps, slowest rank:")
         for name, micros in slowest.items():
