@@ -68,14 +68,18 @@ def main() -> None:
     logging.getLogger("hpcddp").addHandler(lines)
     reports: dict = {}
 
-    def phase(name: str, slow: set[int], steps: int, *, horovod: bool = False, batches=None) -> None:
+    def phase(
+        name: str, slow: set[int], steps: int, *, horovod: bool = False, batches=None, buckets_mb=(25.0, 1.0)
+    ) -> None:
         lines.phase = name
         model = mlp()
         sgd = torch.optim.SGD(model.parameters(), lr=0.01)
         if horovod:
             optimizer = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
         else:
-            optimizer = hpcddp.DistributedOptimizer(sgd, model.named_parameters())
+            optimizer = hpcddp.DistributedOptimizer(
+                sgd, model.named_parameters(), bucket_cap_mb=buckets_mb[0], first_bucket_mb=buckets_mb[1]
+            )
         if batches is None:
             train(optimizer, model, steps, slow)
         else:
@@ -113,6 +117,11 @@ def main() -> None:
     rank = hpcddp.rank()
     hpcddp.shutdown()
     report("shutdown", reports)
+    # gloo with several buckets: a fast rank waits for the slow one at bucket 0's launch, inside
+    # its backward pass (the step's agreement); that is wait, not the fast rank's compute.
+    hpcddp.init(backend="gloo")
+    phase("gloo", {1}, 40, buckets_mb=(0.01, 0.001))  # 2 buckets: the last layer's, then the first's
+    hpcddp.shutdown()
     if rank == 0:
         for name, text in lines.lines:
             print(f"LINE {name} {text}", flush=True)

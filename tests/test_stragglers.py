@@ -2,6 +2,7 @@
 
 import logging
 import math
+import re
 import socket
 import time
 from array import array
@@ -145,10 +146,17 @@ class FakeComm:
         return [payload, *others]
 
 
-def run_steps(recorder, comm, num_steps, *, module=None, active=None, step_s=0.001):
-    """Steps as the optimizer runs them: backward, its reduction completing (``reduction_done``), then step()."""
+def run_steps(recorder, comm, num_steps, *, module=None, active=None, step_s=0.001, slow_steps=(), named=None):
+    """Steps as the optimizer runs them: backward, its reduction completing (``reduction_done``), then step().
+
+    ``named``: the optimizer's parameters (``module``'s by default); ``slow_steps`` sleep 30 ms before their forward.
+    """
     times = ReductionTimes()
+    if named is None:
+        named = [] if module is None else list(module.named_parameters())
     for step in range(1, num_steps + 1):
+        if step in slow_steps:
+            time.sleep(0.030)
         if module is not None:
             module(torch.zeros(1, 2))
         times.backward_start = time.perf_counter()
@@ -157,7 +165,7 @@ def run_steps(recorder, comm, num_steps, *, module=None, active=None, step_s=0.0
         times.waited(times.backward_end)
         recorder.reduction_done(step, comm.size if active is None else active(step), comm)
         started = time.perf_counter()
-        recorder.step_done(started, times, step)
+        recorder.step_done(started, times, step, named)
     return times
 
 
@@ -166,7 +174,10 @@ def _no_report_left():
     stragglers._last_report = None
     yield
     stragglers._last_report = None
-    torch.nn.Linear(1, 1)(torch.zeros(1))  # a recorder's armed forward hook goes with its first module call
+    hooks = torch.nn.modules.module._global_forward_pre_hooks
+    for key, hook in list(hooks.items()):  # the recorders' armed forward hooks
+        if isinstance(getattr(hook, "__self__", None), StepTimeRecorder):
+            del hooks[key]
 
 
 def test_the_recorder_gathers_once_per_window_and_rank_0_names_the_slow_rank(caplog):
@@ -178,7 +189,7 @@ def test_the_recorder_gathers_once_per_window_and_rank_0_names_the_slow_rank(cap
     assert comm.gathers[0].endswith(socket.gethostname().encode())  # the host once
     assert len(comm.gathers[1]) == 8 * len(FIELDS)
     report = stragglers.straggler_report()
-    assert (report.first_step, report.last_step) == (21, 30)
+    assert (report.first_step, report.last_step) == (20, 29)  # step 30's row is stored after its reduction
     assert [s.rank for s in report.stragglers] == [2]
     assert not math.isnan(report.ranks[0].data_ms) and not math.isnan(report.ranks[0].forward_ms)
     assert sum("straggler: rank 2" in r.getMessage() for r in caplog.records) == 3
@@ -198,13 +209,13 @@ def test_a_window_in_which_some_rank_had_no_data_is_not_reported():
     recorder = StepTimeRecorder(10)
     run_steps(recorder, comm, 30, active=lambda step: 3 if 12 <= step <= 15 else 4)
     assert len(comm.gathers) == 2  # steps 11-20 (a join) dropped
-    assert stragglers.straggler_report().first_step == 21
+    assert stragglers.straggler_report().first_step == 20
 
 
 def test_a_step_whose_reduction_did_not_finish_stores_no_row():
     recorder, times = StepTimeRecorder(100), ReductionTimes()
     for num_reductions in (1, 2, 2, 2, 3):  # three step() calls without a reduction since the last
-        recorder.step_done(time.perf_counter(), times, num_reductions)
+        recorder.step_done(time.perf_counter(), times, num_reductions, [])
     assert recorder._num_rows == 2  # steps 2 and 5: the first step has no previous end
 
 
@@ -213,7 +224,7 @@ def test_nobody_is_named_before_every_rank_has_five_rows(caplog):
     with caplog.at_level(logging.WARNING, logger="hpcddp"):
         run_steps(StepTimeRecorder(6), comm, 12)  # windows of 4 rows (steps 2-5), then 6 (6-11)
     assert len(comm.gathers) == 2  # both gathered: the ranks gather by reductions, whatever their rows
-    assert stragglers.straggler_report().first_step == 7
+    assert stragglers.straggler_report().first_step == 6
     assert sum("straggler: rank 2" in r.getMessage() for r in caplog.records) == 1
 
     class FewRows(FakeComm):
@@ -237,15 +248,48 @@ def test_the_line_names_the_optimizer_when_there_are_several():
     assert StepTimeRecorder(5).number == first.number + 1  # made in the same order on every rank
 
 
-def test_the_forward_hook_is_gone_after_the_first_module_call():
+def test_the_forward_hook_is_gone_after_the_first_call_of_the_optimizers_model():
+    model = torch.nn.Sequential(torch.nn.Linear(1, 1))
     recorder = StepTimeRecorder(100)
-    run_steps(recorder, FakeComm(), 3)
+    run_steps(recorder, FakeComm(), 3, named=list(model.named_parameters()))
     hooks = torch.nn.modules.module._global_forward_pre_hooks
     assert recorder._hook is not None and recorder._hook.id in hooks
     torch.nn.ReLU()(torch.zeros(1))  # no parameters: still armed
-    assert recorder._hook is not None
-    torch.nn.Linear(1, 1)(torch.zeros(1))
+    torch.nn.Linear(1, 1)(torch.zeros(1))  # another model's (a second optimizer's, an EMA or teacher model)
+    with torch.no_grad():
+        model(torch.zeros(1))  # evaluation between steps: data, not forward
+    assert recorder._hook is not None and recorder._forward_at == 0.0
+    model(torch.zeros(1))
     assert recorder._hook is None and not any(h == recorder._on_forward for h in hooks.values())
+    assert recorder._forward_at > 0.0
+
+
+def test_a_window_is_labelled_with_the_steps_whose_rows_it_holds():
+    # Steps 5-7 of 10 are slow: the window reported in reduction 10 holds steps 5-9 (step 10's row
+    # is stored after its reduction) and says so; labelled 6-10 it would miss its slow step 5.
+    comm = FakeComm()
+    run_steps(StepTimeRecorder(5), comm, 10, slow_steps=(5, 6, 7))
+    report = stragglers.straggler_report()
+    assert (report.first_step, report.last_step) == (5, 9)
+    assert report.step_ms >= 30.0 and report.table[0, COLUMN["steps"]] == 5
+
+
+def test_a_launch_that_blocks_inside_backward_is_wait_not_backward():
+    comm = FakeComm()
+    recorder = StepTimeRecorder(5)
+    times = ReductionTimes()
+    for step in range(1, 6):
+        times.backward_start = time.perf_counter()
+        times.launched(0, 1)
+        blocked = time.perf_counter()
+        time.sleep(0.02)  # gloo's agreement at bucket 0's launch, waiting for a slow rank
+        times.launch_waited(blocked)
+        times.backward_end = time.perf_counter()
+        times.waited(times.backward_end)
+        recorder.reduction_done(step, comm.size, comm)
+        recorder.step_done(time.perf_counter(), times, step, [])
+    rows = recorder._medians()
+    assert rows[COLUMN["wait"]] >= 0.02 and rows[COLUMN["backward"]] < 0.01 and rows[COLUMN["compute"]] < 0.01
 
 
 def test_a_timeline_marks_each_report(monkeypatch):
@@ -258,7 +302,7 @@ def test_a_timeline_marks_each_report(monkeypatch):
     monkeypatch.setattr(timeline, "_recorder", Recorder())
     run_steps(StepTimeRecorder(5, record_timeline=True), FakeComm(extra_ms=(50.0, 0.0, 0.0)), 10)
     assert [name for name, _ in spans] == ["straggler report"] * 2
-    assert spans[-1][1] == {"steps": "6-10", "stragglers": "rank 1 50 ms"}
+    assert spans[-1][1] == {"steps": "5-9", "stragglers": "rank 1 50 ms"}
 
 
 def test_every_zero_turns_the_reports_off(monkeypatch):
@@ -275,18 +319,31 @@ def test_every_zero_turns_the_reports_off(monkeypatch):
 def test_ranks_given_different_windows_all_turn_the_reports_off(monkeypatch, caplog):
     class OthersSay20(FakeComm):
         def allgather_object(self, obj):
-            return [obj, 20, 20, 20]
+            return [obj, (20, False, ""), (200, True, ""), (20, False, "")]
 
     monkeypatch.setenv("HPCDDP_STRAGGLER_EVERY", "50")  # this rank only: mpirun without -x on other hosts
     with caplog.at_level(logging.WARNING, logger="hpcddp"):
         assert step_times.recorder_for(OthersSay20(), record_timeline=False) is None
     (record,) = caplog.records
-    assert record.getMessage().startswith("hpcddp: HPCDDP_STRAGGLER_EVERY differs between the ranks (20, 50)")
+    assert record.getMessage().startswith(
+        "hpcddp: HPCDDP_STRAGGLER_EVERY differs between the ranks (20, 50, unset (200))"
+    )
 
 
-@pytest.mark.parametrize("raw", ["-1", "ten", "2.5"])
+def test_a_bad_every_set_after_init_turns_the_reports_off_in_one_line(monkeypatch, caplog):
+    monkeypatch.setenv("HPCDDP_STRAGGLER_EVERY", "ten")
+    with caplog.at_level(logging.WARNING, logger="hpcddp"):
+        assert step_times.recorder_for(FakeComm(), record_timeline=False) is None
+    (record,) = caplog.records
+    assert record.getMessage().startswith("hpcddp: environment variable HPCDDP_STRAGGLER_EVERY must be a whole number")
+    assert "straggler reports are off" in record.getMessage()
+
+
+@pytest.mark.parametrize("raw", ["-1", "ten", "2.5", "1_000", "+5", "\u0661\u0662"])
 def test_a_bad_every_names_the_variable_and_the_fix(raw):
-    with pytest.raises(ValueError, match=f"HPCDDP_STRAGGLER_EVERY must be a whole number of steps >= 0 .*got '{raw}'"):
+    with pytest.raises(
+        ValueError, match=f"HPCDDP_STRAGGLER_EVERY must be a whole number of steps >= 0 .*got '{re.escape(raw)}'"
+    ):
         read_straggler_every({"HPCDDP_STRAGGLER_EVERY": raw})
     with pytest.raises(ValueError, match="HPCDDP_STRAGGLER_EVERY"):
         read_settings({"HPCDDP_STRAGGLER_EVERY": raw})  # init() stops at once

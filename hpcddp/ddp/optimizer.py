@@ -242,7 +242,9 @@ class DistributedOptimizer(OptimizerFacade):
                 if self.reducer.closed:
                     self._step_times.stop()
                 else:  # local: a row for this step if its reduction finished (the report is the reducer's)
-                    self._step_times.step_done(started, self.reducer.times, self.reducer.num_reductions)
+                    self._step_times.step_done(
+                        started, self.reducer.times, self.reducer.num_reductions, self.reducer.named
+                    )
 
     def _reduced_step(self, closure):
         """``step()`` itself: wait for the reduction, check it, step the wrapped optimizer."""

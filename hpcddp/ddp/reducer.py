@@ -413,9 +413,14 @@ class Reducer:
         step = self.steps_taken
         label = f"bucket {index} of step {step}{self._owner}"
         if self._channel is not None:
+            started = time.perf_counter()
             self._channel.before_bucket(
                 index, bucket.buffer if bucket.wire is None else bucket.wire, label=label, step=step
             )
+            if (
+                self._pass_open
+            ):  # gloo waits here for the other ranks inside backward: the step's reports count it as wait
+                self.times.launch_waited(started)
         self.times.bucket_submit[index] = time.perf_counter()
         self._handles.append(self._sender.start(bucket, self.num_reductions, label=label, step=step))
 

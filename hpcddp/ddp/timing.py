@@ -26,6 +26,9 @@ class ReductionTimes:
     wait_total: float = 0.0
     #: when the last reduction's wait ended
     wait_end: float = 0.0
+    #: seconds the last reduction's bucket launches blocked inside backward (gloo agrees on the
+    #: step's calls at bucket 0's launch, waiting there for the other ranks); in ``wait_total`` too
+    launch_wait: float = 0.0
     bucket_launch: list[float] = field(default_factory=list)
     #: when each bucket's buffer went to the backend (after predivide and compression)
     bucket_submit: list[float] = field(default_factory=list)
@@ -51,8 +54,16 @@ class ReductionTimes:
         self.wait_end = time.perf_counter()
         self.wait_total += self.wait_end - start
 
+    def launch_waited(self, start: float) -> None:
+        """Note that a bucket's launch inside backward, begun at ``start``, blocked until now (a wait, not compute)."""
+        waited = time.perf_counter() - start
+        self.launch_wait += waited
+        self.wait_total += waited
+
     def launched(self, index: int, num_buckets: int) -> None:
         """Note that bucket ``index`` of ``num_buckets`` is being launched now."""
+        if index == 0:
+            self.launch_wait = 0.0
         if index == 0 or len(self.bucket_launch) != num_buckets:
             self.bucket_launch = [0.0] * num_buckets
             self.bucket_submit = [0.0] * num_buckets

@@ -158,10 +158,10 @@ DEFAULT_STRAGGLER_EVERY = 200
 
 
 def _steps(raw: str) -> int:
-    value = int(raw)
-    if value < 0:
+    # ASCII digits only: int() also takes "1_000", "+5" and other scripts' digits
+    if not (raw.isascii() and raw.isdigit()):
         raise ValueError(raw)
-    return value
+    return int(raw)
 
 
 def read_straggler_every(environ: Mapping[str, str]) -> int:

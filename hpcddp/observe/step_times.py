@@ -11,25 +11,37 @@ nothing else calls in.
    step without a backward pass): the time from the end of the previous ``step()`` to the
    end of this one, split into
 
-   - *wait*: the time the reducer spent finishing the step's reductions
-     (``ReductionTimes.wait_total``): a rank that is ahead waits there for the others;
-   - *data*: from the end of the previous step to the first call of a module that has
-     parameters (a global forward pre-hook armed at the end of each step, removed by its
-     first call: one module call per step takes torch's hooked path);
-   - *forward*: from there to the first gradient hook of the step's last backward pass;
-   - *backward*: that pass, up to its end (the wait comes after it);
+   - *wait*: the time the reducer spent finishing the step's reductions, and launching its
+     buckets where a launch blocks inside backward (gloo agrees on the step's calls at bucket
+     0's launch, ``ReductionTimes.launch_wait``), both in ``ReductionTimes.wait_total``: a
+     rank that is ahead waits there for the others;
+   - *data*: from the end of the previous step to the first call, with gradients on, of a
+     module that directly holds one of this optimizer's parameters (a global forward pre-hook
+     armed at the end of each step, removed by that call: the module calls until then take
+     torch's hooked path). Module calls under ``torch.no_grad()`` (evaluation between steps,
+     a frozen part of the model) and other models' calls (a second optimizer's, an EMA or
+     teacher model) count here, not as forward;
+   - *forward*: from there to the first gradient hook of the step's last backward pass (a
+     loss's own backward, before the first parameter's gradient, counts here too);
+   - *backward*: that pass, up to its end, less its launches' blocking (the wait comes after it);
    - *optimizer*: the rest of ``step()`` after any wait in it;
-   - *other*: what is left (clipping, GradScaler, logging, evaluation).
+   - *other*: what is left (clipping, GradScaler, logging between backward and ``step()``).
+
+   A window is labelled with the steps whose rows it holds: the row of a step is stored when
+   its ``step()`` ends, after its reduction reported the window, so the window reported in
+   reduction N holds steps N-every to N-1 (numbered by their reductions).
 
    A rank's own compute is its step-to-step time minus its wait. No collective, no host
-   synchronisation; the hook's handle is the one object made per step.
+   synchronisation; the hook's handle is the one object made per step. The hook is armed and
+   disarmed under a lock: a module called on another thread meanwhile cannot leave it armed.
 2. **One gather per window, inside a reduction.** Windows are counted in the reducer's
    completed reductions (``Reducer.num_reductions``), which every rank completes alike: when
    reduction N ends and N is a multiple of ``every``, the reducer calls ``reduction_done``
    before the reduction returns, and every rank sends the medians of its window (``FIELDS``,
    float64; its host name too, the first time only) to rank 0 in one ``gather_object`` on the
    optimizer's gradient channel (``Communicator.gradient_channel``), right after the
-   reduction's last bucket. A rank that completed the reduction is in the gather; a rank that
+   reduction's last bucket (with a process set: to the set's first rank, which judges and
+   prints; the lines name ranks in the job). A rank that completed the reduction is in the gather; a rank that
    did not leaves the others waiting in the reduction itself, as it would with the reports off.
    How a script steps its optimizer (a ``step()`` without backward, an error in the wrapped
    step, local steps after ``close()``) cannot change which ranks gather. O(p) bytes at rank 0
@@ -49,6 +61,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 from array import array
 
@@ -65,7 +78,8 @@ log = logging.getLogger("hpcddp")
 
 #: steps a window's medians are taken over at most (the last ones before the report)
 MAX_WINDOW = 1024
-#: recorders made in this process (one per DistributedOptimizer): lines name the optimizer past the first
+#: recorders made in this process (one per DistributedOptimizer, closed ones included): lines name the
+#: optimizer by its place in that count once a second one was made
 _num_recorders = 0
 
 
@@ -74,7 +88,8 @@ def recorder_for(comm, record_timeline: bool) -> StepTimeRecorder | None:
 
     Collective over ``comm`` (from the optimizer's constructor, which is): the ranks compare
     their HPCDDP_STRAGGLER_EVERY, and where it differs (mpirun does not pass a variable to
-    other hosts without ``-x``) every rank turns the reports off alike, with a warning.
+    other hosts without ``-x``) or some rank's is not a number (set after ``init()``, which
+    checks it), every rank turns the reports off alike, with a one-line warning.
 
     Args:
         comm: the optimizer's communicator.
@@ -82,14 +97,26 @@ def recorder_for(comm, record_timeline: bool) -> StepTimeRecorder | None:
     """
     if comm.size == 1:
         return None
-    every = read_straggler_every(os.environ)
-    everyones = set(comm.allgather_object(every))
-    if len(everyones) > 1:
+    unset = not os.environ.get("HPCDDP_STRAGGLER_EVERY", "").strip()
+    try:
+        every, error = read_straggler_every(os.environ), ""
+    except ValueError as err:  # set after init(), which checked it: one line, not a traceback on one rank
+        every, error = -1, str(err)
+    everyones = comm.allgather_object((every, unset, error))
+    errors = sorted({said for _, _, said in everyones if said})
+    values = {(value, was_unset) for value, was_unset, said in everyones if not said}
+    if errors or len({value for value, _ in values}) > 1:
         if comm.rank == 0:
+            reason = (
+                errors[0]
+                if errors
+                else "HPCDDP_STRAGGLER_EVERY differs between the ranks ("
+                + ", ".join(f"unset ({value})" if was_unset else str(value) for value, was_unset in sorted(values))
+                + ")"
+            )
             log.warning(
-                "hpcddp: HPCDDP_STRAGGLER_EVERY differs between the ranks (%s): straggler reports are off; "
-                "give every rank the same value (mpirun -x HPCDDP_STRAGGLER_EVERY)",
-                ", ".join(map(str, sorted(everyones))),
+                "hpcddp: %s: straggler reports are off; give every rank the same value (mpirun -x HPCDDP_STRAGGLER_EVERY)",
+                reason,
             )
         return None
     return StepTimeRecorder(every, record_timeline=record_timeline) if every else None
@@ -97,6 +124,10 @@ def recorder_for(comm, record_timeline: bool) -> StepTimeRecorder | None:
 
 class StepTimeRecorder:
     """One optimizer's step times on this rank, reported to rank 0 every ``every`` reductions.
+
+    The lines name the optimizer ("DistributedOptimizer #2") by the recorder's ``number``: its
+    place among the recorders made in this process, closed optimizers' included, once there
+    is more than one.
 
     Args:
         every: reductions per report (> 0).
@@ -117,7 +148,12 @@ class StepTimeRecorder:
         self._num_rows = 0
         self._partial = False
         self._hook = None
+        self._hook_lock = threading.Lock()
         self._forward_at = 0.0
+        #: ids of this optimizer's parameters (the reducer's): only modules holding one start the forward
+        self._parameter_ids: frozenset[int] = frozenset()
+        #: the steps (numbered by their reductions) of the window's first and last rows
+        self._first_step = self._last_step = 0
         self._comm = None
         self._sent_host = False
         self._hosts: list[str] = []
@@ -127,7 +163,7 @@ class StepTimeRecorder:
         self._reductions_seen = 0
 
     # -- per step, local ----------------------------------------------------------------------
-    def step_done(self, started: float, times, num_reductions: int) -> None:
+    def step_done(self, started: float, times, num_reductions: int, named) -> None:
         """Note that ``step()`` ended; store its row when a reduction finished since the last one.
 
         Local: no collective. Called in ``step()``'s ``finally``, also when the step raised.
@@ -136,34 +172,43 @@ class StepTimeRecorder:
             started: when ``step()`` was entered.
             times: the reducer's ``ReductionTimes``.
             num_reductions: the reducer's completed reductions now.
+            named: the reducer's (name, parameter) pairs: a call of a module holding one starts the forward.
         """
         now = time.perf_counter()
         if times is not self._times:  # a new reducer (rebind_): its counts start afresh
             self._times, self._prev_end = times, None
             self._wait_seen, self._reductions_seen = times.wait_total, num_reductions
+            self._parameter_ids = frozenset(id(parameter) for _, parameter in named)
         wait = times.wait_total - self._wait_seen
         if num_reductions != self._reductions_seen and self._prev_end is not None:
-            self._store(self._prev_end, started, now, wait, times)
+            self._store(self._prev_end, started, now, wait, times, num_reductions)
         self._wait_seen, self._reductions_seen = times.wait_total, num_reductions
         self._prev_end = time.perf_counter()
         self._forward_at = 0.0
-        if self._hook is None:
-            self._hook = register_module_forward_pre_hook(self._on_forward)
+        with self._hook_lock:
+            if self._hook is None:
+                self._hook = register_module_forward_pre_hook(self._on_forward)
 
     def stop(self) -> None:
         """Disarm the forward hook (the optimizer's reducer was closed: its steps are local from now on)."""
-        hook, self._hook = self._hook, None
-        if hook is not None:
-            hook.remove()
+        with self._hook_lock:
+            hook, self._hook = self._hook, None
+            if hook is not None:
+                hook.remove()
 
     def _on_forward(self, mod, inputs) -> None:
-        # A loss or a transform without parameters called before the model is data, not forward.
-        if next(mod.parameters(), None) is None:
+        # Only this optimizer's model with gradients on starts the forward: a loss or a transform,
+        # another model (a second optimizer's, an EMA or teacher model) or an evaluation under
+        # no_grad between steps is data. Direct parameters only: a container's call costs no walk.
+        if not torch.is_grad_enabled():
+            return
+        ids = self._parameter_ids
+        if not any(id(parameter) in ids for parameter in mod.parameters(recurse=False)):
             return
         self._forward_at = time.perf_counter()
         self.stop()
 
-    def _store(self, prev: float, started: float, now: float, wait: float, times) -> None:
+    def _store(self, prev: float, started: float, now: float, wait: float, times, step: int) -> None:
         nan = math.nan
         interval = now - prev
         wait = min(max(wait, 0.0), interval)
@@ -171,16 +216,22 @@ class StepTimeRecorder:
         begin, end = times.backward_start, times.backward_end
         data = forward = data_forward = backward = nan
         if prev < begin <= end:
-            backward = end - begin
+            backward = max(end - begin - times.launch_wait, 0.0)
             data_forward = begin - prev
             if prev < self._forward_at <= begin:
                 data, forward = self._forward_at - prev, begin - self._forward_at
+        elif prev < self._forward_at <= now:  # no backward pass of ours (gradients assigned by hand): data still
+            data = self._forward_at - prev
         optimizer = now - max(started, times.wait_end)
-        other = compute - optimizer - (0.0 if math.isnan(backward) else data_forward + backward)
+        known = data_forward + backward if not math.isnan(backward) else (0.0 if math.isnan(data) else data)
+        other = compute - optimizer - known
         row = (self._num_rows % self._capacity) * NUM_TIMES
         values = (interval, wait, compute, data, forward, data_forward, backward, optimizer, max(other, 0.0))
         self._ring[row : row + NUM_TIMES] = array("d", values)
+        if self._num_rows == 0:
+            self._first_step = step
         self._num_rows += 1
+        self._last_step = step
 
     # -- per reduction: collective over the reduction's ranks at a window's end ---------------
     def reduction_done(self, num_reductions: int, active_ranks: int, comm) -> None:
@@ -200,7 +251,7 @@ class StepTimeRecorder:
         if num_reductions % self.every:
             return
         if not self._partial:  # rule 3
-            self._report(comm, num_reductions)
+            self._report(comm)
         self._num_rows, self._partial = 0, False
 
     def _medians(self) -> list[float]:
@@ -210,9 +261,12 @@ class StepTimeRecorder:
         window = torch.frombuffer(self._ring, dtype=torch.float64)[: rows * NUM_TIMES].view(rows, NUM_TIMES)
         return window.nanmedian(dim=0).values.tolist()
 
-    def _report(self, comm, last: int) -> None:
+    def _report(self, comm) -> None:
         """Send this window's medians to rank 0 (collective over ``comm``); rank 0 judges and prints."""
         started = time.perf_counter()
+        # The steps of the rows held (the last ``_capacity`` of them), not the reductions counted.
+        first = max(self._first_step, self._last_step - self._capacity + 1)
+        last = self._last_step
         first_report, self._sent_host = not self._sent_host, True
         rank, node = job_rank(comm)
         gathered = gather_to_rank_0(
@@ -221,18 +275,20 @@ class StepTimeRecorder:
         report = None
         if gathered is not None:
             try:  # rank 0's own work: an error here must not leave it out of step with the others
-                report = self._judge(*gathered, first_report, last)
+                report = self._judge(*gathered, first_report, first, last)
             except Exception:
-                log.exception("hpcddp: straggler report of steps %d-%d failed on rank 0", last - self.every + 1, last)
+                log.exception("hpcddp: straggler report of steps %d-%d failed on rank 0", first, last)
         self._mark(started, report)
 
-    def _judge(self, table: torch.Tensor, hosts: list[str], first_report: bool, last: int) -> StragglerReport | None:
+    def _judge(
+        self, table: torch.Tensor, hosts: list[str], first_report: bool, first: int, last: int
+    ) -> StragglerReport | None:
         if first_report:
             self._hosts = hosts
         if int(table[:, FIELDS.index("steps")].min()) < MIN_ROWS:
             return None  # too few steps on some rank to tell noise from a straggler
         label = f"DistributedOptimizer #{self.number}" if _num_recorders > 1 else ""
-        report = judge(table, self._hosts, max(1, last - self.every + 1), last, optimizer=label)
+        report = judge(table, self._hosts, first, last, optimizer=label)
         publish(report)
         return report
 

@@ -12,7 +12,9 @@ makes of them, and the reports' data.
 
 Rank 0 keeps the last report (``straggler_report``) and, under ``hpcddp run``, leaves its
 lines in the run's status directory (``RUN_STATUS_FILE``), which ``hpcddp run`` prints again
-at the end of the job. ``AsyncModelAverager``, where nobody waits, reports each rank's steps
+at the end of the job. An optimizer over a process set reports to the set's first rank
+(the lines name ranks in the job); with several sets each first rank writes the same file,
+and the last report written is the one ``hpcddp run`` prints. ``AsyncModelAverager``, where nobody waits, reports each rank's steps
 per second when it closes (``report_step_rates``, inside its collective ``close()``). Horovod's
 ``DistributedOptimizer(op=hvd.Adasum)`` steps outside these reductions and reports nothing.
 
@@ -211,9 +213,10 @@ _last_report: StragglerReport | StepRateReport | None = None
 def straggler_report() -> StragglerReport | StepRateReport | None:
     """Return the last straggler report, on rank 0; None on the other ranks and before the first.
 
-    A ``StragglerReport`` covers one window of ``HPCDDP_STRAGGLER_EVERY`` steps of a
-    ``DistributedOptimizer`` (the last one made when several report); a balanced window
-    gives a report with no stragglers. An
+    With a process set (Horovod's ``process_set=``) the report is on the set's first rank
+    instead, and each set's first rank keeps its own. A ``StragglerReport`` covers one
+    window of ``HPCDDP_STRAGGLER_EVERY`` steps of a ``DistributedOptimizer`` (the last one
+    to report when several do); a balanced window gives a report with no stragglers. An
     ``AsyncModelAverager`` reports each rank's steps per second when it closes
     (``StepRateReport``).
     """
@@ -406,13 +409,12 @@ def describe(straggler: Straggler, report: StragglerReport) -> str:
         report: its report.
     """
     mine, typical = straggler.times, report.typical
-    if math.isnan(mine.data_ms) or math.isnan(typical.data_ms):
-        parts = ["data_forward"]
+    if math.isnan(mine.backward_ms):  # no backward pass of the optimizer's (gradients assigned by hand)
+        parts = ([] if math.isnan(mine.data_ms) else ["data"]) + ["optimizer", "other"]
+    elif math.isnan(mine.data_ms) or math.isnan(typical.data_ms):
+        parts = ["data_forward", "backward", "optimizer", "other"]
     else:
-        parts = ["data", "forward"]
-    if math.isnan(mine.backward_ms):
-        parts = []
-    parts += ["backward", "optimizer", "other"] if parts else ["optimizer", "other"]
+        parts = ["data", "forward", "backward", "optimizer", "other"]
     went = ", ".join(
         f"{name.replace('_', '+')} {_ms(getattr(mine, name + '_ms'))}/{_ms(getattr(typical, name + '_ms'))} ms"
         for name in parts
