@@ -1,4 +1,7 @@
-"""examples/train.py: accuracy on 2 ranks, the same loss on 1 and 4 ranks, runs plain and oversubscribed."""
+"""examples/train.py: accuracy on 2 ranks (plain and compressed), the same loss on 1 and 4 ranks, plain and 8 ranks.
+
+examples/post_local_sgd.py's accuracy is checked where the docs show its commands (tests/test_commands.py).
+"""
 
 import json
 import subprocess
@@ -10,6 +13,8 @@ from hpcddp.testing import run_mpi
 
 from .conftest import ROOT
 
+pytestmark = pytest.mark.ranks
+
 SCRIPT = f"{ROOT}/examples/train.py"
 
 
@@ -18,13 +23,6 @@ def run_example(num_ranks, tmp_path, *extra):
     result = run_mpi(num_ranks, [sys.executable, SCRIPT, "--quiet", "--json", str(out), *extra], timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-5000:]
     return json.loads(out.read_text())
-
-
-def test_two_ranks_reach_95_percent(tmp_path):
-    # How long it takes is a benchmark's business (docs/BENCHMARKS.md), not a test's: a loaded machine is slower.
-    metrics = run_example(2, tmp_path)
-    assert metrics["world_size"] == 2
-    assert metrics["test_accuracy"] >= 0.95, metrics
 
 
 def test_one_and_four_ranks_end_with_the_same_loss(tmp_path):
@@ -62,31 +60,25 @@ def test_bad_arguments_are_rejected(bad):
     assert result.returncode == 2 and "--epochs must be >= 1" in result.stderr
 
 
-def test_post_local_sgd_reaches_95_percent_on_two_ranks(tmp_path):
-    out = tmp_path / "post_local_sgd.json"
-    script = f"{ROOT}/examples/post_local_sgd.py"
-    result = run_mpi(2, [sys.executable, script, "--json", str(out)], timeout=300, cwd=ROOT)
-    assert result.returncode == 0, result.stdout[-5000:]
-    metrics = json.loads(out.read_text())
-    assert (metrics["world_size"], metrics["sync_steps"], metrics["period"]) == (2, 60, 4)
-    assert metrics["steps"] > metrics["sync_steps"] + 4 * metrics["period"]  # the local phase ran
-    assert metrics["test_accuracy"] >= 0.95, metrics
-
-
 SEEDS = (0, 1)
 
 
 @pytest.fixture(scope="module")
-def uncompressed_accuracy(tmp_path_factory):
-    """Mean test accuracy of plain fp32 gradients at 2 ranks over SEEDS, on this machine."""
+def uncompressed_runs(tmp_path_factory):
+    """The metrics of plain fp32 gradients at 2 ranks, one run per seed of SEEDS, on this machine."""
     tmp_path = tmp_path_factory.mktemp("fp32")
-    return sum(run_example(2, tmp_path, "--seed", str(seed))["test_accuracy"] for seed in SEEDS) / len(SEEDS)
+    return [run_example(2, tmp_path, "--seed", str(seed)) for seed in SEEDS]
+
+
+def test_two_ranks_reach_95_percent(uncompressed_runs):
+    # How long it takes is a benchmark's business (docs/BENCHMARKS.md), not a test's: a loaded machine is slower.
+    for metrics in uncompressed_runs:
+        assert metrics["world_size"] == 2
+        assert metrics["test_accuracy"] >= 0.95, metrics
 
 
 @pytest.mark.parametrize("compression", ["powersgd", "int8"])
-def test_compressed_gradients_cost_under_one_and_a_half_points_on_two_ranks(
-    tmp_path, compression, uncompressed_accuracy
-):
+def test_compressed_gradients_cost_under_one_and_a_half_points_on_two_ranks(tmp_path, compression, uncompressed_runs):
     # Compared with fp32 on the same machine, averaged over two seeds: a lossy compressor
     # amplifies the processor's rounding (BLAS kernels differ), so one seed's accuracy on
     # one machine is no threshold (PowerSGD seed 0: 98.9 % on one Xeon, 97.2 % on an EPYC).
@@ -103,4 +95,5 @@ def test_compressed_gradients_cost_under_one_and_a_half_points_on_two_ranks(
         assert metrics["test_accuracy"] >= 0.95, metrics  # the example's promise, as for fp32
         accuracies.append(metrics["test_accuracy"])
     mean = sum(accuracies) / len(accuracies)
-    assert mean >= uncompressed_accuracy - 0.015, (accuracies, uncompressed_accuracy)
+    uncompressed = sum(metrics["test_accuracy"] for metrics in uncompressed_runs) / len(uncompressed_runs)
+    assert mean >= uncompressed - 0.015, (accuracies, uncompressed)
