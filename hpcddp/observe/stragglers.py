@@ -3,7 +3,7 @@
     mpirun -np 64 python train.py          # a report every 200 steps; HPCDDP_STRAGGLER_EVERY=0 turns it off
 
     hpcddp: straggler: rank 2 (host n3) made the others wait 41 ms per step (median of steps
-    61-80, 87 % of the step); its time went to (this rank/a typical rank): data 40/0.1 ms,
+    60-79, 87 % of the step); its time went to (this rank/a typical rank): data 40/0.1 ms,
     forward 1.0/0.8 ms, backward 0.4/0.3 ms, optimizer 0.4/0.4 ms, other 0.1/0.1 ms
 
 Each rank records its step times and sends rank 0 their medians once per window
