@@ -16,6 +16,8 @@ from hpcddp.testing import run_mpi
 
 from .conftest import ROOT
 
+pytestmark = pytest.mark.ranks
+
 TIME_LIMIT_S = 300
 LINE = re.compile(
     r"^hpcddp: straggler: rank (\d+) \(host \S+\) made the others wait (\d+) ms per step "
