@@ -41,6 +41,28 @@ hpcddp.allreduce_(tensor, op="average")
 expected = (hpcddp.size() + 1) / 2
 if tensor.device != device or not torch.all(tensor == expected):
     sys.exit(f"rank {hpcddp.rank()}: allreduce gave {tensor[:3].tolist()} on {tensor.device}, wanted {expected}")
+if hpcddp.backend() in ("nccl", "gloo"):
+    # hpcddp's allreduce at world size 1 returns at once: torch.distributed's own collectives
+    # make NCCL (gloo in the rehearsal) really run, an allreduce and a gather into another buffer
+    # (a copy that even one rank must make).
+    import torch.distributed as dist
+
+    made_group = not dist.is_initialized()
+    if made_group:
+        dist.init_process_group(hpcddp.backend(), store=dist.HashStore(), rank=0, world_size=1)
+    raw = torch.full((1 << 16,), 2.5, device=device)
+    dist.all_reduce(raw)
+    gathered = torch.zeros(dist.get_world_size() * raw.numel(), device=device)
+    dist.all_gather_into_tensor(gathered, raw)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    wanted = 2.5 * dist.get_world_size()
+    if not (torch.all(raw == wanted) and torch.all(gathered == wanted)):
+        sys.exit(f"torch.distributed on {hpcddp.backend()}: all_reduce gave {raw[:3].tolist()}, "
+                 f"all_gather_into_tensor {gathered[:3].tolist()}, wanted {wanted}")
+    print(f"[smoke] torch.distributed {hpcddp.backend()} all_reduce and all_gather_into_tensor on {device} ok")
+    if made_group:
+        dist.destroy_process_group()
 print(f"[smoke] rank {hpcddp.rank()} of {hpcddp.size()}: {hpcddp.backend()} allreduce on {device} ok", flush=True)
 hpcddp.shutdown()
 """
@@ -83,7 +105,9 @@ def test_an_allreduce_of_device_tensors_at_two_ranks_over_mpi(tmp_path):
 def test_an_allreduce_at_world_size_one_over_nccl(tmp_path):
     backend = "nccl" if SUITE_DEVICE == "cuda" else "gloo"
     result = _launch(1, tmp_path, backend)
+    ran = f"torch.distributed {backend} all_reduce and all_gather_into_tensor on"
     assert result.returncode == 0 and f"{backend} allreduce on" in result.stdout, result.stdout[-6000:]
+    assert ran in result.stdout, f"no collective of torch.distributed's own ran:\n{result.stdout[-6000:]}"
 
 
 if __name__ == "__main__":
