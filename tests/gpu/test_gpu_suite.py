@@ -17,6 +17,7 @@ crash at shutdown).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -37,6 +38,11 @@ MPI_JOB_LIMIT_S = float(os.environ.get("HPCDDP_GPU_MPI_JOB_S", "300"))
 NCCL_JOB_LIMIT_S = float(os.environ.get("HPCDDP_GPU_NCCL_JOB_S", "150"))
 # A relaunch needs at least this long to start mpirun, import torch and reach a test.
 MIN_LAUNCH_S = 30
+# One test's limit on the ranks (pytest-timeout, where installed: the GPU machine has it):
+# a test that hangs outside a collective (the stall inspector's 30 s) ends its launch, and
+# the next launch runs the tests after it. run_gpu_suite.sh scales it by LIMIT_SCALE.
+TEST_LIMIT_S = int(os.environ.get("HPCDDP_GPU_TEST_S", "60"))
+HAS_PYTEST_TIMEOUT = importlib.util.find_spec("pytest_timeout") is not None
 # A collective that hangs ends its job well inside the job's limit, so the next launch still
 # has time for the tests after it (hpcddp's defaults, 60 s and 1800 s, outlast the limits).
 HANG_LIMITS = {"HPCDDP_STALL_TIMEOUT": "30", "HPCDDP_STALL_ABORT_AFTER": "60", "HPCDDP_DIST_TIMEOUT": "90"}
@@ -54,6 +60,8 @@ _RESULT = re.compile(rf"({_NODEID}) (PASSED|FAILED|SKIPPED|XFAIL|XPASS|ERROR)\b"
 _STARTED = re.compile(_NODEID)
 _ABORTED = re.compile(rf"\[rank (\d+)\] FAILED ({_NODEID})")
 _COLLECTION_ERROR = re.compile(r"\[rank \d+\] ERROR collecting")
+# tests/gpu/ranks/conftest.py prints each launch's collected tests on one line (rank 0).
+_COLLECTED = re.compile(r"^\[gpu-suite\] collected:(.*)$", re.MULTILINE)
 
 
 def run_job_to_the_end(
@@ -63,7 +71,8 @@ def run_job_to_the_end(
 
     Returns ``{"tests": {nodeid: outcome}, "launches": [how each ended], "seconds": s, "tails": [the
     end of each failed launch's output]}``; an outcome is passed, failed, skipped, xfailed, xpassed,
-    error, or "did not finish" (the launch ended inside it: a hang, a crash, the time limit).
+    error, "did not finish" (the launch ended inside it: a hang, a crash, the time limit) or "not
+    run" (collected, but no launch reached it).
 
     Args:
         num_ranks: ranks per launch.
@@ -76,12 +85,13 @@ def run_job_to_the_end(
     started_at = time.monotonic()
     deadline = started_at + limit_s
     outcomes: dict[str, str] = {}
+    collected: list[str] = []
     launches: list[str] = []
     tails: list[str] = []
 
     def so_far() -> dict:
         return {
-            "tests": outcomes,
+            "tests": {**outcomes, **{nodeid: "not run" for nodeid in collected if nodeid not in outcomes}},
             "launches": launches,
             "seconds": round(time.monotonic() - started_at),
             "tails": tails,
@@ -91,6 +101,8 @@ def run_job_to_the_end(
         launched = time.monotonic()
         command = [sys.executable, "-m", "pytest", "-v", "-rs", "--color=no", "-p", "no:cacheprovider"]
         command += ["-p", "hpcddp.testing.ranks", path]
+        if HAS_PYTEST_TIMEOUT:
+            command.append(f"--timeout={TEST_LIMIT_S}")
         command += [arg for nodeid in outcomes for arg in ("--deselect", nodeid)]
         job_env = {"HPCDDP_MPI_TESTS": "1", "PYTHONUNBUFFERED": "1", **HANG_LIMITS, **UNBOUND_ENV, **env}
         try:
@@ -104,6 +116,10 @@ def run_job_to_the_end(
             on_launch(so_far())
             raise
         out = result.stdout
+        for line in _COLLECTED.findall(out):
+            collected.extend(nodeid for nodeid in line.split() if nodeid not in collected)
+        # The collected list names every test: only the lines after it say what ran.
+        out = _COLLECTED.sub("", out)
         ended = "killed at the job's limit" if result.timed_out else f"exit {result.returncode}"
         launches.append(f"{ended} after {time.monotonic() - launched:.0f} s")
         if result.returncode != 0:
@@ -152,6 +168,9 @@ def _assert_all_passed(job: str, outcome: dict) -> None:
 
 
 def _run_and_record(job: str, num_ranks: int, path: str, env: dict[str, str], limit_s: float) -> None:
+    if limit_s < MIN_LAUNCH_S:
+        # run_gpu_suite.sh cut the stage to the time left: no launch could reach a test.
+        pytest.skip(f"{job}: no time: the job's limit {limit_s:.0f} s is under the {MIN_LAUNCH_S} s a launch needs")
     outcome = run_job_to_the_end(num_ranks, path, env, limit_s, on_launch=lambda so_far: _record(job, so_far))
     _assert_all_passed(job, outcome)
 
