@@ -44,13 +44,17 @@ def test_an_nccl_collective_ends_when_its_kernel_ran_not_when_it_was_queued():
 def test_an_nccl_average_is_complete_when_its_handle_is():
     tensor = torch.full((1 << 20,), 4.0, device=hpcddp.device())
     torch.cuda._sleep(LONG_KERNEL_CYCLES)
-    handle = claiming_two_ranks("nccl", hpcddp.device()).allreduce_async_(tensor, ReduceOp.AVERAGE)
-    while not handle.poll():
-        time.sleep(0.001)
-    # ncclAvg over the group's one rank: the value itself, with nothing left for wait() to do
-    # (a division in wait() would halve it now, the size claimed being 2).
-    polled = tensor.clone()
-    handle.wait()
+    comm = claiming_two_ranks("nccl", hpcddp.device())
+    try:
+        handle = comm.allreduce_async_(tensor, ReduceOp.AVERAGE)
+        while not handle.poll():
+            time.sleep(0.001)
+        # ncclAvg over the group's one rank: the value itself, with nothing left for wait() to do
+        # (a division in wait() would halve it now, the size claimed being 2).
+        polled = tensor.clone()
+        handle.wait()
+    finally:
+        comm.close()
     assert torch.equal(polled, tensor), (polled[:2], tensor[:2])
 
 
@@ -76,6 +80,7 @@ def _syncs_per_step(bucket_cap_mb: float, steps: int = 3) -> tuple[list[int], li
     per_step = host_syncs(step, steps)
     buckets = len(optimizer.buckets)
     optimizer.close()
+    comm.close()
     return [len(causes) for causes in per_step], sorted({c for causes in per_step for c in causes}), buckets
 
 
