@@ -145,6 +145,33 @@ def test_init_records_the_ranks_device(fresh, monkeypatch):  # noqa: F811 - the 
     assert chosen == [torch.device("cuda", 1)] and _cuda_events._rank_device == 1
 
 
+def test_shutdown_forgets_the_ranks_device(fresh, monkeypatch):  # noqa: F811 - the fixture imported above
+    monkeypatch.setattr(_cuda_events, "_rank_device", None)
+    torchrun_rank(fresh, 1, 2)
+    fake_gpus(fresh, [("GPU-a", 1), ("GPU-b", 2)])
+    hpcddp.init()
+    assert _cuda_events._rank_device == 1
+    hpcddp.shutdown()
+    # A thread made now (a later init's, the script's own) takes its maker's device, not cuda:1.
+    assert _cuda_events._rank_device is None
+
+
+def test_a_failed_start_forgets_the_ranks_device(fresh, monkeypatch):  # noqa: F811 - the fixture imported above
+    from hpcddp.runtime import bootstrap
+
+    monkeypatch.setattr(_cuda_events, "_rank_device", None)
+    torchrun_rank(fresh, 1, 2)
+    fake_gpus(fresh, [("GPU-a", 1), ("GPU-b", 2)])
+
+    def no_rendezvous(*args, **kwargs):
+        raise RuntimeError("no rendezvous here")
+
+    monkeypatch.setattr(bootstrap, "export_rendezvous", no_rendezvous)
+    with pytest.raises(RuntimeError, match="no rendezvous here"):
+        hpcddp.init()
+    assert _cuda_events._rank_device is None
+
+
 def test_a_thread_made_without_cuda_sets_no_device(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)

@@ -32,7 +32,7 @@ from .device import (
     set_cpu_threads,
 )
 from .exports import export_layout, export_rendezvous, forget_chosen_port
-from .state import Runtime
+from .state import Runtime, at_shutdown
 
 __all__ = ["start"]
 
@@ -71,15 +71,27 @@ def start(config: InitConfig) -> Runtime:
     # Communication threads take this device, not the one selected where they are made (a
     # communicator made under `with torch.cuda.device(k)`): CUDA's current device is per thread.
     set_rank_cuda_device(device.index if device.type == "cuda" else None)
-    export_layout(environment, layout)
-    export_rendezvous(environment.away_from(environment.rendezvous(config.interface), taken))
-    comm = _create_communicator(
-        chosen, environment, layout, device, config, lazy=config.backend == "auto" and chosen == "nccl"
-    )
-    comm.check_collectives = config.check_collectives
-    threads = set_cpu_threads(layout, config.num_threads, node_peers if mpi_comm is not None else None)
-    share_cores(ranks_outnumber_cores(layout, node_peers if mpi_comm is not None else None))
+    try:
+        export_layout(environment, layout)
+        export_rendezvous(environment.away_from(environment.rendezvous(config.interface), taken))
+        comm = _create_communicator(
+            chosen, environment, layout, device, config, lazy=config.backend == "auto" and chosen == "nccl"
+        )
+        comm.check_collectives = config.check_collectives
+        threads = set_cpu_threads(layout, config.num_threads, node_peers if mpi_comm is not None else None)
+        share_cores(ranks_outnumber_cores(layout, node_peers if mpi_comm is not None else None))
+    except BaseException:
+        # No job started: a thread made after this (a later init's, a script's own) must not
+        # take the device of a start that failed.
+        set_rank_cuda_device(None)
+        raise
+    at_shutdown(_forget_rank_cuda_device, at_exit=False)
     return Runtime(config, environment, layout, device, comm, threads)
+
+
+def _forget_rank_cuda_device() -> None:
+    """After ``shutdown()``, threads take the device of the thread that makes them again, as before ``init()``."""
+    set_rank_cuda_device(None)
 
 
 def _gather_node_peers(mpi_comm, environ) -> tuple[int, list[NodePeer]]:
