@@ -30,12 +30,6 @@ def pytest_configure(config):
 #: Every test carries one of these (setup.cfg describes them): ``python -m pytest -m unit`` is the fast tier.
 TIERS = ("unit", "ranks", "system")
 
-# Temporary (issue 47, item 4): these three are being changed elsewhere and get their tier there; remove
-# each from the list once its module carries its mark.
-WITHOUT_TIER_FOR_NOW = frozenset(
-    {"tests/test_example.py", "tests/test_straggler_runs.py", "tests/test_gpu_rehearsal.py"}
-)
-
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
@@ -44,7 +38,7 @@ def pytest_collection_modifyitems(config, items):
         return  # the suites that run on every rank take the tier of the test that launches them
     for item in items:
         tiers = sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS})
-        if len(tiers) == 1 or (not tiers and os.path.relpath(item.path, ROOT) in WITHOUT_TIER_FOR_NOW):
+        if len(tiers) == 1:
             continue
         found = f"has tiers {', '.join(tiers)}" if tiers else "has no tier"
         raise pytest.UsageError(
