@@ -249,19 +249,74 @@ def test_the_line_names_the_optimizer_when_there_are_several():
 
 
 def test_the_forward_hook_is_gone_after_the_first_call_of_the_optimizers_model():
-    model = torch.nn.Sequential(torch.nn.Linear(1, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(1, 1))  # its parameters live in a child only
     recorder = StepTimeRecorder(100)
     run_steps(recorder, FakeComm(), 3, named=list(model.named_parameters()))
     hooks = torch.nn.modules.module._global_forward_pre_hooks
     assert recorder._hook is not None and recorder._hook.id in hooks
     torch.nn.ReLU()(torch.zeros(1))  # no parameters: still armed
-    torch.nn.Linear(1, 1)(torch.zeros(1))  # another model's (a second optimizer's, an EMA or teacher model)
-    with torch.no_grad():
-        model(torch.zeros(1))  # evaluation between steps: data, not forward
+    torch.nn.Linear(1, 1)(torch.zeros(1))  # another model's (a second optimizer's, a teacher model)
     assert recorder._hook is not None and recorder._forward_at == 0.0
+    called = time.perf_counter()
     model(torch.zeros(1))
     assert recorder._hook is None and not any(h == recorder._on_forward for h in hooks.values())
-    assert recorder._forward_at > 0.0
+    assert 0.0 < recorder._forward_at - called < 0.010
+
+
+def test_work_in_the_models_own_forward_before_its_first_layer_is_forward():
+    class Top(torch.nn.Module):  # input normalisation, positional encodings, ... before the first layer
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+
+        def forward(self, x):
+            time.sleep(0.030)
+            return self.layer(x)
+
+    model = Top()
+    recorder = StepTimeRecorder(100)
+    run_steps(recorder, FakeComm(), 3, named=list(model.named_parameters()))
+    called = time.perf_counter()
+    model(torch.zeros(1))
+    assert 0.0 < recorder._forward_at - called < 0.010  # at the top module's call, not 30 ms later at the layer's
+
+
+def test_a_first_call_under_no_grad_disarms_the_hook_and_leaves_the_step_unsplit():
+    # An evaluation between steps: not called data nor forward (the hook would otherwise stay armed
+    # through the whole evaluation, every module call on torch's hooked path).
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    recorder = StepTimeRecorder(100)
+    run_steps(recorder, FakeComm(), 3, named=list(model.named_parameters()))
+    with torch.no_grad():
+        model(torch.zeros(1, 2))
+    assert recorder._hook is None and recorder._forward_at == 0.0
+
+
+def test_a_compiled_wrapper_starts_the_forward():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+
+    class Wrapper(torch.nn.Module):  # as torch.compile's OptimizedModule: the model a child, whose calls no hook sees
+        def __init__(self):
+            super().__init__()
+            self._orig_mod = model
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x, model[0].weight, model[0].bias)
+
+    recorder = StepTimeRecorder(100)
+    run_steps(recorder, FakeComm(), 3, named=list(model.named_parameters()))
+    Wrapper()(torch.zeros(1, 2))
+    assert recorder._hook is None and recorder._forward_at > 0.0
+
+
+def test_shutdown_disarms_the_forward_hook():
+    from hpcddp.observe import step_times
+
+    recorder = StepTimeRecorder(100)
+    run_steps(recorder, FakeComm(), 3, named=[])
+    assert recorder._hook is not None
+    step_times._disarm_all()  # what hpcddp.shutdown() runs (registered with at_shutdown)
+    assert recorder._hook is None
 
 
 def test_a_window_is_labelled_with_the_steps_whose_rows_it_holds():
@@ -335,14 +390,18 @@ def test_a_bad_every_set_after_init_turns_the_reports_off_in_one_line(monkeypatc
     with caplog.at_level(logging.WARNING, logger="hpcddp"):
         assert step_times.recorder_for(FakeComm(), record_timeline=False) is None
     (record,) = caplog.records
-    assert record.getMessage().startswith("hpcddp: environment variable HPCDDP_STRAGGLER_EVERY must be a whole number")
-    assert "straggler reports are off" in record.getMessage()
+    message = record.getMessage()
+    assert message.startswith(
+        "hpcddp: on rank 0 (and on 3 more rank(s)): environment variable HPCDDP_STRAGGLER_EVERY must be 0 "
+    ), message
+    assert message.endswith("got 'ten': straggler reports are off"), message
 
 
-@pytest.mark.parametrize("raw", ["-1", "ten", "2.5", "1_000", "+5", "\u0661\u0662"])
+@pytest.mark.parametrize("raw", ["-1", "ten", "2.5", "1_000", "+5", "\u0661\u0662", "1", "4"])
 def test_a_bad_every_names_the_variable_and_the_fix(raw):
+    # 1-4: no window would ever hold the 5 steps a report needs: silence, not reports
     with pytest.raises(
-        ValueError, match=f"HPCDDP_STRAGGLER_EVERY must be a whole number of steps >= 0 .*got '{re.escape(raw)}'"
+        ValueError, match=f"HPCDDP_STRAGGLER_EVERY must be 0 .*or a whole number of steps >= 5 .*got '{re.escape(raw)}'"
     ):
         read_straggler_every({"HPCDDP_STRAGGLER_EVERY": raw})
     with pytest.raises(ValueError, match="HPCDDP_STRAGGLER_EVERY"):

@@ -157,9 +157,13 @@ def read_stop_wait(environ: Mapping[str, str]) -> float:
 DEFAULT_STRAGGLER_EVERY = 200
 
 
-def _steps(raw: str) -> int:
+#: the fewest steps in a straggler report's window: a median of fewer is noise (``stragglers.MIN_ROWS``)
+MIN_STRAGGLER_STEPS = 5
+
+
+def _report_steps(raw: str) -> int:
     # ASCII digits only: int() also takes "1_000", "+5" and other scripts' digits
-    if not (raw.isascii() and raw.isdigit()):
+    if not (raw.isascii() and raw.isdigit()) or 0 < int(raw) < MIN_STRAGGLER_STEPS:
         raise ValueError(raw)
     return int(raw)
 
@@ -170,8 +174,11 @@ def read_straggler_every(environ: Mapping[str, str]) -> int:
     Args:
         environ: the environment to read.
     """
-    expected = "a whole number of steps >= 0 (0 turns straggler reports off)"
-    return read_value(environ, "HPCDDP_STRAGGLER_EVERY", _steps, expected, DEFAULT_STRAGGLER_EVERY)
+    expected = (
+        f"0 (straggler reports off) or a whole number of steps >= {MIN_STRAGGLER_STEPS} "
+        "(a report needs the medians of that many)"
+    )
+    return read_value(environ, "HPCDDP_STRAGGLER_EVERY", _report_steps, expected, DEFAULT_STRAGGLER_EVERY)
 
 
 def read_torchrun_env_switch(environ: Mapping[str, str]) -> bool:

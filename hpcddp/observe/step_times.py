@@ -15,12 +15,13 @@ nothing else calls in.
      buckets where a launch blocks inside backward (gloo agrees on the step's calls at bucket
      0's launch, ``ReductionTimes.launch_wait``), both in ``ReductionTimes.wait_total``: a
      rank that is ahead waits there for the others;
-   - *data*: from the end of the previous step to the first call, with gradients on, of a
-     module that directly holds one of this optimizer's parameters (a global forward pre-hook
-     armed at the end of each step, removed by that call: the module calls until then take
-     torch's hooked path). Module calls under ``torch.no_grad()`` (evaluation between steps,
-     a frozen part of the model) and other models' calls (a second optimizer's, an EMA or
-     teacher model) count here, not as forward;
+   - *data*: from the end of the previous step to the first call of a module that holds one
+     of this optimizer's parameters, itself or in its children (a global forward pre-hook armed
+     at the end of each step, removed by that call: the module calls until then take torch's
+     hooked path; which modules hold them is found once per module). Other models' calls (a
+     second optimizer's, a teacher model) count here. When that first call runs under
+     ``torch.no_grad()`` (an evaluation between steps, a frozen part of the model run first),
+     the step's data and forward are not told apart: its row has *data+forward* only;
    - *forward*: from there to the first gradient hook of the step's last backward pass (a
      loss's own backward, before the first parameter's gradient, counts here too);
    - *backward*: that pass, up to its end, less its launches' blocking (the wait comes after it);
@@ -33,7 +34,8 @@ nothing else calls in.
 
    A rank's own compute is its step-to-step time minus its wait. No collective, no host
    synchronisation; the hook's handle is the one object made per step. The hook is armed and
-   disarmed under a lock: a module called on another thread meanwhile cannot leave it armed.
+   disarmed under a lock: a module called on another thread meanwhile cannot leave it armed;
+   ``hpcddp.shutdown()`` and ``close()`` disarm it.
 2. **One gather per window, inside a reduction.** Windows are counted in the reducer's
    completed reductions (``Reducer.num_reductions``), which every rank completes alike: when
    reduction N ends and N is a multiple of ``every``, the reducer calls ``reduction_done``
@@ -63,12 +65,14 @@ import math
 import os
 import threading
 import time
+import weakref
 from array import array
 
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ..env.settings import read_straggler_every
+from ..runtime.state import at_shutdown
 from . import timeline
 from .stragglers import FIELDS, MIN_ROWS, NUM_TIMES, StragglerReport, gather_to_rank_0, job_rank, judge, publish
 
@@ -81,6 +85,13 @@ MAX_WINDOW = 1024
 #: recorders made in this process (one per DistributedOptimizer, closed ones included): lines name the
 #: optimizer by its place in that count once a second one was made
 _num_recorders = 0
+#: the recorders alive: hpcddp.shutdown() disarms their forward hooks
+_recorders: weakref.WeakSet[StepTimeRecorder] = weakref.WeakSet()
+
+
+def _disarm_all() -> None:
+    for recorder in list(_recorders):
+        recorder.stop()
 
 
 def recorder_for(comm, record_timeline: bool) -> StepTimeRecorder | None:
@@ -103,20 +114,18 @@ def recorder_for(comm, record_timeline: bool) -> StepTimeRecorder | None:
     except ValueError as err:  # set after init(), which checked it: one line, not a traceback on one rank
         every, error = -1, str(err)
     everyones = comm.allgather_object((every, unset, error))
-    errors = sorted({said for _, _, said in everyones if said})
+    errors = [(rank, said) for rank, (_, _, said) in enumerate(everyones) if said]
     values = {(value, was_unset) for value, was_unset, said in everyones if not said}
     if errors or len({value for value, _ in values}) > 1:
-        if comm.rank == 0:
-            reason = (
-                errors[0]
-                if errors
-                else "HPCDDP_STRAGGLER_EVERY differs between the ranks ("
-                + ", ".join(f"unset ({value})" if was_unset else str(value) for value, was_unset in sorted(values))
-                + ")"
-            )
+        if comm.rank == 0 and errors:
+            rank, said = errors[0]
+            more = f" (and on {len(errors) - 1} more rank(s))" if len(errors) > 1 else ""
+            log.warning("hpcddp: on rank %d%s: %s: straggler reports are off", rank, more, said)
+        elif comm.rank == 0:
             log.warning(
-                "hpcddp: %s: straggler reports are off; give every rank the same value (mpirun -x HPCDDP_STRAGGLER_EVERY)",
-                reason,
+                "hpcddp: HPCDDP_STRAGGLER_EVERY differs between the ranks (%s): straggler reports are off; "
+                "give every rank the same value (mpirun -x HPCDDP_STRAGGLER_EVERY)",
+                ", ".join(f"unset ({value})" if was_unset else str(value) for value, was_unset in sorted(values)),
             )
         return None
     return StepTimeRecorder(every, record_timeline=record_timeline) if every else None
@@ -152,6 +161,8 @@ class StepTimeRecorder:
         self._forward_at = 0.0
         #: ids of this optimizer's parameters (the reducer's): only modules holding one start the forward
         self._parameter_ids: frozenset[int] = frozenset()
+        #: module -> whether it holds one of them, itself or in its children (found at its first call)
+        self._holds: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
         #: the steps (numbered by their reductions) of the window's first and last rows
         self._first_step = self._last_step = 0
         self._comm = None
@@ -161,6 +172,8 @@ class StepTimeRecorder:
         self._prev_end: float | None = None
         self._wait_seen = 0.0
         self._reductions_seen = 0
+        _recorders.add(self)
+        at_shutdown(_disarm_all, at_exit=False)
 
     # -- per step, local ----------------------------------------------------------------------
     def step_done(self, started: float, times, num_reductions: int, named) -> None:
@@ -179,6 +192,7 @@ class StepTimeRecorder:
             self._times, self._prev_end = times, None
             self._wait_seen, self._reductions_seen = times.wait_total, num_reductions
             self._parameter_ids = frozenset(id(parameter) for _, parameter in named)
+            self._holds = weakref.WeakKeyDictionary()
         wait = times.wait_total - self._wait_seen
         if num_reductions != self._reductions_seen and self._prev_end is not None:
             self._store(self._prev_end, started, now, wait, times, num_reductions)
@@ -197,15 +211,18 @@ class StepTimeRecorder:
                 hook.remove()
 
     def _on_forward(self, mod, inputs) -> None:
-        # Only this optimizer's model with gradients on starts the forward: a loss or a transform,
-        # another model (a second optimizer's, an EMA or teacher model) or an evaluation under
-        # no_grad between steps is data. Direct parameters only: a container's call costs no walk.
-        if not torch.is_grad_enabled():
+        # Only this optimizer's model starts the forward (its top module's call, a compiled
+        # wrapper's too): a loss, a transform or another model (a second optimizer's, a teacher)
+        # is data. Its first call under no_grad (an evaluation, a frozen part run first) leaves
+        # this step unsplit rather than calling the evaluation data or forward.
+        holds = self._holds.get(mod)
+        if holds is None:
+            ids = self._parameter_ids
+            holds = self._holds[mod] = any(id(parameter) in ids for parameter in mod.parameters())
+        if not holds:
             return
-        ids = self._parameter_ids
-        if not any(id(parameter) in ids for parameter in mod.parameters(recurse=False)):
-            return
-        self._forward_at = time.perf_counter()
+        if torch.is_grad_enabled():
+            self._forward_at = time.perf_counter()
         self.stop()
 
     def _store(self, prev: float, started: float, now: float, wait: float, times, step: int) -> None:

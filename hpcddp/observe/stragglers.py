@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from ..env.files import read_text_no_follow, write_atomically
-from ..env.settings import read_straggler_every, run_status_dir
+from ..env.settings import MIN_STRAGGLER_STEPS, read_straggler_every, run_status_dir
 from ..runtime import state
 
 __all__ = [
@@ -95,7 +95,7 @@ MIN_WAIT_S = 0.020
 #: ... and longer than this share of the median step
 MIN_SHARE = 0.25
 #: rows (steps) every rank must have in a window before rank 0 names anyone: a median of fewer is noise
-MIN_ROWS = 5
+MIN_ROWS = MIN_STRAGGLER_STEPS
 #: stragglers named one by one per report; the rest are counted in one more line
 MAX_NAMED = 8
 #: the file in ``hpcddp run``'s status directory (HPCDDP_RUN_STATUS) holding rank 0's last report
