@@ -146,3 +146,32 @@ def test_python_run_directly_in_a_multi_task_batch_script_warns(caplog):
     assert isinstance(env, SingleProcessEnvironment)
     assert env.layout().world_size == 1
     assert "SLURM_NTASKS=4 but this process runs alone" in caplog.text and "srun --mpi=pmix" in caplog.text
+
+
+def _launched_as(rank, size, local_rank, local_size):
+    return {
+        "OMPI_COMM_WORLD_RANK": str(rank),
+        "OMPI_COMM_WORLD_SIZE": str(size),
+        "OMPI_COMM_WORLD_LOCAL_RANK": str(local_rank),
+        "OMPI_COMM_WORLD_LOCAL_SIZE": str(local_size),
+    }
+
+
+@pytest.mark.parametrize(
+    "environ, expected",
+    [
+        (_launched_as(0, 1, 0, 1), 0),  # the launcher's local rank (at size 1, 0)
+        ({}, 0),  # no launcher: rank order
+        ({**_launched_as(0, 1, 0, 1), "OMPI_COMM_WORLD_LOCAL_RANK": "x"}, 0),  # no number: rank order, no error
+        (_launched_as(0, 1, 99999999999, 1), 0),  # out of range (a C int overflows in the split): rank order
+        (_launched_as(3, 4, 3, 4), 0),  # another rank's numbers (a stale variable): rank order
+    ],
+)
+def test_the_node_split_key_is_the_launchers_local_rank_and_never_raises(environ, expected):
+    # The split that uses the key is collective: a key that raised on one rank left the others waiting in it.
+    from mpi4py import MPI
+
+    from hpcddp.env.mpi import node_order_key
+
+    assert node_order_key(environ, MPI.COMM_WORLD) == expected
+    assert node_order_key(environ, MPI.COMM_WORLD.Dup()) == expected

@@ -67,14 +67,27 @@ def node_order_key(environ: Mapping[str, str], comm) -> int:
     --oversubscribe`` on two cores: ranks 1 and 2 get local ranks 2 and 1), so splitting the
     node by rank would give a rank another local rank, and another device, than its script chose.
 
+    Local: each rank decides alone, and never raises (the split that uses the key is collective:
+    a rank that raised before it would leave the others waiting there). A launcher variable that
+    is no number, out of its range, or for another communicator than the job's leaves rank order.
+
     Args:
         environ: the environment to read.
         comm: the mpi4py communicator being split; the launcher's numbers hold only for the whole job.
     """
-    announced = announced_ranks(environ)
-    if announced is not None and announced[:2] == (comm.Get_rank(), comm.Get_size()):
-        return announced[2]
-    return comm.Get_rank()
+    try:
+        announced = announced_ranks(environ)
+    except ValueError:  # not a number: the start-up hook said so already
+        announced = None
+    if announced is None:
+        return comm.Get_rank()
+    rank, size, local_rank, local_size = announced
+    if (rank, size) != (comm.Get_rank(), comm.Get_size()) or not 0 <= local_rank < local_size:
+        return comm.Get_rank()
+    MPI = import_mpi()
+    if MPI.Comm.Compare(comm, MPI.COMM_WORLD) not in (MPI.IDENT, MPI.CONGRUENT):
+        return comm.Get_rank()  # the same size, another order: the launcher numbered the job's ranks
+    return local_rank
 
 
 def singleton_under_slurm(environ: Mapping[str, str], mpi_size: int) -> bool:
