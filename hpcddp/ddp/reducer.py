@@ -417,9 +417,8 @@ class Reducer:
             self._channel.before_bucket(
                 index, bucket.buffer if bucket.wire is None else bucket.wire, label=label, step=step
             )
-            if (
-                self._pass_open
-            ):  # gloo waits here for the other ranks inside backward: the step's reports count it as wait
+            # gloo waits here for the other ranks inside backward: the step's reports count it as wait
+            if self._pass_open:
                 self.times.launch_waited(started)
         self.times.bucket_submit[index] = time.perf_counter()
         self._handles.append(self._sender.start(bucket, self.num_reductions, label=label, step=step))
