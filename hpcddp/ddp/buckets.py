@@ -62,8 +62,8 @@ def assign_buckets(tensors: Sequence[torch.Tensor], bucket_cap_bytes: int, first
 class Bucket:
     """A flat buffer holding the gradients of some parameters, reduced as one message.
 
-    Layout: the gradients, then one used-counter per parameter, then (last bucket
-    only) the control numbers the reducer sends along with the gradients.
+    Layout: the gradients; the last bucket then carries one used-counter per parameter of
+    every bucket and the control numbers the reducer sends along with the gradients.
     """
 
     index: int
@@ -72,15 +72,19 @@ class Bucket:
     views: list[torch.Tensor] = field(default_factory=list)
     #: the gradient part of the buffer
     grads: torch.Tensor | None = None
-    #: one number per parameter after the gradients: 1 where this rank produced a
-    #: gradient since the last reduction, or had one before it. Summed with the gradients,
-    #: it tells every rank alike which parameters no rank used or had a gradient for (they
-    #: go back to None), without another collective.
+    #: one number per parameter: 1 where this rank produced a gradient since the last
+    #: reduction, or had one before it. Summed with the gradients, it tells every rank alike
+    #: which parameters no rank used or had a gradient for (they go back to None), without
+    #: another collective. A view of the last bucket, which carries every bucket's counters.
     used: torch.Tensor | None = None
-    #: numbers after the used-counters that travel with the last bucket (see Reducer)
+    #: last bucket only: the used-counters of every bucket, in bucket order (``used`` views them)
+    all_used: torch.Tensor | None = None
+    #: last bucket only: numbers after the used-counters that travel with it (see Reducer)
     control: torch.Tensor | None = None
     #: compressed copy sent over the wire (fp16/bf16), or None
     wire: torch.Tensor | None = None
+    #: the evenly spread gradient elements ``probe_nonfinite`` reads (a view made once)
+    sample: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -107,34 +111,44 @@ def build_buckets(
         wire_dtype: dtype to send in (compression), or None to send as stored.
         control_size: extra numbers at the end of the last bucket (``Bucket.control``).
     """
-    buckets = []
     groups = assign_buckets(params, bucket_cap_bytes, first_bucket_bytes)
-    for index, members in enumerate(groups):
-        chosen = [params[i] for i in members]
-        total = sum(p.numel() for p in chosen)
-        extra = control_size if index == len(groups) - 1 else 0
-        first = chosen[0]
-        buffer = torch.zeros(total + len(chosen) + extra, dtype=first.dtype, device=first.device)
+    chosen = [[params[i] for i in members] for members in groups]
+    totals = [sum(p.numel() for p in members) for members in chosen]
+    # Every bucket's used-counters travel in the last bucket, launched last, once all are known:
+    # written once per step there, not once per bucket.
+    counters = sum(len(members) for members in chosen)
+    buckets = []
+    for index, (members, total) in enumerate(zip(chosen, totals)):
+        tail = counters + control_size if index == len(chosen) - 1 else 0
+        first = members[0]
+        buffer = torch.zeros(total + tail, dtype=first.dtype, device=first.device)
         views, offset = [], 0
-        for param in chosen:
+        for param in members:
             views.append(grad_view(buffer, offset, param))
             offset += param.numel()
         wire = None
         if wire_dtype is not None and wire_dtype != first.dtype and first.dtype.is_floating_point:
             wire = torch.empty(buffer.numel(), dtype=wire_dtype, device=first.device)
-        used_end = total + len(chosen)
         buckets.append(
             Bucket(
                 index=index,
-                params=chosen,
+                params=members,
                 buffer=buffer,
                 views=views,
                 grads=buffer[:total],
-                used=buffer[total:used_end],
-                control=buffer[used_end:] if extra else None,
+                sample=buffer[: total : max(1, -(-total // PROBE_SIZE))],
                 wire=wire,
             )
         )
+    if buckets:
+        last = buckets[-1]
+        counted = last.buffer[totals[-1] : totals[-1] + counters]
+        last.all_used = counted
+        last.control = last.buffer[totals[-1] + counters :] if control_size else None
+        start = 0
+        for bucket in buckets:
+            bucket.used = counted[start : start + len(bucket.params)]
+            start += len(bucket.params)
     return buckets
 
 
@@ -224,14 +238,12 @@ def write_used_flags(used: torch.Tensor, flags: Sequence[bool]) -> None:
             start = None
 
 
-def probe_nonfinite(grads: torch.Tensor) -> torch.Tensor:
-    """Sum at most ``PROBE_SIZE`` evenly spread elements of ``grads``: non-finite if one of them is.
+def probe_nonfinite(bucket: Bucket) -> torch.Tensor:
+    """Sum at most ``PROBE_SIZE`` evenly spread gradient elements of ``bucket``: non-finite if one of them is.
 
     A NaN or inf loss makes every gradient element non-finite, so a sample finds it;
     reading the whole buffer would cost a pass over every gradient, every step.
     """
-    if grads.numel() == 0:  # a bucket of zero-element parameters
-        return torch.zeros((), dtype=torch.float64, device=grads.device)
-    stride = -(-grads.numel() // PROBE_SIZE)
-    # float64: a float32 sum of large finite gradients overflows and would report them as inf.
-    return grads[::stride].sum(dtype=torch.float64)
+    # float64: a float32 sum of large finite gradients overflows and would report them as inf
+    # (a bucket of zero-element parameters sums to 0).
+    return bucket.sample.sum(dtype=torch.float64)

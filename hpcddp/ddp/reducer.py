@@ -46,7 +46,7 @@ from .compression import Compressor
 from .consistency import check_same_layout, check_same_parameters, next_optimizer_label
 from .control import ControlNumbers
 from .sending import BucketSender
-from .slots import GradSlot, fill_bucket, grads_outside, note_grads_present, reset_bucket_grads
+from .slots import GradSlot, fill_bucket, grads_outside, note_grads_present, reset_bucket_grads, write_used
 from .timing import ReductionTimes
 from .trainable import average_loose_grads, require_trainable, watch_frozen
 
@@ -146,6 +146,7 @@ class Reducer:
         self._buckets: list[Bucket] = []
         self._slots: dict[int, GradSlot] = {}
         self._bucket_slots: list[list[GradSlot]] = []
+        self._all_slots: list[GradSlot] = []
         self._control = ControlNumbers(comm.rank, comm.size)
         self._pending: list[int] = []
         self._next_launch = 0
@@ -261,7 +262,6 @@ class Reducer:
             self._reset_reduction()
         for slot in self._slots.values():
             slot.used = False
-            slot.scaled = False
         for bucket in self._buckets:
             reset_bucket_grads(bucket, set_to_none)
         self._passes_since_reduce = 0
@@ -317,6 +317,7 @@ class Reducer:
                     adopt_grad(param, view)
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
             self._bucket_slots.append(slots)
+        self._all_slots = [slot for slots in self._bucket_slots for slot in slots]
         for _, param in self.named:
             if not param.requires_grad and param.is_floating_point():
                 self._hooks.append(watch_frozen(param, self._on_new_trainable))
@@ -342,7 +343,6 @@ class Reducer:
             learning=self._learning,
             reduces=self._pass_reduces,
             launched=slot.bucket < self._next_launch,
-            divide_by=self._predivide if self._op is ReduceOp.AVERAGE else None,
         )
         if not self._pass_reduces or self._learning:
             return
@@ -405,7 +405,9 @@ class Reducer:
         index = bucket.index
         self.times.launched(index, len(self._buckets))
         fill_bucket(bucket, self._bucket_slots[index], self._predivide if self._op is ReduceOp.AVERAGE else None)
-        self._local_sums[index] = probe_nonfinite(bucket.grads)
+        self._local_sums[index] = probe_nonfinite(bucket)
+        if bucket.all_used is not None:  # the last bucket
+            write_used(bucket, self._all_slots)
         if bucket.control is not None:
             self._control.write(
                 bucket.control, self.has_data, self._saw_new_trainable, self._local_sums, stopped=self._stopped
@@ -568,7 +570,6 @@ class Reducer:
         self._handles.clear()
         for slot in self._slots.values():
             slot.used = False
-            slot.scaled = False
         # The last bucket waits for the end of the pass: its control numbers describe the whole pass.
         self._pending = [len(b.params) for b in self._buckets]
         if self._pending:

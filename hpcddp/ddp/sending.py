@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from ..comm.base import Communicator, Handle, ReduceOp
+from ..comm.base import Communicator, Handle
 from .buckets import Bucket
 from .compression import BucketCodec, Compressor, StagedReduction
 
@@ -23,11 +23,13 @@ class BucketSender:
         self.comm = comm
         self.compressor = compressor
         self._codecs: list[BucketCodec | None] = []
+        self._plain: list[Callable[..., Handle]] = []
 
     def rebuild(self, buckets: Sequence[Bucket]) -> None:
-        """Make a codec per bucket; new buckets start their compression memory afresh, on every rank alike."""
+        """Make a codec per bucket and plan its plain sum; new buckets start their compression memory afresh."""
         compressor = self.compressor
         self._codecs = [None if compressor is None else compressor.codec(b, self.comm) for b in buckets]
+        self._plain = [self.comm.prepare_sum_(b.buffer if b.wire is None else b.wire) for b in buckets]
 
     def start(self, bucket: Bucket, reduction: int, *, label: str, step: int) -> Handle:
         """Start summing ``bucket`` over the ranks (reduction number ``reduction``).
@@ -41,8 +43,9 @@ class BucketSender:
         codec = self._codecs[bucket.index]
         handle = None if codec is None else codec.launch(reduction, label=label, step=step)
         if handle is None:
-            payload = bucket.buffer if bucket.wire is None else bucket.wire.copy_(bucket.buffer)
-            handle = self.comm.allreduce_async_(payload, ReduceOp.SUM, label=label, step=step)
+            if bucket.wire is not None:
+                bucket.wire.copy_(bucket.buffer)
+            handle = self._plain[bucket.index](label=label, step=step)
         return handle
 
     @staticmethod

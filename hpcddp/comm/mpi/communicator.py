@@ -327,6 +327,21 @@ class MPICommunicator(Communicator):
     ) -> Handle:
         return self.start(self.plan_allreduce(tensor, op, check=check, label=label, step=step))
 
+    def prepare_sum_(self, tensor: torch.Tensor) -> Callable[..., Handle]:
+        planned = self._planned.plan(tensor, ReduceOp.SUM, None, step=0) if self.size > 1 else None
+        if planned is None or planned.call is not None:  # not plannable, or agreed call by call: as any start
+            return super().prepare_sum_(tensor)
+        patient, agreement, engine = oplog.is_patient(), self.engine.agreement, self.engine
+
+        def start(*, label: str, step: int) -> Handle:
+            # Planned without an agreement and outside patient_collectives: as planned while that holds.
+            if agreement.runs or oplog.is_patient() != patient:
+                return self.allreduce_async_(tensor, ReduceOp.SUM, label=label, step=step)
+            oplog.mark_collective_thread()
+            return engine.submit(planned._replace(desc=planned.desc._replace(label=label, step=step)))
+
+        return start
+
     def allreduce_(self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None) -> torch.Tensor:
         return self.run(self.plan_allreduce(tensor, op, check=check))
 
