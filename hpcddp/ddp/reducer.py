@@ -262,6 +262,7 @@ class Reducer:
             self._reset_reduction()
         for slot in self._slots.values():
             slot.used = False
+            slot.scaled = False
         for bucket in self._buckets:
             reset_bucket_grads(bucket, set_to_none)
         self._passes_since_reduce = 0
@@ -343,6 +344,7 @@ class Reducer:
             learning=self._learning,
             reduces=self._pass_reduces,
             launched=slot.bucket < self._next_launch,
+            divide_by=self._predivide if self._op is ReduceOp.AVERAGE else None,
         )
         if not self._pass_reduces or self._learning:
             return
@@ -570,6 +572,7 @@ class Reducer:
         self._handles.clear()
         for slot in self._slots.values():
             slot.used = False
+            slot.scaled = False
         # The last bucket waits for the end of the pass: its control numbers describe the whole pass.
         self._pending = [len(b.params) for b in self._buckets]
         if self._pending:

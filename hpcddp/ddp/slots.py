@@ -22,6 +22,8 @@ class GradSlot:
     name: str
     #: got a gradient on this rank since the last reduction
     used: bool = False
+    #: the view holds gradient / predivide (written so by the hook), not a raw sum
+    scaled: bool = False
     #: the backward pass ``count`` belongs to, and the accumulations seen in it
     pass_id: int = -1
     count: int = 0
@@ -35,11 +37,17 @@ class GradSlot:
     #: got a gradient from backward on this rank since the last ``step()``
     landed: bool = False
 
-    def land(self, param: torch.nn.Parameter, pass_id: int, *, learning: bool, reduces: bool, launched: bool) -> None:
+    def land(
+        self,
+        param: torch.nn.Parameter,
+        pass_id: int,
+        *,
+        learning: bool,
+        reduces: bool,
+        launched: bool,
+        divide_by: float | None,
+    ) -> None:
         """Count one accumulation of ``param.grad`` in backward pass ``pass_id`` and put it in the view.
-
-        The view holds the raw sum until the bucket's launch divides the whole bucket
-        (``fill_bucket``): one operation per bucket instead of one per parameter.
 
         Args:
             param: the parameter whose gradient just accumulated.
@@ -47,6 +55,7 @@ class GradSlot:
             learning: the first pass, which learns how often each parameter accumulates.
             reduces: this pass ends in a reduction (else it only accumulates locally).
             launched: the bucket's reduction already started.
+            divide_by: divide a fresh gradient by this on its way in (op AVERAGE), or None.
         """
         if self.pass_id != pass_id:
             self.pass_id, self.count = pass_id, 0
@@ -54,19 +63,34 @@ class GradSlot:
         self.used = self.landed = True
         if learning:
             self.expected = max(self.expected, self.count)
-        if reduces:
-            if launched:
-                raise RuntimeError(
-                    f"parameter {self.name!r} received gradient #{self.count} of one backward pass, more than the "
-                    f"{self.expected} of the first pass, after its bucket was sent: its gradient would be wrong. "
-                    "A parameter used more often in one backward pass than in the first (reentrant "
-                    "torch.utils.checkpoint, a layer reused a varying number of times) cannot be reduced while "
-                    "backward runs: use torch.utils.checkpoint(..., use_reentrant=False), or use it equally often "
-                    "in every pass"
-                )
-            if self.count > self.expected:  # a raw sum in a bucket not yet sent: still right
-                self.expected = self.count
-        adopt_grad(param, self.view)  # nn.Embedding(sparse=True)'s gradient lands dense: reduced dense
+        if not reduces:
+            adopt_grad(param, self.view)  # accumulate locally, in the bucket
+            return
+        if launched or (self.count > self.expected and self.scaled):
+            raise RuntimeError(
+                f"parameter {self.name!r} received gradient #{self.count} of one backward pass, more than the "
+                f"{self.expected} of the first pass, after its share was reduced or scaled: its gradient "
+                "would be wrong. A parameter used more often in one backward pass than in the first (reentrant "
+                "torch.utils.checkpoint, a layer reused a varying number of times) cannot be reduced while "
+                "backward runs: use torch.utils.checkpoint(..., use_reentrant=False), or use it equally often "
+                "in every pass"
+            )
+        if self.count > self.expected:  # a raw sum in a bucket not yet sent: still right
+            self.expected = self.count
+        grad = param.grad
+        if grad is not self.view and grad.is_sparse:  # nn.Embedding(sparse=True): reduced dense
+            grad = grad.to_dense()
+        if grad is self.view:
+            return
+        if learning or self.expected > 1 or divide_by is None:
+            # Several accumulations may land in the view: keep it a raw sum, divided at launch.
+            adopt_grad(param, self.view)
+        else:
+            # A fresh gradient: divide it on its way into the bucket, which spares
+            # a separate pass over the buffer at launch.
+            torch.div(grad, divide_by, out=self.view)
+            param.grad = self.view
+            self.scaled = True
 
 
 def note_grads_present(buckets: Sequence[Bucket], bucket_slots: Sequence[Sequence[GradSlot]]) -> None:
@@ -102,13 +126,20 @@ def fill_bucket(bucket: Bucket, slots: Sequence[GradSlot], divide_by: float | No
     Args:
         bucket: the bucket about to be launched.
         slots: its parameters' slots, in the bucket's order.
-        divide_by: divide the gradients by this (op AVERAGE), or None.
+        divide_by: divide the gradients not yet divided by this (op AVERAGE), or None.
     """
+    unscaled = []
     for param, slot in zip(bucket.params, slots):
-        adopt_grad(param, slot.view)
-    if divide_by is not None and divide_by != 1.0:
+        if not slot.scaled:
+            adopt_grad(param, slot.view)
+            unscaled.append(slot.view)
+    if divide_by is not None and divide_by != 1.0 and unscaled:
         # Divide before summing, as DDP does: it keeps fp16 sums in range.
-        bucket.grads.div_(divide_by)
+        if len(unscaled) == len(bucket.views):
+            bucket.grads.div_(divide_by)
+        else:
+            for view in unscaled:
+                view.div_(divide_by)
 
 
 def write_used(last: Bucket, slots: Sequence[GradSlot]) -> None:
