@@ -437,6 +437,7 @@ class Reducer:
         recorder = timeline.current() if self._record_timeline else None
         try:
             self._sender.advance(self._handles)
+            self._sender.wait_last(self._handles)
             for bucket, handle in zip(self._buckets, self._handles):
                 handle.wait()
                 copy_out_start = time.perf_counter()

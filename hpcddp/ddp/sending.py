@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 from ..comm.base import Communicator, Handle
@@ -54,6 +55,17 @@ class BucketSender:
         for handle in handles:
             if isinstance(handle, StagedReduction):
                 handle.advance()
+
+    @staticmethod
+    def wait_last(handles: Sequence[Handle]) -> None:
+        """Block until the last bucket's plain sum completes, its outcome left for the in-order wait.
+
+        A communicator completes the buckets in the order they were sent: the training thread
+        then wakes once for the step, not once per bucket. Compressed buckets go stage by stage.
+        """
+        if handles and not isinstance(handles[-1], StagedReduction):
+            with contextlib.suppress(Exception):  # raised again, in bucket order, by the wait for each
+                handles[-1].wait()
 
     @staticmethod
     def copy_out(bucket: Bucket) -> None:
