@@ -25,7 +25,6 @@ alone the same way.
 """
 
 import importlib
-import importlib.abc
 import importlib.util
 import os
 import sys
@@ -72,8 +71,11 @@ def _export(values: dict[str, str]) -> None:
             os.environ[name] = value
 
 
-class _AfterTorchImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; when torch is imported, runs ``enable()`` right after torch's own import."""
+class _AfterTorchImport:
+    """Finds nothing itself; when torch is imported, runs ``enable()`` right after torch's own import.
+
+    A meta path finder by protocol, not by importlib.abc's class: that module costs a start 0.4 ms.
+    """
 
     def find_spec(self, name, path=None, target=None):
         if name != "torch":
@@ -119,7 +121,7 @@ def start_in_launch() -> None:
         settings = _env("settings")
         if not (_STARTED_WITHOUT_RANK and settings.read_torchrun_env_switch(os.environ)):
             return
-        values = _env("torchrun").launcher_variables(os.environ)
+        values = _env("launcher").launcher_variables(os.environ)
         if int(values.get("WORLD_SIZE", "1")) < 2:
             return
         _export(values)
@@ -132,7 +134,7 @@ def start_in_launch() -> None:
 def start_under_hpcddp_run() -> None:
     """From ``hpcddp run``'s sitecustomize: torchrun's variables, held stop signals, the torch hook."""
     try:
-        _export(_env("torchrun").launcher_variables(os.environ))
+        _export(_env("launcher").launcher_variables(os.environ))
     except Exception as err:  # noqa: BLE001 - the script must still start
         _warn("torchrun's variables not exported", err)
     if _STARTED_WITHOUT_RANK:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import abc
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TypeVar
+
+from .launcher import read_int, read_value
 
 __all__ = ["ClusterEnvironment", "RankLayout", "Rendezvous", "read_int", "read_value"]
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -45,30 +44,6 @@ class Rendezvous:
     None when it cannot be told (no route, or a MASTER_ADDR that does not resolve)."""
     interface_named: bool = False
     """The user chose the interface (HPCDDP_IFACE or ``init(interface=)``)."""
-
-
-def read_value(environ: Mapping[str, str], name: str, convert: Callable[[str], T], expected: str, default=None):
-    """Read and convert an environment variable, failing with a message that names it.
-
-    Args:
-        environ: the environment to read (``os.environ`` or a test's dict).
-        name: the variable.
-        convert: turns the text into the value; raises ValueError when it cannot.
-        expected: what a valid value is, for the message ("an integer").
-        default: returned when the variable is unset or empty.
-    """
-    raw = environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return convert(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name} must be {expected}, got {raw!r}") from None
-
-
-def read_int(environ: Mapping[str, str], name: str, default: int | None = None) -> int | None:
-    """Read an integer environment variable; ``default`` when unset (see ``read_value``)."""
-    return read_value(environ, name, int, "an integer", default)
 
 
 class ClusterEnvironment(abc.ABC):

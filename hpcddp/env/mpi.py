@@ -6,6 +6,7 @@ import socket
 from collections.abc import Mapping
 
 from .base import ClusterEnvironment, RankLayout, Rendezvous, read_int
+from .launcher import announced_ranks
 from .mpi_import import import_mpi, mpi_launcher_present
 from .network import (
     choose_rendezvous_interface,
@@ -25,37 +26,12 @@ __all__ = [
     "singleton_under_slurm",
 ]
 
-# What MPI launchers tell each rank before MPI starts: (rank, size, local rank, local size).
-# Open MPI's mpirun, MVAPICH, MPICH's Hydra and Intel MPI. None of them names the node's
-# index (Open MPI's OMPI_COMM_WORLD_NODE_RANK is the rank among the node's processes).
-_ANNOUNCED_RANKS = (
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"),
-    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-)
-
 
 def find_free_port() -> int:
     """Return a TCP port that is free on this host right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
-
-
-def announced_ranks(environ: Mapping[str, str]) -> tuple[int, int, int, int] | None:
-    """Return (rank, size, local rank, local size) as the MPI launcher announced them, without starting MPI.
-
-    None when no launcher that announces all four started this process (srun names
-    them in its own SLURM_* variables instead).
-
-    Args:
-        environ: the environment to read.
-    """
-    for names in _ANNOUNCED_RANKS:
-        if all(environ.get(name, "").strip() for name in names):
-            rank, size, local_rank, local_size = (read_int(environ, name) for name in names)
-            return rank, size, local_rank, local_size
-    return None
 
 
 def node_order_key(environ: Mapping[str, str], comm) -> int:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any
 
-from .base import read_value
+from .launcher import read_value
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # nothing more at run time: read at every rank's interpreter start (env/launcher.py)
+    from collections.abc import Mapping
+    from typing import Any
 
 __all__ = [
     "BACKENDS",

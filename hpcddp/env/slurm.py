@@ -8,6 +8,7 @@ import subprocess
 from collections.abc import Mapping
 
 from .base import ClusterEnvironment, RankLayout, Rendezvous, read_int
+from .launcher import expand_tasks_per_node, tasks_on_this_node
 from .network import interface_towards, list_interfaces
 from .settings import read_slurm_node_address
 
@@ -66,7 +67,7 @@ class SlurmEnvironment(ClusterEnvironment):
         env = self.environ
         world_size = read_int(env, "SLURM_STEP_NUM_TASKS") or read_int(env, "SLURM_NTASKS", 1)
         num_nodes = read_int(env, "SLURM_STEP_NUM_NODES") or read_int(env, "SLURM_NNODES", 1)
-        local_size = _tasks_on_this_node(env, world_size, num_nodes)
+        local_size = tasks_on_this_node(env, world_size, num_nodes)
         return RankLayout(
             rank=read_int(env, "SLURM_PROCID", 0),
             world_size=world_size,
@@ -139,22 +140,3 @@ def node_address(node: str, known: tuple[str, str] | None = None) -> str:
         return node
     match = re.search(r"\bNodeAddr=(\S+)", out)
     return match.group(1) if match else node
-
-
-def expand_tasks_per_node(spec: str) -> list[int]:
-    """Expand Slurm's ``SLURM_TASKS_PER_NODE`` form, e.g. ``2(x3),1`` -> [2, 2, 2, 1] (up to a malformed part)."""
-    counts: list[int] = []
-    for part in filter(None, spec.split(",")):
-        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
-        if not match:
-            break
-        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
-    return counts
-
-
-def _tasks_on_this_node(env: Mapping[str, str], world_size: int, num_nodes: int) -> int:
-    counts = expand_tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "")
-    node = read_int(env, "SLURM_NODEID", 0)
-    if node < len(counts):
-        return counts[node]
-    return max(1, world_size // max(1, num_nodes))

@@ -6,9 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from .base import ClusterEnvironment, RankLayout, Rendezvous, read_int
-from .mpi import announced_ranks
+from .launcher import launcher_variables, rank_variables
 from .network import interface_towards, list_interfaces
-from .slurm import SlurmEnvironment
 
 __all__ = ["RANK_VARIABLES", "TorchrunEnvironment", "launcher_variables", "torchrun_variables"]
 
@@ -53,52 +52,11 @@ RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP
 
 
 def torchrun_variables(layout: RankLayout) -> dict[str, str]:
-    """Return the rank variables torchrun would give the process at ``layout`` (NODE_RANK too, as Lightning reads it).
-
-    MASTER_ADDR/MASTER_PORT are the rendezvous's, not the layout's; torchrun's ROLE_* and
-    TORCHELASTIC_* describe its agent, which no other launcher has.
+    """Return the rank variables torchrun would give the process at ``layout`` (``launcher.rank_variables``).
 
     Args:
         layout: where the process sits in the job.
     """
-    return {
-        "RANK": str(layout.rank),
-        "WORLD_SIZE": str(layout.world_size),
-        "LOCAL_RANK": str(layout.local_rank),
-        "LOCAL_WORLD_SIZE": str(layout.local_size),
-        "GROUP_RANK": str(layout.node_rank),
-        "GROUP_WORLD_SIZE": str(layout.num_nodes),
-        "NODE_RANK": str(layout.node_rank),
-    }
-
-
-def launcher_variables(environ: Mapping[str, str]) -> dict[str, str]:
-    """Return torchrun's rank variables as this process's launcher (mpirun, mpiexec, srun) announced them.
-
-    Read from the launcher's own variables, without starting MPI. {} when torchrun
-    started the process (its variables already describe it) or no launcher did. Under an
-    MPI launcher across nodes the node's index is not announced: GROUP_RANK, NODE_RANK and
-    GROUP_WORLD_SIZE are left out until MPI tells them (``hpcddp.init()``).
-
-    Args:
-        environ: the environment to read.
-    """
-    if "TORCHELASTIC_RUN_ID" in environ:
-        return {}
-    # Open MPI's variables first: mpirun inside an sbatch allocation passes the batch
-    # step's SLURM_* on to its ranks.
-    ranks = announced_ranks(environ)
-    if ranks is not None:
-        rank, size, local_rank, local_size = ranks
-        if local_size == size:  # one node: its index needs no asking
-            return torchrun_variables(RankLayout(rank, size, local_rank, local_size, node_rank=0, num_nodes=1))
-        return {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(size),
-            "LOCAL_RANK": str(local_rank),
-            "LOCAL_WORLD_SIZE": str(local_size),
-        }
-    # A job step (srun) sets SLURM_STEP_NUM_TASKS; the batch script's own step does not.
-    if "SLURM_PROCID" in environ and "SLURM_STEP_NUM_TASKS" in environ:
-        return torchrun_variables(SlurmEnvironment(environ).layout())
-    return {}
+    return rank_variables(
+        layout.rank, layout.world_size, layout.local_rank, layout.local_size, layout.node_rank, layout.num_nodes
+    )
