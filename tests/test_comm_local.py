@@ -118,3 +118,36 @@ def test_one_table_of_reduction_ops_and_of_dtypes():
     assert ROWS_MAY_DIFFER <= set(COLLECTIVES)
     with pytest.raises(ValueError, match="PREMUL_SUM is NCCL-only"):
         from_torch(dist._make_nccl_premul_sum(2.0))
+
+
+def test_a_handle_completed_from_another_thread_wakes_every_waiter_and_times_out_as_an_event():
+    import threading
+    import time
+
+    handle = Handle("x")
+    assert not handle.poll()
+    for timeout in (0, -1, 0.05):
+        with pytest.raises(TimeoutError):
+            handle.wait(timeout)
+    results: list = []
+    waiters = [threading.Thread(target=lambda: results.append(handle.wait())) for _ in range(4)]
+    for waiter in waiters:
+        waiter.start()
+    time.sleep(0.05)
+    threading.Thread(target=handle.set_result, args=(7,)).start()
+    for waiter in waiters:
+        waiter.join(5)
+    assert results == [7, 7, 7, 7] and handle.poll() and handle.wait(0) == 7
+
+
+def test_a_waiter_interrupted_holding_the_completion_lock_leaves_the_others_waiting_a_slice_at_most():
+    import threading
+
+    handle = Handle("x")
+    results: list = []
+    waiter = threading.Thread(target=lambda: results.append(handle.wait()))
+    waiter.start()
+    handle._done._set = True  # set, its lock still taken: as after a Ctrl-C inside another waiter
+    handle._result = 3
+    waiter.join(2)
+    assert results == [3]

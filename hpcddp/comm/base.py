@@ -64,16 +64,21 @@ class _Latch:
             self._lock.release()
 
     def wait(self, timeout: float | None = None) -> bool:
-        if self._set:
-            return True
-        if timeout is None:
-            got = self._lock.acquire()
-        else:
-            got = self._lock.acquire(True, timeout) if timeout > 0 else self._lock.acquire(False)
-        if got:
-            with contextlib.suppress(RuntimeError):  # released by a setter that raced another
-                self._lock.release()
-        return self._set
+        # In slices: a waiter interrupted (Ctrl-C) between taking the lock and giving it back
+        # leaves it taken, and the other waiters then see the flag at their next slice.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._set:
+            wait_s = _LATCH_SLICE_S if deadline is None else min(deadline - time.monotonic(), _LATCH_SLICE_S)
+            if wait_s <= 0:
+                return False
+            if self._lock.acquire(True, wait_s):
+                with contextlib.suppress(RuntimeError):  # released by a setter that raced another
+                    self._lock.release()
+        return True
+
+
+#: how long a latch's waiter blocks before it looks at the flag again
+_LATCH_SLICE_S = 0.1
 
 
 class Handle:
