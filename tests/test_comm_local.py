@@ -151,3 +151,20 @@ def test_a_waiter_interrupted_holding_the_completion_lock_leaves_the_others_wait
     handle._result = 3
     waiter.join(2)
     assert results == [3]
+
+
+def test_waiting_for_the_last_bucket_first_leaves_each_outcome_to_its_own_wait():
+    from hpcddp.ddp.sending import BucketSender
+
+    handles = [Handle("b0"), Handle("b1")]
+    for handle in handles:
+        handle.set_result("sum")
+
+    def copy_back_fails(_):
+        raise RuntimeError("copy back failed")
+
+    handles[1].then(copy_back_fails)
+    BucketSender.wait_last(handles)
+    assert handles[0].wait() == "sum"
+    with pytest.raises(RuntimeError, match="copy back failed"):
+        handles[1].wait()

@@ -151,6 +151,10 @@ class Handle:
         self._finishers.append(finisher)
         return self
 
+    def block(self) -> None:
+        """Block until the operation completes, leaving its outcome to ``wait()`` (which then returns or raises it)."""
+        self._block(None)
+
     def poll(self) -> bool:
         """Return True if the operation has completed (``wait`` would not block)."""
         return self._done.is_set()

@@ -64,8 +64,8 @@ class BucketSender:
         then wakes once for the step, not once per bucket. Compressed buckets go stage by stage.
         """
         if handles and not isinstance(handles[-1], StagedReduction):
-            with contextlib.suppress(Exception):  # raised again, in bucket order, by the wait for each
-                handles[-1].wait()
+            with contextlib.suppress(Exception):  # a failure is raised by the waits that follow, in bucket order
+                handles[-1].block()
 
     @staticmethod
     def copy_out(bucket: Bucket) -> None:

@@ -342,8 +342,9 @@ class Engine:
             try:
                 if op.after is not None:
                     op.after.wait()  # its error is this operation's: raised alike on every rank, nothing sent
-                    if self.gate is op.after:
-                        self.gate = None  # agreed: what is submitted after it need not wait for it
+                    with self._lock:
+                        if self.gate is op.after:
+                            self.gate = None  # agreed: what is submitted after it need not wait for it
                 handle.started_at = time.perf_counter()
                 if op.call is not None:
                     self.agreement.agree(op.call)
