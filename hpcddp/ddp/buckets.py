@@ -198,8 +198,8 @@ def drop_unused_grads(buckets: Sequence[Bucket]) -> None:
     a gradient for it before the reduction's first pass: every rank decides alike.
 
     Args:
-        buckets: the reduced buckets (their counters are read in one transfer: on a GPU
-            one host sync per step, not one per bucket).
+        buckets: the reduced buckets, all of them (the last one's ``all_used`` holds every counter:
+            one transfer, on a GPU one host sync per step).
     """
     # As DDP, which leaves a parameter no rank used as it was: None stays None (so optimizers
     # skip it instead of applying momentum or weight decay to a zero gradient), and a gradient
@@ -207,7 +207,7 @@ def drop_unused_grads(buckets: Sequence[Bucket]) -> None:
     # pass) stays, averaged with the other ranks' (equal) values like any gradient.
     if not buckets:
         return
-    flags = torch.cat([bucket.used for bucket in buckets]).tolist()
+    flags = buckets[-1].all_used.tolist()
     at = 0
     for bucket in buckets:
         for param, used in zip(bucket.params, flags[at : at + len(bucket.params)]):

@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .launcher import read_int, read_value
+from .launcher import check_numbers, read_int, read_value
 
 __all__ = ["ClusterEnvironment", "RankLayout", "Rendezvous", "read_int", "read_value"]
 
@@ -24,12 +24,7 @@ class RankLayout:
     num_nodes: int
 
     def __post_init__(self) -> None:
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
-        if not 0 <= self.local_rank < self.local_size:
-            raise ValueError(f"local_rank must be in [0, {self.local_size}), got {self.local_rank}")
-        if not 0 <= self.node_rank < self.num_nodes:
-            raise ValueError(f"node_rank must be in [0, {self.num_nodes}), got {self.node_rank}")
+        check_numbers(self.rank, self.world_size, self.local_rank, self.local_size, self.node_rank, self.num_nodes)
 
 
 @dataclass(frozen=True)

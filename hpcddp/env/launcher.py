@@ -13,11 +13,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "announced_ranks",
+    "check_numbers",
     "expand_tasks_per_node",
     "launcher_variables",
     "rank_variables",
     "read_int",
     "read_value",
+    "slurm_step_numbers",
     "tasks_on_this_node",
 ]
 

@@ -8,7 +8,7 @@ import subprocess
 from collections.abc import Mapping
 
 from .base import ClusterEnvironment, RankLayout, Rendezvous, read_int
-from .launcher import expand_tasks_per_node, tasks_on_this_node
+from .launcher import expand_tasks_per_node, slurm_step_numbers
 from .network import interface_towards, list_interfaces
 from .settings import read_slurm_node_address
 
@@ -64,18 +64,7 @@ class SlurmEnvironment(ClusterEnvironment):
         return "SLURM_PROCID" in environ and (read_int(environ, "SLURM_STEP_NUM_TASKS") or 1) > 1
 
     def layout(self) -> RankLayout:
-        env = self.environ
-        world_size = read_int(env, "SLURM_STEP_NUM_TASKS") or read_int(env, "SLURM_NTASKS", 1)
-        num_nodes = read_int(env, "SLURM_STEP_NUM_NODES") or read_int(env, "SLURM_NNODES", 1)
-        local_size = tasks_on_this_node(env, world_size, num_nodes)
-        return RankLayout(
-            rank=read_int(env, "SLURM_PROCID", 0),
-            world_size=world_size,
-            local_rank=read_int(env, "SLURM_LOCALID", 0),
-            local_size=local_size,
-            node_rank=read_int(env, "SLURM_NODEID", 0),
-            num_nodes=num_nodes,
-        )
+        return RankLayout(*slurm_step_numbers(self.environ))
 
     def rendezvous(self, interface: str | None = None) -> Rendezvous:
         """The first node's address (Slurm's NodeAddr: no DNS needed) and a port from the job id.
