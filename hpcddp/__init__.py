@@ -43,6 +43,7 @@ from .fault.abort import mark_configuration_error as _mark_configuration_error
 from .fault.preemption import PreemptionHandler
 from .observe import timeline as timeline  # hpcddp.timeline.start(path) / stop(): part of a run
 from .observe.stragglers import straggler_report
+from .reproducible.sampler import MicroBatch, MicroBatchSampler
 from .runtime.config import InitConfig
 from .runtime.lifecycle import init
 from .runtime.state import (
@@ -76,6 +77,8 @@ __all__ = [
     "Handle",
     "InitConfig",
     "Int8",
+    "MicroBatch",
+    "MicroBatchSampler",
     "PeriodicModelAverager",
     "PowerSGD",
     "PreemptionHandler",

@@ -77,6 +77,10 @@ class DistributedOptimizer(OptimizerFacade):
             before the sum and multiply the sum by factor / size after it (Horovod's
             knob against fp16 overflow); None divides by the world size before the
             sum, as DDP does, and needs no pass after it.
+        reproducible: make training bit-identical at any world size: every backward
+            pass is a micro-batch, summed exactly, and ``step()`` applies the mean over
+            all micro-batches of all ranks (see ``hpcddp.reproducible``, and
+            docs/reproducible.md). Compression is refused.
 
     Raises:
         ValueError: on every rank, when the ranks' parameter names, shapes or
@@ -94,6 +98,16 @@ class DistributedOptimizer(OptimizerFacade):
     #: this rank's step times for the straggler reports (``hpcddp.observe.step_times``); None: off
     _step_times = None
 
+    def __new__(cls, *args: Any, reproducible: bool = False, **kwargs: Any):
+        if not isinstance(reproducible, bool):
+            raise TypeError(f"reproducible must be True or False, got {reproducible!r}")
+        if reproducible:
+            from ..reproducible.optimizer import ReproducibleOptimizer
+
+            if not issubclass(cls, ReproducibleOptimizer):
+                cls = ReproducibleOptimizer
+        return super().__new__(cls)
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -107,6 +121,7 @@ class DistributedOptimizer(OptimizerFacade):
         communicator: Communicator | None = None,
         skip_nonfinite: bool = False,
         gradient_predivide_factor: float | None = None,
+        reproducible: bool = False,
     ) -> None:
         arguments = check_arguments(
             optimizer,

@@ -1,0 +1,209 @@
+"""ReproducibleOptimizer: ``DistributedOptimizer(reproducible=True)``, the same bits at any world size."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from ..comm.base import Communicator, ReduceOp
+from ..ddp.optimizer import DistributedOptimizer
+from ..ddp.optimizer_args import check_arguments, check_backward_passes, collect_parameters
+from .gradients import ExactGradientMean
+
+__all__ = ["ReproducibleOptimizer"]
+
+log = logging.getLogger("hpcddp")
+
+
+class ReproducibleOptimizer(DistributedOptimizer):
+    """A DistributedOptimizer whose step sees the exact mean over every micro-batch of every rank.
+
+    Made by ``hpcddp.DistributedOptimizer(..., reproducible=True)``. Every backward
+    pass before a ``step()`` is one micro-batch, whichever rank runs it and however
+    many each rank runs (none too). Its gradients are summed exactly
+    (``hpcddp.reproducible.fixed_point``), so ``step()`` hands the wrapped optimizer
+    gradients that are the same in every bit at 1, 2, 3 or 512 ranks: the mean over
+    all micro-batches of all ranks (op="sum": their sum). Do not divide the loss by
+    the number of micro-batches yourself.
+
+    Nothing is sent during backward; ``step()`` (or ``synchronize()``, to clip the
+    gradients first) reduces, collectively: every rank calls it, also one that ran no
+    micro-batch. Between a backward pass and that call ``p.grad`` is None.
+    ``backward_passes_per_step`` and ``no_sync()`` are accepted and change nothing:
+    every pass is summed, at the step. A non-finite micro-batch gradient on any rank
+    raises FloatingPointError naming the parameter on every rank (with
+    ``skip_nonfinite=True`` every rank skips the step instead).
+
+    Parameters, data order and randomness must not depend on the rank either:
+    ``hpcddp.reproducible.MicroBatchSampler`` hands each rank its micro-batches
+    from one global order and seeds each by its global index.
+    """
+
+    _own_attributes = ("_optimizer", "reducer", "gradients")
+    #: no bucketed Reducer: ``gradients`` holds the sums
+    reducer = None
+    _synchronized = False
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+        bucket_cap_mb: float = 25,
+        first_bucket_mb: float = 1,
+        backward_passes_per_step: int = 1,
+        compression=None,
+        op="average",
+        *,
+        communicator: Communicator | None = None,
+        skip_nonfinite: bool = False,
+        gradient_predivide_factor: float | None = None,
+        reproducible: bool = True,
+    ) -> None:
+        arguments = check_arguments(
+            optimizer,
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_mb=first_bucket_mb,
+            backward_passes_per_step=backward_passes_per_step,
+            compression=compression,
+            op=op,
+            gradient_predivide_factor=gradient_predivide_factor,
+        )
+        if arguments.compressor is not None or arguments.wire_dtype is not None:
+            raise ValueError(
+                f"compression={compression!r} cannot be used with reproducible=True: lossy compression and an "
+                "exact sum do not mix; pass compression=None"
+            )
+        if gradient_predivide_factor is not None:
+            raise ValueError(
+                f"gradient_predivide_factor={gradient_predivide_factor!r} cannot be used with reproducible=True, "
+                "whose sum cannot overflow: drop it"
+            )
+        self._optimizer = optimizer
+        if communicator is None:
+            from ..runtime.state import communicator as current
+
+            communicator = current()
+        self._average = arguments.op is ReduceOp.AVERAGE
+        self._backward_passes = backward_passes_per_step
+        #: the exact sums of the micro-batch gradients
+        self.gradients = ExactGradientMean(
+            collect_parameters(optimizer, named_parameters), communicator, average=self._average
+        )
+        self.skip_nonfinite = bool(skip_nonfinite)
+        #: steps skipped because a micro-batch gradient was inf or NaN (skip_nonfinite)
+        self.skipped_steps = 0
+
+    def rebind_(self, communicator: Communicator) -> None:
+        """Reduce over ``communicator`` from now on (collective on its ranks); a pending sum is dropped.
+
+        Args:
+            communicator: the new communicator.
+        """
+        named = self.gradients.named
+        self.gradients.close()
+        self.gradients = ExactGradientMean(named, communicator, average=self._average)
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self._optimizer!r}, reproducible=True)"
+
+    @property
+    def buckets(self) -> list:
+        """Empty: the exact sums travel in one message per step, not in buckets."""
+        return []
+
+    @property
+    def parameter_names(self) -> list[str]:
+        """Names of the reduced parameters, in registration order."""
+        return [name for name, _ in self.gradients.named]
+
+    @property
+    def times(self):
+        """None: there are no bucket timestamps."""
+        return None
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        """Accepted for compatibility; every backward pass is summed, at the step."""
+        return self._backward_passes
+
+    @backward_passes_per_step.setter
+    def backward_passes_per_step(self, passes: int) -> None:
+        check_backward_passes(passes)
+        self._backward_passes = passes
+
+    def synchronize(self) -> None:
+        """Reduce the micro-batches now (collective), e.g. to clip the gradients before ``step()``."""
+        if self._synchronized:
+            raise RuntimeError(
+                "synchronize() was already called for this step: call step() next (a backward pass after "
+                "synchronize() and before step() would be left out)"
+            )
+        self._synchronized = True
+        self._reduced = self._reduce()
+
+    def close(self) -> None:
+        """Remove the hooks; the wrapped optimizer keeps working as a local one."""
+        self.gradients.close()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accepted for compatibility: nothing is sent during backward anyway."""
+        yield
+
+    def step(self, closure=None):
+        """Reduce the micro-batches exactly (collective), then take the wrapped optimizer's step.
+
+        Args:
+            closure: called once first (its backward pass is one more micro-batch); its
+                loss is returned. Optimizers that call the closure again (LBFGS) do not
+                fit an exact sum reduced once per step.
+        """
+        loss = None
+        if self._synchronized:
+            self._synchronized = False
+            if closure is not None or self.gradients.num_micro_batches:
+                raise RuntimeError(
+                    "a backward pass ran after synchronize() and before step(): its gradients would be left out; "
+                    "call synchronize() after the step's last backward pass"
+                )
+            reduced = self._reduced
+        else:
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            reduced = self._reduce()
+        if reduced is not None:  # None: skipped
+            self._optimizer.step()
+        return loss
+
+    def _reduce(self) -> bool | None:
+        """Reduce; None when skip_nonfinite skipped the step."""
+        try:
+            return self.gradients.reduce()
+        except FloatingPointError:
+            if not self.skip_nonfinite:
+                raise
+            self.skipped_steps += 1
+            self.zero_grad()
+            log.warning("hpcddp: skipped a step, a micro-batch gradient is inf or NaN (%d skipped)", self.skipped_steps)
+            return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients as torch does.
+
+        Args:
+            set_to_none: as torch's (False zeroes them in place).
+        """
+        self.gradients.zero_grad(set_to_none)
+        held = {id(p) for _, p in self.gradients.named}
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None or id(param) in held:
+                    continue
+                if set_to_none:
+                    param.grad = None
+                else:
+                    param.grad.detach_().zero_()
