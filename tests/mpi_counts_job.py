@@ -19,12 +19,16 @@ def main() -> None:
     hpcddp.init()
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+    if compression == "reproducible":
+        options = {"reproducible": True}
+    else:
+        options = {"compression": None if compression == "none" else compression}
     optimizer = hpcddp.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.01),
         model.named_parameters(),
         bucket_cap_mb=0.25,
         first_bucket_mb=0.25,
-        compression=None if compression == "none" else compression,
+        **options,
     )
     x = torch.randn(16, 256)
 

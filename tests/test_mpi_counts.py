@@ -28,10 +28,10 @@ def counting_library(tmp_path_factory):
     return library
 
 
-def count_calls(num_ranks, library, tmp_path, hostfile=None, env=None, timeout=300):
+def count_calls(num_ranks, library, tmp_path, hostfile=None, env=None, timeout=300, mode="none"):
     prefix = tmp_path / "counts"
     env = {**(env or {}), "LD_PRELOAD": str(library), "MPI_COUNTS_PREFIX": str(prefix)}
-    job = [sys.executable, f"{ROOT}/tests/mpi_counts_job.py"]
+    job = [sys.executable, f"{ROOT}/tests/mpi_counts_job.py", mode]
     result = run_mpi(num_ranks, job, timeout=timeout, env=env, cwd=ROOT, hostfile=hostfile)
     assert result.returncode == 0, result.stdout[-5000:]
     buckets, steps = map(int, re.search(r"buckets (\d+) steps (\d+)", result.stdout).groups())
@@ -56,6 +56,21 @@ def test_a_training_step_makes_one_data_allreduce_per_bucket_and_one_small_check
         called = {name: calls for name, (calls, _) in counts.items() if calls}
         assert called == {"MPI_Allreduce": buckets * steps, "MPI_Iallreduce": steps}, counts
         assert counts["MPI_Iallreduce"][1] == steps * 5 * 8  # bytes: 5 int64 each, whatever p
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_a_reproducible_step_makes_two_allreduces_of_sizes_independent_of_p(num_ranks, counting_library, tmp_path):
+    # One MAX of 4 bytes per parameter (its digit position and 3 flags) plus one; one SUM of three int64
+    # digits per element plus the micro-batch count. 8 layers of 256 x 256 + 256.
+    numel, params = 8 * (256 * 256 + 256), 16
+    _, steps, per_rank = count_calls(num_ranks, counting_library, tmp_path, mode="reproducible")
+    for counts in per_rank:
+        called = {name: calls for name, (calls, _) in counts.items() if calls}
+        # Each is a collective of the script's communicator, which the ranks agree on first: 5 int64.
+        assert called == {"MPI_Allreduce": 2 * steps, "MPI_Iallreduce": 2 * steps}, counts
+        assert counts["MPI_Iallreduce"][1] == 2 * steps * 5 * 8
+        assert counts["MPI_Allreduce"][1] == steps * ((4 * params + 1) + 8 * (3 * numel + 1))
 
 
 # Beyond one host's 2-4 ranks: 4 virtual nodes of 4 slots (network namespaces on this host,

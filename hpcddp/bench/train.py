@@ -32,15 +32,17 @@ VARIANTS = (
     "hpcddp-fp16",
     "hpcddp-powersgd",
     "hpcddp-int8",
+    "hpcddp-reproducible",
     "local-sgd",
 )
-#: DistributedOptimizer's compression per hpcddp variant; PowerSGD from the first step (the
+#: DistributedOptimizer's extra arguments per hpcddp variant; PowerSGD from the first step (the
 #: timed steps follow a few untimed ones, and torch's hook starts at its earliest, step 2)
-HPCDDP_COMPRESSION = {
-    "hpcddp": None,
-    "hpcddp-fp16": "fp16",
-    "hpcddp-powersgd": hpcddp.PowerSGD(start_powerSGD_iter=0),
-    "hpcddp-int8": "int8",
+HPCDDP_VARIANTS = {
+    "hpcddp": {},
+    "hpcddp-fp16": {"compression": "fp16"},
+    "hpcddp-powersgd": {"compression": hpcddp.PowerSGD(start_powerSGD_iter=0)},
+    "hpcddp-int8": {"compression": "int8"},
+    "hpcddp-reproducible": {"reproducible": True},
 }
 
 #: steps between parameter averages of the local-sgd variant
@@ -109,10 +111,11 @@ def _make_step(variant: str, workload: Workload, hpcddp_options: dict) -> tuple[
         optimizer = hvd.DistributedOptimizer(_optimizer(model), named_parameters=model.named_parameters())
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         runner = model
-    elif variant in HPCDDP_COMPRESSION:
-        options = dict(hpcddp_options)
-        if variant != "hpcddp":
-            options["compression"] = HPCDDP_COMPRESSION[variant]
+    elif variant in HPCDDP_VARIANTS:
+        options = {**hpcddp_options, **HPCDDP_VARIANTS[variant]}
+        if variant == "hpcddp-reproducible":  # no buckets, no compression
+            options.pop("bucket_cap_mb", None)
+            options.pop("compression", None)
         optimizer = hpcddp.DistributedOptimizer(_optimizer(model), model.named_parameters(), **options)
         runner = model
     elif variant == "local-sgd":
@@ -231,7 +234,7 @@ def bench_train(
             result.vs_ddp = result.step_ms / by_name["ddp"].step_ms
     if "hpcddp" in built:
         by_name["hpcddp"].timeline = _timeline(built["hpcddp"][1])
-    for variant in HPCDDP_COMPRESSION:
+    for variant in HPCDDP_VARIANTS:
         if variant in built:
             built[variant][1].close()
     return results

@@ -318,7 +318,7 @@ def latency(count, iters, rounds, paths, json_path) -> None:
     help="Comma-separated among local, ddp (torch DDP on gloo/nccl), ddp-hpcddp (torch DDP on the hpcddp "
     "backend), ddp-powersgd (the same with torch's PowerSGD hook, rank 1), horovod (skipped when it does not "
     "import), hpcddp, hpcddp-fp16 (fp16 gradients on the wire), hpcddp-powersgd (rank 1, from the first step), "
-    "hpcddp-int8, local-sgd (local steps, parameters averaged every 4).",
+    "hpcddp-int8, hpcddp-reproducible (reproducible=True: exact sums, one backward pass a micro-batch), local-sgd (local steps, parameters averaged every 4).",
 )
 @click.option(
     "--bucket-cap-mb",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import torch
@@ -22,11 +23,11 @@ _GOT_GRADIENT, _NONFINITE, _ASSIGNED = range(3)
 class ExactGradientMean:
     """Take each backward pass's gradients into an exact sum; at ``reduce()`` set ``grad`` to the mean over all ranks.
 
-    A backward pass that gives any of ``named`` a gradient is one micro-batch. At its
-    end the gradients move into integer digit sums (``fixed_point``) and ``grad``
-    becomes None. ``reduce()`` (collective) agrees on each element's digit positions
-    (one MAX allreduce of one byte per element), sums the digits and the micro-batch
-    counts (one SUM allreduce of int64), and sets each ``grad`` to the sum divided by
+    A backward pass that gives any of ``named`` a gradient is one micro-batch. As each
+    gradient is accumulated it moves into integer digit sums (``fixed_point``) and
+    ``grad`` becomes None. ``reduce()`` (collective) agrees on each parameter's digit
+    position (one MAX allreduce of 4 bytes per parameter), sums the digits and the
+    micro-batch counts (one SUM allreduce of int64), and sets each ``grad`` to the sum divided by
     the number of micro-batches of all ranks. The result depends only on the multiset
     of micro-batch gradients: not on the world size, nor on which rank ran which.
 
@@ -59,16 +60,19 @@ class ExactGradientMean:
         for param in params:
             self._offsets.append(self._offsets[-1] + param.numel())
         numel, device = self._offsets[-1], params[0].device
-        # This micro-batch's gradients, summed (a parameter accumulated twice in one pass) in float64.
-        self._pass_grads = torch.zeros(numel, dtype=torch.float64, device=device)
+        largest = max(p.numel() for p in params)
+        # Scratch for one parameter's gradient in float64 and its digits one at a time (no allocation per pass).
+        self._values = torch.empty(largest, dtype=torch.float64, device=device)
+        self._whole = torch.empty(largest, dtype=torch.int64, device=device)
         # One buffer per collective, so that each goes in one message without a copy: the digit sums and,
-        # last, this rank's micro-batch count; each element's leading digit position, then the flags.
+        # last, this rank's micro-batch count; each parameter's digit position, the flags, a stop mark.
         self._sums = torch.zeros(num_digits * numel + 1, dtype=torch.int64, device=device)
         self._digits = self._sums[:-1].view(num_digits, numel)
-        self._agreed = torch.full((numel + 3 * len(params) + 1,), fixed_point.NO_DIGIT, dtype=torch.int8, device=device)
-        self._top = self._agreed[:numel]
-        self._flags = self._agreed[numel:-1].view(3, len(params))
+        self._agreed = torch.zeros(4 * len(params) + 1, dtype=torch.int8, device=device)
+        self._flags = self._agreed[len(params) : -1].view(3, len(params))
         self._stopped_rank = self._agreed[-1:]  # 1 + the rank whose backward pass raised part-way, or 0
+        #: each parameter's digit position on this rank (fixed_point.position_of its largest gradient)
+        self._positions = [fixed_point.NO_DIGIT] * len(params)
         #: micro-batches this rank summed since the last reduce()
         self.num_micro_batches = 0
         self._in_pass: list[int] = []
@@ -109,25 +113,38 @@ class ExactGradientMean:
 
     def _after_accumulate(self, index: int, param: torch.nn.Parameter) -> None:
         grad = param.grad
-        start, end = self._offsets[index], self._offsets[index + 1]
-        self._pass_grads[start:end] += (grad.to_dense() if grad.is_sparse else grad).reshape(-1)
         param.grad = None
         self._in_pass.append(index)
+        if grad.is_sparse:
+            grad = grad.to_dense()
+        if grad.numel() == 0:
+            return
+        low, high = (float(v) for v in torch.aminmax(grad.detach()))
+        largest = max(-low, high)
+        if not math.isfinite(largest):
+            self._flags[_NONFINITE, index] = 1
+            return
+        position = fixed_point.position_of(largest)
+        if position == fixed_point.NO_DIGIT:
+            return
+        digits = self._param_digits(index)
+        if position > self._positions[index]:
+            if self._positions[index] != fixed_point.NO_DIGIT:
+                fixed_point.shift_down_(digits, position - self._positions[index])
+            self._positions[index] = position
+        numel = grad.numel()
+        values = self._values[:numel]
+        values.copy_(grad.reshape(-1))
+        fixed_point.add_(digits, self._positions[index], values, self._whole[:numel])
+
+    def _param_digits(self, index: int) -> torch.Tensor:
+        return self._digits[:, self._offsets[index] : self._offsets[index + 1]]
 
     def _end_pass(self) -> None:
         self._pass_open = False
-        grads = self._pass_grads
-        finite = torch.isfinite(grads)
-        if not bool(finite.all()):
-            for index in set(self._in_pass):
-                if not bool(finite[self._offsets[index] : self._offsets[index + 1]].all()):
-                    self._flags[_NONFINITE, index] = 1
-            grads.masked_fill_(~finite, 0.0)
-        fixed_point.add_(self._digits, self._top, grads)
         for index in self._in_pass:
             self._flags[_GOT_GRADIENT, index] = 1
         self._in_pass.clear()
-        grads.zero_()
         self.num_micro_batches += 1
 
     # -- the step --------------------------------------------------------------------------
@@ -143,10 +160,15 @@ class ExactGradientMean:
         """
         try:
             self._check_local_state()
-            local_top = self._top.clone()
+            num_params = len(self.named)
+            self._agreed[:num_params] = torch.tensor(self._positions, dtype=torch.int8)
             self.comm.allreduce_(self._agreed, ReduceOp.MAX)
             self._raise_for_flags()
-            fixed_point.realign_(self._digits, local_top, self._top)
+            agreed = self._agreed[:num_params].tolist()
+            for index, (mine, position) in enumerate(zip(self._positions, agreed)):
+                if mine != fixed_point.NO_DIGIT:
+                    fixed_point.shift_down_(self._param_digits(index), position - mine)
+            self._positions = agreed
             self._sums[-1] = self.num_micro_batches
             self.comm.allreduce_(self._sums, ReduceOp.SUM)
             return self._write_grads(int(self._sums[-1]))
@@ -200,28 +222,30 @@ class ExactGradientMean:
                 f"a step summed {count} micro-batches, more than the {fixed_point.MAX_CONTRIBUTIONS} "
                 "reproducible=True sums exactly: take fewer micro-batches per step"
             )
-        values = fixed_point.to_float(self._digits, self._top)
-        if self.average:
-            values.div_(count)
         got = self._flags[_GOT_GRADIENT].tolist()
         for index, (_, param) in enumerate(self.named):
             carried = self._carried.get(index)
             if not got[index]:
                 param.grad = carried
                 continue
-            mean = values[self._offsets[index] : self._offsets[index + 1]].view_as(param).to(param.dtype)
-            if carried is None:
-                param.grad = mean
+            values = fixed_point.to_float_(
+                self._param_digits(index),
+                self._positions[index],
+                self._values[: param.numel()],
+                count if self.average else 1,
+            )
+            mean = values.view_as(param)
+            if carried is not None:
+                param.grad = carried.add_(mean) if carried.shape == param.shape else carried + mean
             else:
-                param.grad = carried.copy_(carried + mean) if carried.shape == mean.shape else carried + mean
+                param.grad = mean.to(param.dtype, copy=True)
             self._written[index] = param.grad
         return True
 
     def _clear(self) -> None:
-        self._pass_grads.zero_()
         self._digits.zero_()
-        self._agreed.fill_(0)
-        self._top.fill_(fixed_point.NO_DIGIT)
+        self._agreed.zero_()
+        self._positions = [fixed_point.NO_DIGIT] * len(self.named)
         self._carried.clear()
         self._in_pass.clear()
         self._pass_open = False
