@@ -61,7 +61,7 @@ def test_a_training_step_makes_one_data_allreduce_per_bucket_and_one_small_check
 @pytest.mark.ranks
 @pytest.mark.parametrize("num_ranks", [2, 4])
 def test_a_reproducible_step_makes_two_allreduces_of_sizes_independent_of_p(num_ranks, counting_library, tmp_path):
-    # One MAX of 4 bytes per parameter (its digit position and 3 flags) plus one; one SUM of three int64
+    # One MAX of 4 int32 per parameter (its digit position and 3 flags) plus 4; one SUM of three int64
     # digits per element plus the micro-batch count. 8 layers of 256 x 256 + 256.
     numel, params = 8 * (256 * 256 + 256), 16
     _, steps, per_rank = count_calls(num_ranks, counting_library, tmp_path, mode="reproducible")
@@ -70,7 +70,7 @@ def test_a_reproducible_step_makes_two_allreduces_of_sizes_independent_of_p(num_
         # Each is a collective of the script's communicator, which the ranks agree on first: 5 int64.
         assert called == {"MPI_Allreduce": 2 * steps, "MPI_Iallreduce": 2 * steps}, counts
         assert counts["MPI_Iallreduce"][1] == 2 * steps * 5 * 8
-        assert counts["MPI_Allreduce"][1] == steps * ((4 * params + 1) + 8 * (3 * numel + 1))
+        assert counts["MPI_Allreduce"][1] == steps * (4 * (4 * params + 4) + 8 * (3 * numel + 1))
 
 
 # Beyond one host's 2-4 ranks: 4 virtual nodes of 4 slots (network namespaces on this host,

@@ -23,23 +23,25 @@ JOB = f"{ROOT}/tests/reproducible_job.py"
 def exact_sum(groups, dtype, divisor=1):
     """Sum contributions with fixed_point, split into groups ("ranks") and aligned as the optimizer does."""
     num_digits, n = fixed_point.digits_needed([dtype]), groups[0][0].numel()
+    values, rest = torch.empty(n, dtype=torch.float64), torch.empty(n, dtype=torch.float64)
     parts = []
     for group in groups:
-        digits, position = torch.zeros(num_digits, n, dtype=torch.int64), fixed_point.NO_DIGIT
-        for values in group:
-            new = max(position, fixed_point.position_of(float(values.double().abs().max())))
+        digits, position = torch.zeros(num_digits, n, dtype=torch.float64), fixed_point.NO_DIGIT
+        for contribution in group:
+            new = max(position, fixed_point.position_of(float(contribution.double().abs().max())))
             if position != fixed_point.NO_DIGIT:
                 fixed_point.shift_down_(digits, new - position)
             position = new
-            fixed_point.add_(digits, position, values.double().clone(), torch.empty(n, dtype=torch.int64))
+            if position != fixed_point.NO_DIGIT:
+                fixed_point.add_(digits, position, contribution, values, rest)
         parts.append((digits, position))
     agreed = max(position for _, position in parts)
     total = torch.zeros(num_digits, n, dtype=torch.int64)
     for digits, position in parts:
         if position != fixed_point.NO_DIGIT:
             fixed_point.shift_down_(digits, agreed - position)
-        total += digits
-    return fixed_point.to_float_(total, agreed, torch.empty(n, dtype=torch.float64), divisor)
+        total += fixed_point.as_int64_(digits)
+    return fixed_point.to_float_(fixed_point.as_float64_(total), agreed, torch.empty(n, dtype=torch.float64), divisor)
 
 
 def exactly(contributions, divisor=1):
@@ -133,9 +135,19 @@ def test_sampler_without_drop_last_keeps_the_tail_and_resumes_at_its_place():
     fresh.set_epoch(3)
     assert list(resumed) == list(fresh)[1:]
     with pytest.raises(ValueError, match="micro_batch_size=4"):
-        hpcddp.MicroBatchSampler(70, 5, 8, seed=2).load_state_dict(state)
+        hpcddp.MicroBatchSampler(70, 5, 8, seed=2, drop_last=False).load_state_dict(state)
     with pytest.raises(ValueError, match="micro_batches_per_step must be an integer >= 1, got 0"):
         hpcddp.MicroBatchSampler(70, 4, 0)
+
+
+@pytest.mark.unit
+def test_sampler_at_an_epoch_end_resumes_with_the_next_epoch_and_repeats_without_set_epoch():
+    sampler = hpcddp.MicroBatchSampler(64, 4, 8, rank=0, world_size=1)
+    first = list(sampler)
+    assert sampler.state_dict()["epoch"] == 1 and sampler.state_dict()["next_step"] == 0
+    assert list(sampler) == first  # again without set_epoch: the same order, as DistributedSampler
+    with pytest.raises(ValueError, match="num_samples=20 is less than one step.*drop_last=False"):
+        hpcddp.MicroBatchSampler(20, 4, 8)
 
 
 @pytest.mark.unit
@@ -299,6 +311,125 @@ def test_synchronize_then_clip_then_step_and_a_pass_after_synchronize_is_refused
     model(torch.randn(2, 4)).sum().backward()
     with pytest.raises(RuntimeError, match="after synchronize"):
         optimizer.step()
+
+
+@pytest.mark.unit
+def test_a_gradient_there_before_the_first_backward_is_refused_but_one_changed_after_synchronize_is_kept(world_of_one):
+    model = small_model()
+    optimizer = reproducible(model)
+    model[0].bias.grad = torch.ones_like(model[0].bias)  # by hand, then a backward pass on top
+    model(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="'0.bias'.*assigned by hand"):
+        optimizer.step()
+    optimizer.zero_grad()
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.synchronize()
+    for p in model.parameters():
+        p.grad = p.grad.clamp(-1e-3, 1e-3)  # new tensors, the same on every rank: the step's gradients
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.step()
+    assert all(((p.detach() - b).abs() <= 1.001e-4).all() for p, b in zip(model.parameters(), before))
+    optimizer.zero_grad(set_to_none=False)
+    model(torch.randn(2, 4)).sum().backward()  # the zeroed clamped gradients are carried, not "by hand"
+    optimizer.step()
+
+
+@pytest.mark.unit
+def test_a_failed_synchronize_leaves_the_next_step_working(world_of_one):
+    model = small_model()
+    optimizer = reproducible(model)
+    (model(torch.randn(2, 4)).sum() * float("nan")).backward()
+    optimizer.synchronize()  # NaN gradients: step() refuses them
+    with pytest.raises(FloatingPointError, match="inf or NaN"):
+        optimizer.step()
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.synchronize()
+    optimizer.synchronize()  # again, with no new pass: nothing changes
+    optimizer.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.unit
+def test_grad_scaler_steps_on_the_unscaled_mean_and_backs_off_on_overflow(world_of_one):
+    model, reference = small_model(), small_model()
+    optimizer = reproducible(model)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    x = torch.randn(3, 4)
+    scaler.scale(model(x).sum()).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    reference(x).sum().backward()
+    plain.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    optimizer.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(model(x).sum() * float("inf")).backward()
+    optimizer.synchronize()
+    scaler.unscale_(optimizer)  # the clipping pattern: unscale after synchronize()
+    scaler.step(optimizer)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**9 and all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+@pytest.mark.unit
+def test_what_cannot_work_is_refused_with_the_fix(world_of_one):
+    model = small_model()
+    with pytest.raises(ValueError, match="LBFGS"):
+        hpcddp.DistributedOptimizer(torch.optim.LBFGS(model.parameters()), reproducible=True)
+    optimizer = reproducible(model)
+    with pytest.raises(ValueError, match="join.*not needed"), hpcddp.join(optimizer):
+        pass
+    model.double()  # after the optimizer: torch makes new accumulators, which the hooks do not see
+    model(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
+    with pytest.raises(RuntimeError, match="moved or cast.*after"):
+        optimizer.step()
+
+
+@pytest.mark.unit
+def test_zero_grad_mid_step_drops_the_sum_as_torch_drops_the_gradients(world_of_one):
+    model, reference = small_model(), small_model()
+    optimizer = reproducible(model)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.zero_grad()
+    x = torch.randn(2, 4)
+    model(x).sum().backward(create_graph=True)
+    optimizer.synchronize()
+    reference(x).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
+    assert not optimizer.gradients._digits.requires_grad  # create_graph: the sums hold no graph
+
+
+@pytest.mark.unit
+def test_a_mean_that_does_not_fit_its_dtype_is_an_error_and_one_near_the_top_is_exact(world_of_one):
+    big = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    optimizer = hpcddp.DistributedOptimizer(torch.optim.SGD([big], lr=0.0), [("big", big)], reproducible=True)
+    for _ in range(2):
+        (big * 1.5e308).sum().backward()
+    optimizer.synchronize()
+    assert big.grad.tolist() == [1.5e308, 1.5e308]
+    optimizer.step()
+    half = torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))
+    summing = hpcddp.DistributedOptimizer(torch.optim.SGD([half], lr=0.0), [("half", half)], reproducible=True, op="sum")
+    for _ in range(2):
+        (half * 40000.0).sum().backward()
+    with pytest.raises(FloatingPointError, match="'half' does not fit its dtype"):
+        summing.step()
+
+
+@pytest.mark.unit
+def test_an_optimizer_dropped_without_close_leaves_no_live_hooks(world_of_one):
+    model = small_model()
+    first = reproducible(model)
+    del first
+    import gc
+
+    gc.collect()
+    second = reproducible(model)
+    model(torch.randn(2, 4)).sum().backward()
+    second.step()
 
 
 @pytest.mark.unit

@@ -47,6 +47,11 @@ def join(optimizer: DistributedOptimizer) -> Iterator[None]:
     """
     if not isinstance(optimizer, DistributedOptimizer):
         raise TypeError(f"join needs an hpcddp.DistributedOptimizer, got {type(optimizer).__name__}")
+    if optimizer.reproducible:
+        raise ValueError(
+            "hpcddp.join() is not needed with reproducible=True: a rank with fewer micro-batches runs fewer "
+            "backward passes and calls step() like the others; drop the join() block"
+        )
     reducer = optimizer.reducer
     if not reducer.buckets:  # a world of one: nobody to wait for
         yield

@@ -92,6 +92,8 @@ class DistributedOptimizer(OptimizerFacade):
     # the wrapped optimizer (which would bypass this wrapper's attributes).
     _step_supports_amp_scaling = False
     _own_attributes = ("_optimizer", "reducer")
+    #: made with reproducible=True (a ``hpcddp.reproducible.optimizer.ReproducibleOptimizer``)
+    reproducible = False
     #: the reducer's ``num_reductions`` at the last step: unchanged at a step, nothing was reduced for it
     _reductions_at_step = 0
     _warned_outside = False

@@ -12,6 +12,9 @@ larger contribution arrives) and late (when the ranks agree on the position) giv
 same result. Kept are all bits of every element within ``2**-KEPT_BELOW_LARGEST`` of the
 tensor's largest magnitude; smaller ones are rounded toward zero at the last digit.
 
+The digit sums of one rank are kept as float64, exact while below 2**53 (8191 digits of
+40 bits), where float64 arithmetic is several times faster than int64 on a CPU; they become
+int64 in place (``as_int64_``) for the sum across ranks, which may add 2**23 of them.
 Everything runs in place on buffers the caller owns: on a CPU an allocation of a large
 temporary costs more than the arithmetic.
 """
@@ -27,18 +30,23 @@ __all__ = [
     "DIGIT_BITS",
     "KEPT_BELOW_LARGEST",
     "MAX_CONTRIBUTIONS",
+    "MAX_LOCAL_CONTRIBUTIONS",
     "NO_DIGIT",
     "add_",
+    "as_float64_",
+    "as_int64_",
     "digits_needed",
     "position_of",
     "shift_down_",
     "to_float_",
 ]
 
-#: bits per digit: a digit is below 2**40, so int64 holds the sum of 2**23 of them
+#: bits per digit: a digit is below 2**40, so int64 holds the sum of 2**23 - 1 of them
 DIGIT_BITS = 40
 #: contributions summed per element before int64 could overflow (one per micro-batch)
 MAX_CONTRIBUTIONS = 2 ** (63 - DIGIT_BITS) - 1
+#: contributions one rank sums in float64 before a digit sum could leave float64's exact integers
+MAX_LOCAL_CONTRIBUTIONS = 2 ** (53 - DIGIT_BITS) - 1
 #: bits below a tensor's largest magnitude down to which every element keeps all its bits
 KEPT_BELOW_LARGEST = 56
 #: position of a tensor that only ever received zeros
@@ -73,7 +81,7 @@ def shift_down_(digits: torch.Tensor, by: int) -> None:
     """Move the digits ``by`` positions down (the tensor's position rose by ``by``), dropping the lowest.
 
     Args:
-        digits: (num_digits, n) int64; row 0 holds the digit at the position, row k the one k lower.
+        digits: (num_digits, n); row 0 holds the digit at the position, row k the one k lower.
         by: positions to move, >= 0.
     """
     if by <= 0:
@@ -92,20 +100,39 @@ def _scale_(values: torch.Tensor, exponent: int) -> torch.Tensor:
     return values.mul_(2.0**half).mul_(2.0 ** (exponent - half))
 
 
-def add_(digits: torch.Tensor, position: int, values: torch.Tensor, whole: torch.Tensor) -> None:
-    """Add ``values`` exactly into ``digits`` at ``position``; ``values`` is overwritten.
+def add_(digits: torch.Tensor, position: int, grad: torch.Tensor, values: torch.Tensor, rest: torch.Tensor) -> None:
+    """Add ``grad`` exactly into the float64 ``digits`` at ``position``.
 
     Args:
-        digits: (num_digits, n) int64 digit sums at ``position``.
-        position: at least ``position_of(values.abs().max())``.
-        values: (n,) float64 (any float16, bfloat16, float32 or float64 value, exactly).
-        whole: (n,) int64 scratch.
+        digits: (num_digits, n) float64 digit sums at ``position``.
+        position: at least ``position_of(grad.abs().max())``.
+        grad: n values of any float16, bfloat16, float32 or float64 dtype.
+        values: (n,) float64 scratch.
+        rest: (n,) float64 scratch.
     """
-    _scale_(values, -DIGIT_BITS * position)  # below 2**DIGIT_BITS in magnitude now
+    exponent = -DIGIT_BITS * position  # grad * 2**exponent is below 2**DIGIT_BITS in magnitude
+    if grad.dtype in (torch.float32, torch.float64) and -126 <= exponent <= 127:
+        # Exact in grad's dtype: a power of two, and what underflows there lies below the last digit.
+        torch.mul(grad.reshape(-1), 2.0**exponent, out=values)
+    else:
+        _scale_(values.copy_(grad.reshape(-1)), exponent)
     for row in range(digits.shape[0]):
-        whole.copy_(values)  # toward zero: the digit, exactly
-        digits[row].add_(whole)
-        values.sub_(whole).mul_(2.0**DIGIT_BITS)
+        torch.frac(values, out=rest)
+        digits[row].add_(values.sub_(rest))  # the digit: values toward zero
+        torch.mul(rest, 2.0**DIGIT_BITS, out=values)
+
+
+def as_int64_(digits: torch.Tensor) -> torch.Tensor:
+    """Convert float64 digit sums to int64 in place (the same bytes) and return that int64 view."""
+    # Each element is read and written at its own address, so an element-wise copy onto itself is safe.
+    ints = digits.view(torch.int64)
+    return ints.copy_(digits)
+
+
+def as_float64_(ints: torch.Tensor) -> torch.Tensor:
+    """Convert int64 digit sums to float64 in place (rounded where above 2**53) and return that view."""
+    floats = ints.view(torch.float64)
+    return floats.copy_(ints)
 
 
 def to_float_(digits: torch.Tensor, position: int, out: torch.Tensor, divisor: int = 1) -> torch.Tensor:
@@ -114,7 +141,7 @@ def to_float_(digits: torch.Tensor, position: int, out: torch.Tensor, divisor: i
     Rounded the same way everywhere, not correctly: within 2**-51 of the exact quotient.
 
     Args:
-        digits: (num_digits, n) int64 digit sums.
+        digits: (num_digits, n) float64 digit sums.
         position: their position.
         out: (n,) float64.
         divisor: what to divide by (the number of contributions, for their mean).

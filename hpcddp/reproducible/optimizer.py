@@ -45,6 +45,9 @@ class ReproducibleOptimizer(DistributedOptimizer):
     _own_attributes = ("_optimizer", "reducer", "gradients")
     #: no bucketed Reducer: ``gradients`` holds the sums
     reducer = None
+    reproducible = True
+    # GradScaler.step() then passes itself to step(), which unscales the exact mean (see _scaled_step).
+    _step_supports_amp_scaling = True
     _synchronized = False
 
     def __init__(
@@ -81,11 +84,17 @@ class ReproducibleOptimizer(DistributedOptimizer):
                 f"gradient_predivide_factor={gradient_predivide_factor!r} cannot be used with reproducible=True, "
                 "whose sum cannot overflow: drop it"
             )
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError(
+                "reproducible=True cannot wrap torch.optim.LBFGS, whose step() runs the closure again and again: "
+                "its backward passes cannot be summed once per step; use another optimizer or reproducible=False"
+            )
         self._optimizer = optimizer
         if communicator is None:
             from ..runtime.state import communicator as current
 
             communicator = current()
+            _warn_if_threads_follow_the_world_size()
         self._average = arguments.op is ReduceOp.AVERAGE
         self._backward_passes = backward_passes_per_step
         #: the exact sums of the micro-batch gradients
@@ -135,14 +144,14 @@ class ReproducibleOptimizer(DistributedOptimizer):
         self._backward_passes = passes
 
     def synchronize(self) -> None:
-        """Reduce the micro-batches now (collective), e.g. to clip the gradients before ``step()``."""
-        if self._synchronized:
-            raise RuntimeError(
-                "synchronize() was already called for this step: call step() next (a backward pass after "
-                "synchronize() and before step() would be left out)"
-            )
+        """Reduce the micro-batches now (collective), e.g. to clip or unscale the gradients before ``step()``.
+
+        The gradients are then this step's: change them as you like (the same way on every
+        rank) before ``step()``. A parameter whose gradient was inf or NaN in a micro-batch
+        gets a NaN gradient, which ``step()`` reports (or GradScaler's ``unscale_`` finds).
+        """
+        self._synchronized_with = self.gradients.reduce()
         self._synchronized = True
-        self._reduced = self._reduce()
 
     def close(self) -> None:
         """Remove the hooks; the wrapped optimizer keeps working as a local one."""
@@ -153,43 +162,63 @@ class ReproducibleOptimizer(DistributedOptimizer):
         """Accepted for compatibility: nothing is sent during backward anyway."""
         yield
 
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scaler=None):
         """Reduce the micro-batches exactly (collective), then take the wrapped optimizer's step.
 
         Args:
             closure: called once first (its backward pass is one more micro-batch); its
-                loss is returned. Optimizers that call the closure again (LBFGS) do not
-                fit an exact sum reduced once per step.
+                loss is returned.
+            grad_scaler: passed by ``torch.amp.GradScaler.step``: the step unscales the
+                exact mean and is skipped, and the scale lowered, when it is not finite.
         """
+        if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
+            raise RuntimeError(
+                "this torch's GradScaler hands the scale to the optimizer as attributes, which reproducible=True "
+                "does not read: unscale explicitly (optimizer.synchronize(); scaler.unscale_(optimizer))"
+            )
         loss = None
         if self._synchronized:
             self._synchronized = False
-            if closure is not None or self.gradients.num_micro_batches:
-                raise RuntimeError(
-                    "a backward pass ran after synchronize() and before step(): its gradients would be left out; "
-                    "call synchronize() after the step's last backward pass"
-                )
-            reduced = self._reduced
+            if closure is not None:
+                raise RuntimeError("step(closure) after synchronize(): the closure's backward pass would be left out")
+            self.gradients.adopt_grads()  # what the script made of the synchronized gradients is the step's
+            self.gradients.reduce(expect_none=True)
+            reduction = self._synchronized_with
         else:
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
-            reduced = self._reduce()
-        if reduced is not None:  # None: skipped
+            reduction = self.gradients.reduce()
+        if grad_scaler is not None:
+            self._scaled_step(grad_scaler)
+        elif reduction.nonfinite:
+            self._refuse_nonfinite(reduction.nonfinite)
+        else:
             self._optimizer.step()
+        self.gradients.adopt_grads()
         return loss
 
-    def _reduce(self) -> bool | None:
-        """Reduce; None when skip_nonfinite skipped the step."""
-        try:
-            return self.gradients.reduce()
-        except FloatingPointError:
-            if not self.skip_nonfinite:
-                raise
-            self.skipped_steps += 1
-            self.zero_grad()
-            log.warning("hpcddp: skipped a step, a micro-batch gradient is inf or NaN (%d skipped)", self.skipped_steps)
-            return None
+    def _refuse_nonfinite(self, names: list[str]) -> None:
+        self.zero_grad()  # NaN now: the next step starts clean, whether this one raises or skips
+        if not self.skip_nonfinite:
+            shown = ", ".join(repr(name) for name in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise FloatingPointError(
+                f"hpcddp: the gradient of {shown} was inf or NaN in a micro-batch on some rank: an exact sum cannot "
+                "hold it; find why the loss is not finite, or pass skip_nonfinite=True to skip such steps"
+            )
+        self.skipped_steps += 1
+        log.warning("hpcddp: skipped a step, a micro-batch gradient is inf or NaN (%d skipped)", self.skipped_steps)
+
+    def _scaled_step(self, grad_scaler) -> None:
+        # GradScaler.step() hands itself over because _step_supports_amp_scaling is set: unscale the
+        # exact mean here (unless the script did, after synchronize()), and skip on inf as it would.
+        from torch.amp.grad_scaler import OptState
+
+        state = grad_scaler._per_optimizer_states[id(self)]
+        if state["stage"] is OptState.READY:
+            grad_scaler.unscale_(self)
+        if not sum(float(found) for found in state["found_inf_per_device"].values()):
+            self._optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients as torch does.
@@ -207,3 +236,17 @@ class ReproducibleOptimizer(DistributedOptimizer):
                     param.grad = None
                 else:
                     param.grad.detach_().zero_()
+
+
+def _warn_if_threads_follow_the_world_size() -> None:
+    from ..runtime import state
+    from ..runtime.device import threads_follow_world_size
+
+    runtime = state.current_runtime()
+    if runtime is not None and state.rank() == 0 and threads_follow_world_size(runtime.config.num_threads):
+        log.warning(
+            "hpcddp: reproducible=True, but torch's threads per rank (%d) come from the cores per rank, which change "
+            "with the world size, and some CPU kernels (LayerNorm, BatchNorm) sum differently with other thread "
+            "counts: pass the same hpcddp.init(num_threads=N) (or OMP_NUM_THREADS) at every world size",
+            runtime.num_threads,
+        )

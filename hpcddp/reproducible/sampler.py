@@ -55,7 +55,8 @@ class MicroBatchSampler:
     Iterating yields, per step, this rank's list of ``MicroBatch``. The sampler keeps
     its place: ``state_dict()`` after a step resumes, at any world size, with the
     next step. Call ``set_epoch(epoch)`` before each epoch (a new epoch starts at its
-    first step; the epoch it is already in continues where it stopped).
+    first step; the epoch it is already in continues where it stopped); iterating a
+    finished epoch again without it repeats that epoch's order, as ``DistributedSampler`` does.
 
     Args:
         num_samples: the dataset's length (or the dataset itself).
@@ -94,6 +95,12 @@ class MicroBatchSampler:
             raise ValueError("pass both rank and world_size, or neither (then hpcddp's are used)")
         if world_size is not None and not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank!r}")
+        if drop_last and 0 < num_samples < micro_batch_size * micro_batches_per_step:
+            raise ValueError(
+                f"num_samples={num_samples} is less than one step of micro_batch_size={micro_batch_size} x "
+                f"micro_batches_per_step={micro_batches_per_step} samples, so drop_last=True leaves no step: pass "
+                "drop_last=False or fewer micro-batches per step"
+            )
         self.num_samples = num_samples
         self.micro_batch_size = micro_batch_size
         self.micro_batches_per_step = micro_batches_per_step
@@ -146,6 +153,8 @@ class MicroBatchSampler:
             from ..runtime.state import size as current_size
 
             rank, world_size = current_rank(), current_size()
+        if self.next_step >= len(self):  # iterated again without set_epoch: the same order again, as torch's
+            self.next_step = 0
         order = self._order()
         size = self.micro_batch_size
         for step in range(self.next_step, len(self)):
@@ -166,11 +175,17 @@ class MicroBatchSampler:
             self.next_step = 0
 
     def state_dict(self) -> dict[str, int]:
-        """Return the position (epoch and next step) and the settings it is valid for."""
+        """Return the position (epoch and next step) and the settings it is valid for.
+
+        After an epoch's last step the position is the next epoch's first step.
+        """
+        done = self.next_step >= len(self)
         return {
-            "epoch": self.epoch,
-            "next_step": self.next_step,
+            "epoch": self.epoch + done,
+            "next_step": 0 if done else self.next_step,
             "seed": self.seed,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
             "num_samples": self.num_samples,
             "micro_batch_size": self.micro_batch_size,
             "micro_batches_per_step": self.micro_batches_per_step,
@@ -178,7 +193,7 @@ class MicroBatchSampler:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue from ``state`` (saved at any world size); its settings must be this sampler's."""
-        for key in ("seed", "num_samples", "micro_batch_size", "micro_batches_per_step"):
+        for key in ("seed", "shuffle", "drop_last", "num_samples", "micro_batch_size", "micro_batches_per_step"):
             if state.get(key) != getattr(self, key):
                 raise ValueError(
                     f"the sampler state was saved with {key}={state.get(key)!r}, this sampler has "

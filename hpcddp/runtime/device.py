@@ -23,6 +23,7 @@ __all__ = [
     "gpu_index",
     "place_rank",
     "set_cpu_threads",
+    "threads_follow_world_size",
     "usable_cpus",
     "visible_gpus",
 ]
@@ -307,6 +308,11 @@ def ranks_outnumber_cores(layout: RankLayout, node_peers: Sequence[NodePeer] | N
     """
     cpus = usable_cpus()
     return _ranks_sharing(cpus, layout, node_peers) > len(cpus)
+
+
+def threads_follow_world_size(num_threads: int | None) -> bool:
+    """Whether ``set_cpu_threads`` derived the count from the cores per rank (neither given nor OMP_NUM_THREADS)."""
+    return num_threads is None and not os.environ.get("OMP_NUM_THREADS")
 
 
 def set_cpu_threads(layout: RankLayout, num_threads: int | None, node_peers: Sequence[NodePeer] | None = None) -> int:

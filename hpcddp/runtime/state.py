@@ -38,6 +38,7 @@ __all__ = [
     "run_abort_callbacks",
     "shutdown",
     "shutdown_at_exit",
+    "current_runtime",
     "size",
 ]
 
@@ -127,6 +128,11 @@ def run_abort_callbacks() -> list[str]:
 def _require() -> Runtime:
     if _runtime is None:
         raise RuntimeError("hpcddp is not initialised: call hpcddp.init() first")
+    return _runtime
+
+
+def current_runtime() -> Runtime | None:
+    """Return the running job's Runtime, or None before ``hpcddp.init()``."""
     return _runtime
 
 
