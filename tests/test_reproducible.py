@@ -412,7 +412,9 @@ def test_a_mean_that_does_not_fit_its_dtype_is_an_error_and_one_near_the_top_is_
     assert big.grad.tolist() == [1.5e308, 1.5e308]
     optimizer.step()
     half = torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))
-    summing = hpcddp.DistributedOptimizer(torch.optim.SGD([half], lr=0.0), [("half", half)], reproducible=True, op="sum")
+    summing = hpcddp.DistributedOptimizer(
+        torch.optim.SGD([half], lr=0.0), [("half", half)], reproducible=True, op="sum"
+    )
     for _ in range(2):
         (half * 40000.0).sum().backward()
     with pytest.raises(FloatingPointError, match="'half' does not fit its dtype"):

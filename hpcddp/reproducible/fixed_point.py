@@ -13,8 +13,10 @@ same result. Kept are all bits of every element within ``2**-KEPT_BELOW_LARGEST`
 tensor's largest magnitude; smaller ones are rounded toward zero at the last digit.
 
 The digit sums of one rank are kept as float64, exact while below 2**53 (8191 digits of
-40 bits), where float64 arithmetic is several times faster than int64 on a CPU; they become
-int64 in place (``as_int64_``) for the sum across ranks, which may add 2**23 of them.
+40 bits), where float64 arithmetic is several times faster than int64 on a CPU. Summed
+across ranks they stay float64 while the total stays within that (every partial sum is an
+integer below 2**53, so exact in any order), and become int64 in place (``as_int64_``)
+beyond it, up to 2**23 - 1 digits.
 Everything runs in place on buffers the caller owns: on a CPU an allocation of a large
 temporary costs more than the arithmetic.
 """
@@ -116,10 +118,12 @@ def add_(digits: torch.Tensor, position: int, grad: torch.Tensor, values: torch.
         torch.mul(grad.reshape(-1), 2.0**exponent, out=values)
     else:
         _scale_(values.copy_(grad.reshape(-1)), exponent)
-    for row in range(digits.shape[0]):
+    last = digits.shape[0] - 1
+    for row in range(last + 1):
         torch.frac(values, out=rest)
         digits[row].add_(values.sub_(rest))  # the digit: values toward zero
-        torch.mul(rest, 2.0**DIGIT_BITS, out=values)
+        if row < last:
+            torch.mul(rest, 2.0**DIGIT_BITS, out=values)
 
 
 def as_int64_(digits: torch.Tensor) -> torch.Tensor:

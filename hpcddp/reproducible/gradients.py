@@ -20,7 +20,7 @@ __all__ = ["ExactGradientMean", "Reduction"]
 # Rows of the per-parameter flags reduced with MAX at each step.
 _GOT_GRADIENT, _NONFINITE, _ASSIGNED = range(3)
 # Then one number each for the whole rank, in this order.
-_STOPPED_RANK, _TOO_MANY, _BYPASSED, _HAS_MICRO_BATCHES = range(4)
+_STOPPED_RANK, _TOO_MANY, _BYPASSED, _MOST_MICRO_BATCHES = range(4)
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,8 @@ class ExactGradientMean:
     gradient is accumulated it moves into digit sums (``fixed_point``) and ``grad``
     becomes None. ``reduce()`` (collective) agrees on each parameter's digit position
     and on what went wrong anywhere (one MAX allreduce of int32, 4 per parameter), sums
-    the digits and the micro-batch counts (one SUM allreduce of int64), and sets each
+    the digits and the micro-batch counts (one SUM allreduce, of float64 while that is exact, else
+    of int64), and sets each
     ``grad`` to the sum divided by the number of micro-batches of all ranks. The result
     depends only on the multiset of micro-batch gradients: not on the world size, nor on
     which rank ran which.
@@ -186,13 +187,19 @@ class ExactGradientMean:
             self._agreed[:num_params] = torch.tensor(self._positions, dtype=torch.int32)
             self.comm.allreduce_(self._agreed, ReduceOp.MAX)
             self._raise_for_flags(expect_none)
-            if not int(self._rank_numbers[_HAS_MICRO_BATCHES]):
+            most = int(self._rank_numbers[_MOST_MICRO_BATCHES])
+            if not most:
                 return Reduction(0, [])
             agreed = self._agreed[:num_params].tolist()
             for index, (mine, position) in enumerate(zip(self._positions, agreed)):
                 if mine != fixed_point.NO_DIGIT:
                     fixed_point.shift_down_(self._param_digits(index), position - mine)
             self._positions = agreed
+            if most * self.comm.size <= fixed_point.MAX_LOCAL_CONTRIBUTIONS:  # float64 sums stay exact
+                floats = self._sums.view(torch.float64)
+                floats[-1] = self.num_micro_batches
+                self.comm.allreduce_(floats, ReduceOp.SUM)
+                return self._write_grads(int(floats[-1]))
             fixed_point.as_int64_(self._sums[:-1].view(torch.float64))
             self._sums[-1] = self.num_micro_batches
             self.comm.allreduce_(self._sums, ReduceOp.SUM)
@@ -207,7 +214,7 @@ class ExactGradientMean:
             numbers[_STOPPED_RANK] = 1 + self.comm.rank
         if self.num_micro_batches > fixed_point.MAX_LOCAL_CONTRIBUTIONS:
             numbers[_TOO_MANY] = 1
-        numbers[_HAS_MICRO_BATCHES] = int(self.num_micro_batches > 0)
+        numbers[_MOST_MICRO_BATCHES] = min(self.num_micro_batches, 2**31 - 1)
         for index, (_, param) in enumerate(self.named):
             grad = param.grad
             if grad is None:
@@ -235,7 +242,7 @@ class ExactGradientMean:
                 f"a rank ran more than {fixed_point.MAX_LOCAL_CONTRIBUTIONS} backward passes in one step, more "
                 "than reproducible=True sums exactly per rank: take fewer micro-batches per step"
             )
-        if expect_none and numbers[_HAS_MICRO_BATCHES]:
+        if expect_none and numbers[_MOST_MICRO_BATCHES]:
             raise RuntimeError(
                 "a backward pass ran after synchronize() and before step() on some rank: its gradients would be "
                 "left out; call synchronize() after the step's last backward pass"
@@ -271,9 +278,11 @@ class ExactGradientMean:
             if nonfinite[index]:
                 values.fill_(math.nan)
             mean = values.view_as(param).to(param.dtype, copy=True)
-            if not nonfinite[index] and param.numel() and not bool(torch.isfinite(mean).all()):
+            if not nonfinite[index] and param.numel() and not all(map(math.isfinite, torch.aminmax(mean))):
                 out_of_range.append(name)
-            param.grad = mean if carried is None else carried.add_(mean) if carried.shape == mean.shape else carried + mean
+            param.grad = (
+                mean if carried is None else carried.add_(mean) if carried.shape == mean.shape else carried + mean
+            )
             self._written[index] = param.grad
         if out_of_range:  # the same values on every rank: every rank raises
             raise FloatingPointError(

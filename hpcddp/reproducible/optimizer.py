@@ -201,7 +201,9 @@ class ReproducibleOptimizer(DistributedOptimizer):
     def _refuse_nonfinite(self, names: list[str]) -> None:
         self.zero_grad()  # NaN now: the next step starts clean, whether this one raises or skips
         if not self.skip_nonfinite:
-            shown = ", ".join(repr(name) for name in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            shown = ", ".join(repr(name) for name in names[:3]) + (
+                f" and {len(names) - 3} more" if len(names) > 3 else ""
+            )
             raise FloatingPointError(
                 f"hpcddp: the gradient of {shown} was inf or NaN in a micro-batch on some rank: an exact sum cannot "
                 "hold it; find why the loss is not finite, or pass skip_nonfinite=True to skip such steps"

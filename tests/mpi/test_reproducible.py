@@ -120,3 +120,19 @@ def test_different_models_on_the_ranks_are_an_error_on_every_rank():
         hpcddp.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), reproducible=True
         )
+
+
+def test_the_int64_sum_across_ranks_gives_the_same_bits_as_the_float64_one(monkeypatch):
+    from hpcddp.reproducible import fixed_point
+
+    results = []
+    for limit in (fixed_point.MAX_LOCAL_CONTRIBUTIONS, 1):  # 1: past it at once (one pass per rank, >= 2 ranks)
+        monkeypatch.setattr(fixed_point, "MAX_LOCAL_CONTRIBUTIONS", limit)
+        model, optimizer = model_and_optimizer()
+        model(micro_batch(hpcddp.rank())).square().sum().backward()
+        optimizer.synchronize()
+        results.append([p.grad.clone() for p in model.parameters()])
+        optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    for param, want in zip(results[1], exact_mean_grads(model_and_optimizer()[0], range(hpcddp.size()))):
+        assert (param - want).abs().max() <= 1e-6 * want.abs().max()
