@@ -371,6 +371,28 @@ def test_grad_scaler_steps_on_the_unscaled_mean_and_backs_off_on_overflow(world_
     scaler.step(optimizer)
     scaler.update()
     assert scaler.get_scale() == 2.0**9 and all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    optimizer.zero_grad()
+    scaler.scale(model(x).sum()).backward()
+    scaler.unscale_(optimizer)  # before synchronize(): nothing to unscale yet
+    with pytest.raises(RuntimeError, match="unscale_.*before optimizer.synchronize"):
+        scaler.step(optimizer)
+
+
+@pytest.mark.unit
+def test_synchronize_twice_keeps_the_verdict_and_zero_grad_drops_a_synchronized_step(world_of_one):
+    model = small_model()
+    optimizer = reproducible(model)
+    (model(torch.randn(2, 4)).sum() * float("nan")).backward()
+    optimizer.synchronize()
+    optimizer.synchronize()
+    with pytest.raises(FloatingPointError, match="inf or NaN"):
+        optimizer.step()
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.synchronize()
+    optimizer.zero_grad()  # the script skips this step
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 @pytest.mark.unit

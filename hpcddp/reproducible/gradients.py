@@ -195,6 +195,7 @@ class ExactGradientMean:
                 if mine != fixed_point.NO_DIGIT:
                     fixed_point.shift_down_(self._param_digits(index), position - mine)
             self._positions = agreed
+            self._dirty = True  # the sums over all ranks land here, also on a rank that ran no micro-batch
             if most * self.comm.size <= fixed_point.MAX_LOCAL_CONTRIBUTIONS:  # float64 sums stay exact
                 floats = self._sums.view(torch.float64)
                 floats[-1] = self.num_micro_batches
@@ -233,9 +234,10 @@ class ExactGradientMean:
             )
         if numbers[_BYPASSED]:
             raise RuntimeError(
-                "hpcddp: a gradient reached a parameter without passing this optimizer's hooks on some rank: the "
-                "model was moved or cast (model.to(...), .double()) after DistributedOptimizer(reproducible=True) "
-                "was built, or two such optimizers hold one parameter; build it after moving the model"
+                "hpcddp: a gradient reached a parameter without passing this optimizer's hooks on some rank, "
+                "for one of two reasons: two DistributedOptimizer(reproducible=True) hold one parameter (give each "
+                "its own parameters), or the model was moved or cast (model.to(...), .double()) after the optimizer "
+                "was built (build it after moving the model)"
             )
         if numbers[_TOO_MANY]:
             raise ValueError(

@@ -11,7 +11,7 @@ import torch
 from ..comm.base import Communicator, ReduceOp
 from ..ddp.optimizer import DistributedOptimizer
 from ..ddp.optimizer_args import check_arguments, check_backward_passes, collect_parameters
-from .gradients import ExactGradientMean
+from .gradients import ExactGradientMean, Reduction
 
 __all__ = ["ReproducibleOptimizer"]
 
@@ -150,7 +150,14 @@ class ReproducibleOptimizer(DistributedOptimizer):
         rank) before ``step()``. A parameter whose gradient was inf or NaN in a micro-batch
         gets a NaN gradient, which ``step()`` reports (or GradScaler's ``unscale_`` finds).
         """
-        self._synchronized_with = self.gradients.reduce()
+        reduction = self.gradients.reduce()
+        if self._synchronized:  # again before step(): what the first found still holds
+            earlier = self._synchronized_with
+            reduction = Reduction(
+                earlier.num_micro_batches + reduction.num_micro_batches,
+                sorted({*earlier.nonfinite, *reduction.nonfinite}),
+            )
+        self._synchronized_with = reduction
         self._synchronized = True
 
     def close(self) -> None:
@@ -190,7 +197,7 @@ class ReproducibleOptimizer(DistributedOptimizer):
                     loss = closure()
             reduction = self.gradients.reduce()
         if grad_scaler is not None:
-            self._scaled_step(grad_scaler)
+            self._scaled_step(grad_scaler, reduction)
         elif reduction.nonfinite:
             self._refuse_nonfinite(reduction.nonfinite)
         else:
@@ -211,7 +218,7 @@ class ReproducibleOptimizer(DistributedOptimizer):
         self.skipped_steps += 1
         log.warning("hpcddp: skipped a step, a micro-batch gradient is inf or NaN (%d skipped)", self.skipped_steps)
 
-    def _scaled_step(self, grad_scaler) -> None:
+    def _scaled_step(self, grad_scaler, reduction: Reduction) -> None:
         # GradScaler.step() hands itself over because _step_supports_amp_scaling is set: unscale the
         # exact mean here (unless the script did, after synchronize()), and skip on inf as it would.
         from torch.amp.grad_scaler import OptState
@@ -219,15 +226,22 @@ class ReproducibleOptimizer(DistributedOptimizer):
         state = grad_scaler._per_optimizer_states[id(self)]
         if state["stage"] is OptState.READY:
             grad_scaler.unscale_(self)
+        elif reduction.num_micro_batches and not state["found_inf_per_device"]:  # alike on every rank
+            raise RuntimeError(
+                "scaler.unscale_(optimizer) ran before optimizer.synchronize(), when reproducible=True holds no "
+                "gradients in p.grad yet, so it unscaled nothing: call optimizer.synchronize() before "
+                "scaler.unscale_(optimizer)"
+            )
         if not sum(float(found) for found in state["found_inf_per_device"].values()):
             self._optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset the gradients as torch does.
+        """Reset the gradients as torch does (and what was summed or synchronized since the last step).
 
         Args:
             set_to_none: as torch's (False zeroes them in place).
         """
+        self._synchronized = False  # a synchronized step that is dropped
         self.gradients.zero_grad(set_to_none)
         held = {id(p) for _, p in self.gradients.named}
         for group in self.param_groups:

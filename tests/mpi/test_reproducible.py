@@ -136,3 +136,18 @@ def test_the_int64_sum_across_ranks_gives_the_same_bits_as_the_float64_one(monke
     assert all(torch.equal(a, b) for a, b in zip(*results))
     for param, want in zip(results[1], exact_mean_grads(model_and_optimizer()[0], range(hpcddp.size()))):
         assert (param - want).abs().max() <= 1e-6 * want.abs().max()
+
+
+def test_a_rank_idle_in_one_step_adds_nothing_stale_to_the_next():
+    model, optimizer = model_and_optimizer()
+    optimizer.param_groups[0]["lr"] = 0.0  # the gradients alone are compared
+    for step, total in enumerate((1, 2, 1, 3)):  # fewer micro-batches than ranks: some ranks idle
+        first = 10 * step
+        for index in range(first, first + total):
+            if index % hpcddp.size() == hpcddp.rank():
+                model(micro_batch(index)).square().sum().backward()
+        optimizer.synchronize()
+        for param, want in zip(model.parameters(), exact_mean_grads(model, range(first, first + total))):
+            assert (param.grad - want).abs().max() <= 1e-6 * want.abs().max(), step
+        optimizer.step()
+        optimizer.zero_grad()
