@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--per-step", type=int, default=PER_STEP, help="micro-batches per step, over all ranks")
     args = parser.parse_args()
     hpcddp.init(backend=args.backend, num_threads=1)
     inputs, targets = make_data()
@@ -45,7 +46,7 @@ def main() -> None:
     optimizer = hpcddp.DistributedOptimizer(
         torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), model.named_parameters(), reproducible=True
     )
-    sampler = hpcddp.MicroBatchSampler(NUM_SAMPLES, MICRO_BATCH, PER_STEP, seed=SEED)
+    sampler = hpcddp.MicroBatchSampler(NUM_SAMPLES, MICRO_BATCH, args.per_step, seed=SEED)
     steps = 0
     if args.resume:
         state = hpcddp.load_checkpoint(args.resume)

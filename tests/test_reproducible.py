@@ -505,8 +505,8 @@ def one_rank(tmp_path_factory):
     return train(tmp_path_factory.mktemp("reproducible"), 1)
 
 
-def assert_identical(got, want):
-    assert got["steps"] == want["steps"] == 32
+def assert_identical(got, want, steps=32):
+    assert got["steps"] == want["steps"] == steps
     for name, value in want["params"].items():
         assert torch.equal(got["params"][name], value), name
 
@@ -515,6 +515,13 @@ def assert_identical(got, want):
 @pytest.mark.parametrize(("num_ranks", "backend"), [(2, "mpi"), (3, "mpi"), (4, "mpi"), (3, "gloo")])
 def test_training_is_bit_identical_at_every_world_size(tmp_path, one_rank, num_ranks, backend):
     assert_identical(train(tmp_path, num_ranks, "--backend", backend), one_rank)
+
+
+@pytest.mark.ranks
+def test_with_fewer_micro_batches_than_ranks_it_is_bit_identical_too(tmp_path):
+    # 2 micro-batches per step over 3 ranks: one rank idle in every step (128 steps).
+    alone, three = train(tmp_path, 1, "--per-step", "2"), train(tmp_path, 3, "--per-step", "2", "--backend", "mpi")
+    assert_identical(three, alone, steps=128)
 
 
 @pytest.mark.ranks
