@@ -26,6 +26,7 @@ LEVELS = {
     "observe": 3,
     "torch_backend": 3,
     "ddp": 4,
+    "reproducible": 4.5,
     "collectives": 5,
     "checkpoint": 6,
     "fault": 7,

@@ -100,14 +100,17 @@ class DistributedOptimizer(OptimizerFacade):
     #: this rank's step times for the straggler reports (``hpcddp.observe.step_times``); None: off
     _step_times = None
 
+    #: the subclass ``reproducible=True`` makes; ``hpcddp.reproducible.optimizer`` sets it when imported
+    #: (it builds on this module, which so need not import it back)
+    reproducible_class: type | None = None
+
     def __new__(cls, *args: Any, reproducible: bool = False, **kwargs: Any):
         if not isinstance(reproducible, bool):
             raise TypeError(f"reproducible must be True or False, got {reproducible!r}")
-        if reproducible:
-            from ..reproducible.optimizer import ReproducibleOptimizer
-
-            if not issubclass(cls, ReproducibleOptimizer):
-                cls = ReproducibleOptimizer
+        if reproducible and not cls.reproducible:
+            if DistributedOptimizer.reproducible_class is None:
+                raise RuntimeError("reproducible=True needs hpcddp.reproducible: import hpcddp, not hpcddp.ddp alone")
+            cls = DistributedOptimizer.reproducible_class
         return super().__new__(cls)
 
     def __init__(

@@ -6,6 +6,7 @@
 - ``sampler``: ``MicroBatchSampler``, each rank's micro-batches of a step, each seeded by its global index.
 """
 
+from . import optimizer as _optimizer  # noqa: F401 - makes DistributedOptimizer(reproducible=True) this
 from .sampler import MicroBatch, MicroBatchSampler
 
 __all__ = ["MicroBatch", "MicroBatchSampler"]

@@ -254,6 +254,9 @@ class ReproducibleOptimizer(DistributedOptimizer):
                     param.grad.detach_().zero_()
 
 
+DistributedOptimizer.reproducible_class = ReproducibleOptimizer
+
+
 def _warn_if_threads_follow_the_world_size() -> None:
     from ..runtime import state
     from ..runtime.device import threads_follow_world_size
