@@ -113,8 +113,7 @@ def _make_step(variant: str, workload: Workload, hpcddp_options: dict) -> tuple[
         runner = model
     elif variant in HPCDDP_VARIANTS:
         options = {**hpcddp_options, **HPCDDP_VARIANTS[variant]}
-        if variant == "hpcddp-reproducible":  # no buckets, no compression
-            options.pop("bucket_cap_mb", None)
+        if variant == "hpcddp-reproducible":  # it refuses compression: --compression is the bucketed variants'
             options.pop("compression", None)
         optimizer = hpcddp.DistributedOptimizer(_optimizer(model), model.named_parameters(), **options)
         runner = model

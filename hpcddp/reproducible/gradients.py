@@ -145,16 +145,21 @@ class ExactGradientMean:
         position = fixed_point.position_of(largest)
         if position == fixed_point.NO_DIGIT:
             return
-        digits = self._param_digits(index)
-        if position > self._positions[index]:
-            if self._positions[index] != fixed_point.NO_DIGIT:
-                fixed_point.shift_down_(digits, position - self._positions[index])
-            self._positions[index] = position
+        self._raise_position(index, position)
         numel = grad.numel()
+        digits = self._param_digits(index)
         fixed_point.add_(digits, self._positions[index], grad, self._values[:numel], self._rest[:numel])
 
     def _param_digits(self, index: int) -> torch.Tensor:
         return self._digits[:, self._offsets[index] : self._offsets[index + 1]]
+
+    def _raise_position(self, index: int, position: int) -> None:
+        """Move parameter ``index``'s digits up to ``position`` if it is higher (its low digits drop)."""
+        mine = self._positions[index]
+        if position > mine:
+            if mine != fixed_point.NO_DIGIT:  # nothing summed yet: nothing to move
+                fixed_point.shift_down_(self._param_digits(index), position - mine)
+            self._positions[index] = position
 
     def _end_pass(self) -> None:
         self._pass_open = False
@@ -190,11 +195,8 @@ class ExactGradientMean:
             most = int(self._rank_numbers[_MOST_MICRO_BATCHES])
             if not most:
                 return Reduction(0, [])
-            agreed = self._agreed[:num_params].tolist()
-            for index, (mine, position) in enumerate(zip(self._positions, agreed)):
-                if mine != fixed_point.NO_DIGIT:
-                    fixed_point.shift_down_(self._param_digits(index), position - mine)
-            self._positions = agreed
+            for index, position in enumerate(self._agreed[:num_params].tolist()):
+                self._raise_position(index, position)
             self._dirty = True  # the sums over all ranks land here, also on a rank that ran no micro-batch
             if most * self.comm.size <= fixed_point.MAX_LOCAL_CONTRIBUTIONS:  # float64 sums stay exact
                 floats = self._sums.view(torch.float64)

@@ -95,11 +95,10 @@ class ReproducibleOptimizer(DistributedOptimizer):
 
             communicator = current()
             _warn_if_threads_follow_the_world_size()
-        self._average = arguments.op is ReduceOp.AVERAGE
         self._backward_passes = backward_passes_per_step
         #: the exact sums of the micro-batch gradients
         self.gradients = ExactGradientMean(
-            collect_parameters(optimizer, named_parameters), communicator, average=self._average
+            collect_parameters(optimizer, named_parameters), communicator, average=arguments.op is ReduceOp.AVERAGE
         )
         self.skip_nonfinite = bool(skip_nonfinite)
         #: steps skipped because a micro-batch gradient was inf or NaN (skip_nonfinite)
@@ -111,9 +110,9 @@ class ReproducibleOptimizer(DistributedOptimizer):
         Args:
             communicator: the new communicator.
         """
-        named = self.gradients.named
-        self.gradients.close()
-        self.gradients = ExactGradientMean(named, communicator, average=self._average)
+        old = self.gradients
+        old.close()
+        self.gradients = ExactGradientMean(old.named, communicator, average=old.average)
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self._optimizer!r}, reproducible=True)"
@@ -242,16 +241,7 @@ class ReproducibleOptimizer(DistributedOptimizer):
             set_to_none: as torch's (False zeroes them in place).
         """
         self._synchronized = False  # a synchronized step that is dropped
-        self.gradients.zero_grad(set_to_none)
-        held = {id(p) for _, p in self.gradients.named}
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is None or id(param) in held:
-                    continue
-                if set_to_none:
-                    param.grad = None
-                else:
-                    param.grad.detach_().zero_()
+        self.gradients.zero_grad(set_to_none)  # it holds every parameter of the optimizer (collect_parameters)
 
 
 DistributedOptimizer.reproducible_class = ReproducibleOptimizer

@@ -24,6 +24,7 @@ __all__ = [
     "at_shutdown",
     "backend",
     "communicator",
+    "current_runtime",
     "device",
     "environment_name",
     "install",
@@ -38,7 +39,6 @@ __all__ = [
     "run_abort_callbacks",
     "shutdown",
     "shutdown_at_exit",
-    "current_runtime",
     "size",
 ]
 
