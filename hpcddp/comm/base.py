@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,6 +17,7 @@ from .reduction import ReduceOp, parse_op
 
 __all__ = [
     "MESSAGE_PIECE_BYTES",
+    "BucketSums",
     "Communicator",
     "Handle",
     "PrivateBytes",
@@ -186,6 +186,41 @@ class Handle:
         return self._result
 
 
+class BucketSums:
+    """The in-place sums of an optimizer's gradient buckets: each step starts bucket 0, 1, ... in order.
+
+    This one starts each bucket as an allreduce of its own; ``hpcddp.comm.mpi.bucket_sums``
+    runs a step's buckets as one operation.
+
+    Args:
+        comm: the communicator the buckets are summed on.
+        tensors: each bucket's tensor as sent, in bucket order.
+        before_send: called with a bucket's index just before it is sent (``Communicator.bucket_sums``).
+    """
+
+    def __init__(
+        self, comm: Communicator, tensors: Sequence[torch.Tensor], before_send: Callable[[int], None] | None = None
+    ) -> None:
+        self._comm = comm
+        self._tensors = list(tensors)
+        self._before_send = before_send
+
+    def start(self, index: int, *, label: str, step: int) -> Handle:
+        """Start summing bucket ``index`` (filled) over the ranks; return its handle.
+
+        Args:
+            index: the bucket.
+            label: its label, "bucket 2 of step 7" (stall reports, the agreement).
+            step: the optimizer's step it belongs to.
+        """
+        if self._before_send is not None:
+            self._before_send(index)
+        return self._comm.allreduce_async_(self._tensors[index], ReduceOp.SUM, label=label, step=step)
+
+    def abandon(self) -> None:
+        """The step ends before its last bucket started: nothing is waiting for the rest here."""
+
+
 def completed(result: Any, name: str = "") -> Handle:
     """Return a handle that is already done."""
     handle = Handle(name)
@@ -331,13 +366,19 @@ class Communicator(abc.ABC):
     ) -> Handle:
         """Start reducing ``tensor`` in place across ranks."""
 
-    def prepare_sum_(self, tensor: torch.Tensor) -> Callable[..., Handle]:
-        """Return ``start(*, label, step) -> Handle``: the in-place sum of ``tensor``, started anew at each call.
+    def bucket_sums(
+        self, tensors: Sequence[torch.Tensor], before_send: Callable[[int], None] | None = None
+    ) -> BucketSums:
+        """Return the in-place sums of ``tensors`` (an optimizer's gradient buckets), started in index order each step.
 
-        For a tensor summed again and again (a gradient bucket, every step): a backend may plan
-        it once here instead of at every start.
+        A backend may plan them once here, or run a step's buckets as one operation (MPI).
+
+        Args:
+            tensors: each bucket's tensor as sent, in bucket order.
+            before_send: called with a bucket's index just before it is sent, in bucket order,
+                where it is sent (on the communication thread when that sends while backward runs).
         """
-        return functools.partial(self.allreduce_async_, tensor, ReduceOp.SUM)
+        return BucketSums(self, tensors, before_send)
 
     def allreduce_(self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None) -> torch.Tensor:
         """Reduce ``tensor`` in place across ranks and return it (blocking)."""

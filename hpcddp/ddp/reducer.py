@@ -41,7 +41,7 @@ from ..comm.agreement import CollectiveMismatchError
 from ..comm.base import Communicator, Handle, ReduceOp, ranks_text
 from ..observe import timeline
 from .autograd_hooks import at_end_of_backward
-from .buckets import Bucket, adopt_grad, build_buckets, drop_unused_grads, probe_nonfinite
+from .buckets import Bucket, adopt_grad, build_buckets, drop_unused_grads
 from .compression import Compressor
 from .consistency import check_same_layout, check_same_parameters, next_optimizer_label
 from .control import ControlNumbers
@@ -150,7 +150,6 @@ class Reducer:
         self._control = ControlNumbers(comm.rank, comm.size)
         self._pending: list[int] = []
         self._next_launch = 0
-        self._local_sums: list[torch.Tensor] = []
         #: id -> (parameter, sparse dims) of the parameters whose gradient backward gives sparse
         #: (nn.Embedding(sparse=True)): reduced dense, handed to the optimizer sparse (sparse_grads)
         self._sparse: dict[int, tuple[torch.nn.Parameter, int]] = {}
@@ -302,7 +301,7 @@ class Reducer:
             check_same_layout(self.comm, buckets, self._sender.compressor, "DistributedOptimizer")
         self._remove_hooks()  # after the check: a rebuild refused on every rank keeps the old buckets
         self._buckets = buckets
-        self._sender.rebuild(self._buckets)
+        self._sender.rebuild(self._buckets, self._control.before_send)
         names = {id(p): name for name, p in trainable}
         self._slots = {}
         self._bucket_slots = []
@@ -407,13 +406,10 @@ class Reducer:
         index = bucket.index
         self.times.launched(index, len(self._buckets))
         fill_bucket(bucket, self._bucket_slots[index], self._predivide if self._op is ReduceOp.AVERAGE else None)
-        self._local_sums[index] = probe_nonfinite(bucket)
         if bucket.all_used is not None:  # the last bucket
             write_used(bucket, self._all_slots)
         if bucket.control is not None:
-            self._control.write(
-                bucket.control, self.has_data, self._saw_new_trainable, self._local_sums, stopped=self._stopped
-            )
+            self._control.write(bucket.control, self.has_data, self._saw_new_trainable)
         step = self.steps_taken
         label = f"bucket {index} of step {step}{self._owner}"
         if self._channel is not None:
@@ -488,7 +484,7 @@ class Reducer:
                 return
             # The other ranks wait in buckets this rank never launched: send them, saying in the
             # control numbers that this rank stopped, and every rank refuses the step alike.
-            self._stopped, self._pass_open = True, False
+            self._control.stopped, self._pass_open = True, False
             self._launch_all()
             try:
                 self._finish(time.perf_counter())
@@ -517,7 +513,7 @@ class Reducer:
                 "gradients are partial and would be averaged with the other ranks' full ones; call zero_grad() and "
                 "run the batch again"
             )
-        self._stopped, self._pass_open = True, False
+        self._control.stopped, self._pass_open = True, False
         self._launch_all()
         self._finish(time.perf_counter())  # raises StepStoppedError on every rank
 
@@ -570,6 +566,7 @@ class Reducer:
                 bucket.grads.mul_(factor)
 
     def _reset_reduction(self) -> None:
+        self._sender.abandon()
         self._handles.clear()
         for slot in self._slots.values():
             slot.used = False
@@ -579,8 +576,7 @@ class Reducer:
         if self._pending:
             self._pending[-1] += 1
         self._next_launch = 0
-        self._stopped = False
-        self._local_sums = [torch.zeros(())] * len(self._buckets)
+        self._control.reset(len(self._buckets))
         self._saw_new_trainable = False
 
     def _adopt_new_trainable(self) -> None:

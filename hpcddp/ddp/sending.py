@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 
-from ..comm.base import Communicator, Handle
+from ..comm.base import BucketSums, Communicator, Handle
 from .buckets import Bucket
 from .compression import BucketCodec, Compressor, StagedReduction
 
@@ -24,13 +24,26 @@ class BucketSender:
         self.comm = comm
         self.compressor = compressor
         self._codecs: list[BucketCodec | None] = []
-        self._plain: list[Callable[..., Handle]] = []
+        self._sums: BucketSums | None = None
 
-    def rebuild(self, buckets: Sequence[Bucket]) -> None:
-        """Make a codec per bucket and plan its plain sum; new buckets start their compression memory afresh."""
+    def rebuild(self, buckets: Sequence[Bucket], before_send: Callable[[Bucket], None]) -> None:
+        """Make a codec per bucket and plan the plain sums; new buckets start their compression memory afresh.
+
+        Args:
+            buckets: the buckets.
+            before_send: called with each bucket just before it is sent, where it is sent
+                (``ControlNumbers.before_send``).
+        """
         compressor = self.compressor
         self._codecs = [None if compressor is None else compressor.codec(b, self.comm) for b in buckets]
-        self._plain = [self.comm.prepare_sum_(b.buffer if b.wire is None else b.wire) for b in buckets]
+        self._before_send = before_send
+        tensors = [b.buffer if b.wire is None else b.wire for b in buckets]
+        if compressor is None:  # the backend's way: MPI runs a step's buckets as one operation
+            self._sums = self.comm.bucket_sums(
+                tensors, lambda index, buckets=list(buckets): before_send(buckets[index])
+            )
+        else:  # a bucket at a time, between the codecs' stages, each probed at its launch
+            self._sums = BucketSums(self.comm, tensors)
 
     def start(self, bucket: Bucket, reduction: int, *, label: str, step: int) -> Handle:
         """Start summing ``bucket`` over the ranks (reduction number ``reduction``).
@@ -42,12 +55,19 @@ class BucketSender:
             step: the optimizer's step it belongs to.
         """
         codec = self._codecs[bucket.index]
+        if codec is not None:
+            self._before_send(bucket)  # before the codec, which may change the bucket (error feedback)
         handle = None if codec is None else codec.launch(reduction, label=label, step=step)
         if handle is None:
             if bucket.wire is not None:
                 bucket.wire.copy_(bucket.buffer)
-            handle = self._plain[bucket.index](label=label, step=step)
+            handle = self._sums.start(bucket.index, label=label, step=step)
         return handle
+
+    def abandon(self) -> None:
+        """The step ends before its last bucket started: the buckets' communicator waits for no more of it."""
+        if self._sums is not None:
+            self._sums.abandon()
 
     @staticmethod
     def advance(handles: Sequence[Handle]) -> None:

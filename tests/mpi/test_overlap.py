@@ -1,5 +1,6 @@
-"""Communication runs during backward, not after it."""
+"""Communication runs during backward where the rank has a core to spare, after it on a CPU rank bound to one core."""
 
+import os
 import time
 
 import torch
@@ -38,9 +39,14 @@ def test_first_bucket_starts_before_backward_ends():
     loss.backward()
     optimizer.step()
     times = optimizer.times
-    # The later layers' buckets were reduced (not only queued) while backward was
-    # still inside the slow layer, before the bucket holding `first` could launch.
-    assert times.bucket_done[0] < times.bucket_launch[-1] - 0.1, times
     assert times.bucket_launch[-1] > times.bucket_launch[0] + 0.15, times
-    assert times.bucket_done[0] < times.backward_end - 0.1, times
+    if len(os.sched_getaffinity(0)) > 1:
+        # The later layers' buckets were reduced (not only queued) while backward was
+        # still inside the slow layer, before the bucket holding `first` could launch.
+        assert times.bucket_done[0] < times.bucket_launch[-1] - 0.1, times
+        assert times.bucket_done[0] < times.backward_end - 0.1, times
+    else:
+        # A CPU rank bound to one core: a communication thread could only take the core from
+        # backward, so the buckets are summed once backward ended, by the training thread.
+        assert times.bucket_done[0] >= times.backward_end, times
     optimizer.close()

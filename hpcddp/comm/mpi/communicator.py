@@ -44,6 +44,7 @@ from ..base import (
 )
 from ..dtypes import dtype_named
 from ..reduction import check_reducible, divide_average_, mpi_op
+from .bucket_sums import BucketSums
 from .buffers import (
     bytes_view,
     displacements,
@@ -144,7 +145,8 @@ class MPICommunicator(Communicator):
         oplog.register(self.log)
         self.p2p = PointToPoint(self._comm, MPI, self.log, self.global_ranks)
         self.engine = Engine(self._comm, MPI, self.log, name=thread_name, messages=self.p2p)
-        self._planned = PlannedAllreduces(
+        #: in-place allreduces planned once per signature (the latency path; gradient buckets)
+        self.planned_allreduces = PlannedAllreduces(
             self._comm, MPI, self.call_for, self.engine.agreement, hierarchical=self._hierarchy is not None
         )
         #: gloo's monitoredBarrier over this communicator's messages (``hpcddp.comm.mpi.monitored_barrier``)
@@ -312,7 +314,7 @@ class MPICommunicator(Communicator):
             step: the training step it belongs to, compared across ranks.
         """
         if error is None and self.size > 1:
-            planned = self._planned.plan(tensors, op, check, label=label, step=step)
+            planned = self.planned_allreduces.plan(tensors, op, check, label=label, step=step)
             if planned is not None:
                 return planned
         if not isinstance(tensors, torch.Tensor) and len({t.dtype for t in tensors}) > 1:
@@ -327,20 +329,8 @@ class MPICommunicator(Communicator):
     ) -> Handle:
         return self.start(self.plan_allreduce(tensor, op, check=check, label=label, step=step))
 
-    def prepare_sum_(self, tensor: torch.Tensor) -> Callable[..., Handle]:
-        planned = self._planned.plan(tensor, ReduceOp.SUM, None, step=0) if self.size > 1 else None
-        if planned is None or planned.call is not None:  # not plannable, or agreed call by call: as any start
-            return super().prepare_sum_(tensor)
-        patient, agreement, engine = oplog.is_patient(), self.engine.agreement, self.engine
-
-        def start(*, label: str, step: int) -> Handle:
-            # Planned without an agreement and outside patient_collectives: as planned while that holds.
-            if agreement.runs or oplog.is_patient() != patient:
-                return self.allreduce_async_(tensor, ReduceOp.SUM, label=label, step=step)
-            oplog.mark_collective_thread()
-            return engine.submit(planned._replace(desc=planned.desc._replace(label=label, step=step)))
-
-        return start
+    def bucket_sums(self, tensors, before_send=None):
+        return BucketSums(self, tensors, before_send) if self.size > 1 else super().bucket_sums(tensors, before_send)
 
     def allreduce_(self, tensor: torch.Tensor, op: ReduceOp, *, check: str | None = None) -> torch.Tensor:
         return self.run(self.plan_allreduce(tensor, op, check=check))

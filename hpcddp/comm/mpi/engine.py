@@ -79,6 +79,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from threading import get_ident
 from typing import Any, NamedTuple
 
@@ -91,7 +92,7 @@ from .agreeing import Agreement
 from .buffers import explain_failure
 from .waits import wait_for_request
 
-__all__ = ["Collective", "Engine", "EngineHandle", "wait_for_request"]
+__all__ = ["Collective", "Engine", "EngineHandle", "describe_collective", "wait_for_request"]
 
 log = logging.getLogger("hpcddp")
 
@@ -128,7 +129,8 @@ class Collective(NamedTuple):
     step: int | None = None
 
 
-def _describe(collective: Collective) -> oplog.Descriptor:
+def describe_collective(collective: Collective) -> oplog.Descriptor:
+    """How the log names ``collective``: its planned descriptor, else one made from its tensor, label and step."""
     if collective.desc is not None:
         return collective.desc
     tensor, label, step = collective.tensor, collective.label, collective.step
@@ -147,6 +149,8 @@ class _Operation:
 
 #: what a thread waiting for a queued callback waits for (stall reports)
 _CALLBACK = oplog.describe("callback", None, None)
+#: what a thread waiting for a step's gradient buckets as a whole waits for (each bucket is logged itself)
+_SERIES = oplog.describe("allreduce", None, None, label="gradient buckets")
 
 
 class Engine:
@@ -181,8 +185,10 @@ class Engine:
         #: for, and whose error they raise without an MPI call (``hpcddp.comm.mpi.gradient_channel``)
         self.gate: Handle | None = None
         self._cuda_device = current_cuda_device()  # the rank's GPU, for the communication thread too
-        self._thread = threading.Thread(target=self._serve, name=f"hpcddp-{name}", daemon=True)
-        self._thread.start()
+        # Started when first woken: a communicator whose work the waiting threads run themselves (a
+        # rank on one core, blocking collectives alone) never has one.
+        self._thread: threading.Thread | None = None
+        self._thread_name = f"hpcddp-{name}"
 
     @property
     def closed(self) -> bool:
@@ -204,9 +210,20 @@ class Engine:
             on_done: called with the completed handle, on the runner (rule 5).
             wake: False when the caller waits at once (it then runs the queue itself).
         """
-        desc = _describe(collective)
+        desc = describe_collective(collective)
         handle = EngineHandle(self, collective.name, desc)
         return self._enqueue(_Operation(collective.body, desc, collective.call, handle, on_done, after=self.gate), wake)
+
+    def submit_series(self, run: Callable[[Handle | None], None], gate: Handle | None, wake: bool) -> EngineHandle:
+        """Queue ``run(gate)``, an operation that logs the collectives it runs itself (``bucket_sums``); return its handle.
+
+        Args:
+            run: the operation; it waits for ``gate`` before its first MPI call.
+            gate: the agreement it waits for (``gate`` when it was submitted), or None.
+            wake: False leaves it to the first thread that waits for it (rule 1).
+        """
+        handle = EngineHandle(self, "allreduce", _SERIES)
+        return self._enqueue(_Operation(partial(run, gate), _SERIES, None, handle, None, logged=False), wake)
 
     def submit_callback(self, run: Callable[[], None]) -> EngineHandle:
         """Queue ``run`` (a future's callback) at this point of the order, not logged as an operation (rule 3)."""
@@ -225,7 +242,7 @@ class Engine:
             elif not inline:
                 self._items.append(op)
                 if wake and self._runner is None:
-                    self._cond.notify()
+                    self._wake()
         if inline or claimed:
             try:
                 self._execute(op)
@@ -254,7 +271,7 @@ class Engine:
                 self._runner = me
         if not (nested or claimed):
             return self.submit(collective, wake=False).wait()
-        pending = collective.desc or _describe(collective)
+        pending = collective.desc or describe_collective(collective)
         seq = self.log.start(pending, blocking=True)
         try:
             if gate is not None:
@@ -316,11 +333,21 @@ class Engine:
         """A receive was posted: an idle communication thread starts testing it (rule 6)."""
         with self._cond:
             if self._runner is None:
-                self._cond.notify()
+                self._wake()
+
+    def _wake(self) -> None:
+        """Wake the communication thread, starting it the first time (the caller holds the lock)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name=self._thread_name, daemon=True)
+            self._thread.start()
+        else:
+            self._cond.notify()
 
     def _release(self) -> None:
         with self._lock:
             self._runner = None
+            if self._items and self._thread is None:
+                self._wake()  # left queued by a caller that waits with a time limit, or not at all
             if self._items or self._closed:
                 self._cond.notify_all()
 
@@ -382,7 +409,7 @@ class Engine:
                     runs = claimed or (self._runner == me and bool(self._items))
                     op = self._items.popleft() if runs else None
                     if op is None and self._runner is None and self._items:
-                        self._cond.notify()  # queued with wake=False: the communication thread runs it
+                        self._wake()  # queued with wake=False: the communication thread runs it
                 if op is None:
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
@@ -406,6 +433,8 @@ class Engine:
             if self._closed:
                 return
             self._closed = True
+            if self._thread is None and self._items:
+                self._wake()  # it finishes what is queued, then stops
             self._cond.notify_all()
-        if self._thread is not threading.current_thread():
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()

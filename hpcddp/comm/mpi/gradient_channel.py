@@ -80,7 +80,9 @@ class GradientChannel:
         gate = (
             None
             if call is None
-            else self.parent.start(Collective("allreduce", _nothing, bucket, call, label=label, step=step))
+            # Not woken: the buckets' operation waits for it first and runs it there (engine rule 1), so
+            # the parent's communication thread is not needed for it.
+            else self.parent.start(Collective("allreduce", _nothing, bucket, call, label=label, step=step), wake=False)
         )
         engine.gate = gate
         return gate

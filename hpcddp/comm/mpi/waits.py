@@ -11,7 +11,7 @@ import os
 import time
 from typing import Protocol
 
-__all__ = ["abandon", "describe_members", "share_cores", "timed_out", "wait_for_request"]
+__all__ = ["abandon", "describe_members", "one_core", "share_cores", "timed_out", "wait_for_request"]
 
 _SPIN_S = 5e-3
 # Ranks that share cores: a yield hands the core to another rank for a whole time slice
@@ -108,3 +108,20 @@ def describe_members(members) -> str:
     if len(members) > 1 and members == list(range(members[0], members[-1] + 1)):
         return f"ranks {members[0]}-{members[-1]}"
     return f"ranks {members}" if len(members) <= 16 else f"ranks {members[:8]}... ({len(members)} ranks)"
+
+
+def one_core() -> bool:
+    """True when this process may run on one core only (``taskset``, ``--bind-to core``, ``srun --cpu-bind``).
+
+    A communication thread there can only take the core from the training thread: busy in
+    MPI's progress loop while backward runs, it slowed every hook about threefold, and no
+    sum finished before backward did. Work that could overlap backward then waits until
+    the training thread waits for it, and runs in that thread.
+    """
+    global _one_core
+    if _one_core is None:
+        _one_core = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) == 1
+    return _one_core
+
+
+_one_core: bool | None = None
