@@ -82,7 +82,10 @@ def _wait_for(calls, timeout=5.0):
 
 
 def _engine(name="device-test") -> Engine:
-    return Engine(_CommOfOne(), types.SimpleNamespace(MIN=np.minimum), oplog.OperationLog("test", (0,)), name=name)
+    """An engine whose communication thread started: a wait with a time limit leaves its first operation to it."""
+    engine = Engine(_CommOfOne(), types.SimpleNamespace(MIN=np.minimum), oplog.OperationLog("test", (0,)), name=name)
+    engine.submit(Collective("probe", lambda: None)).wait(timeout=5)
+    return engine
 
 
 def test_the_fake_keeps_one_current_device_per_thread(cuda):

@@ -17,7 +17,8 @@ These rules hold for every collective on the road:
    for a result while the communication thread is idle and so runs the queue itself
    (this saves the wake-up of another thread: tens of microseconds per collective).
    A wait with a time limit leaves the queue to the communication thread, so that it
-   can return on time.
+   can return on time. The communication thread starts when it is first woken: work
+   that its waiters run themselves needs none.
 2. **One order.** Operations run in the order they are submitted, and the log numbers
    them as they start (``OperationLog``): that numbering is the order every member rank
    must share, and what the stall inspector compares across ranks.
@@ -41,8 +42,9 @@ These rules hold for every collective on the road:
    every rank raises it. ``check_collectives=False`` turns the step off (a rank's own
    argument errors then raise on that rank alone, before anything is sent). One
    communicator is checked another way: an optimizer's ``GradientChannel`` carries its
-   buckets alone and agrees once per step, on its parent (``gradient_channel``); its
-   collectives wait for that agreement (``Engine.gate``) and raise its error.
+   buckets alone and agrees once per step, on its parent (``gradient_channel``); a step's
+   buckets are one operation there (``bucket_sums``, ``submit_series``), which waits for
+   that agreement (``Engine.gate``) and raises its error.
 5. **Completion on the runner.** A handle is completed (result or exception) by the
    runner after the operation's last MPI call; its ``on_done`` (a torch future's
    completion) runs there too, with rule 3 in force.
