@@ -77,6 +77,11 @@ class TorchDistGradientChannel:
         self._in_flight = 0  # this channel's agreements in ``GroupChannels.in_flight``
 
     @property
+    def agrees_each_bucket(self) -> bool:
+        """True where optimizers share the group: ``before_bucket`` agrees on every bucket, not only bucket 0."""
+        return self._group.made >= 2
+
+    @property
     def failed(self) -> bool:
         """True once this rank left a step part-way (``fail``): its gradient collectives are out of step."""
         return self._failure is not None

@@ -412,7 +412,7 @@ class Reducer:
             self._control.write(bucket.control, self.has_data, self._saw_new_trainable)
         step = self.steps_taken
         label = f"bucket {index} of step {step}{self._owner}"
-        if self._channel is not None:
+        if self._channel is not None and (index == 0 or self._channel.agrees_each_bucket):
             started = time.perf_counter()
             self._channel.before_bucket(
                 index, bucket.buffer if bucket.wire is None else bucket.wire, label=label, step=step

@@ -109,6 +109,7 @@ class BucketSums:
         self._abandoned = False
         #: counts the steps started: an abandoned step's operation stops where the next one began
         self._generation = 0
+        self._plan_each = False
         #: the step's operation waits for the next bucket
         self._waiting = False
         self._step: Handle | None = None
@@ -130,8 +131,10 @@ class BucketSums:
         """
         if self._before_send is not None and not self._send_prepared_by_runner:
             self._before_send(index)
+        if index == 0:  # a group timeout (set at bucket 0) or patience: each bucket planned as it starts
+            self._plan_each = self._engine.agreement.runs or oplog.is_patient()
         collective, desc = self._fixed[index], None
-        if collective is None or self._engine.agreement.runs or oplog.is_patient():
+        if collective is None or self._plan_each:
             collective = self._comm.plan_allreduce(self._tensors[index], ReduceOp.SUM, label=label, step=step)
             desc = describe_collective(collective)  # here: its patience is this thread's
         handle = self._handles[index]
@@ -175,7 +178,7 @@ class BucketSums:
         before_send = self._before_send if self._send_prepared_by_runner else None
         for index in range(len(self._tensors)):
             with cond:
-                while self._started <= index and not self._abandoned and not engine.closed:
+                while self._started <= index and not self._abandoned and not engine._closed:
                     self._waiting = True
                     cond.wait()
                     self._waiting = False

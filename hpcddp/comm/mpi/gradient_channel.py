@@ -51,6 +51,9 @@ class GradientChannel:
         parent: the optimizer's communicator (an ``MPICommunicator``: ``duplicate``, ``call_for``, ``start``).
     """
 
+    #: ``before_bucket`` agrees at bucket 0 only
+    agrees_each_bucket = False
+
     def __init__(self, parent: Communicator) -> None:
         self.parent = parent
         #: the communicator the buckets' collectives run on (its own checks off: ``open_step`` agrees)
