@@ -24,16 +24,26 @@ def train(skip_nonfinite, compression=None):
     )
     generator = torch.Generator().manual_seed(hpcddp.rank())
     history = [flat(model)]
+    optimizer.ranks_named = []  # the non-finite ranks each reduction named
     for step in range(STEPS):
         x, y = torch.randn(4, 5, generator=generator), torch.randint(0, 2, (4,), generator=generator)
         if step == BAD_STEP and hpcddp.rank() == hpcddp.size() - 1:
             x[0, 0] = float("inf")  # only the last rank's gradient is non-finite
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()
+        optimizer.ranks_named.append(list(optimizer.reducer.nonfinite_ranks))
         optimizer.step()
         history.append(flat(model))
     optimizer.close()
     return optimizer, history
+
+
+@pytest.mark.parametrize("compression", [None, "fp16", "bf16"])
+def test_the_rank_whose_gradient_is_not_finite_is_named_on_every_rank(compression):
+    # fp16/bf16 buckets travel in a copy: the rank's flag must reach that copy too.
+    optimizer, _ = train(skip_nonfinite=True, compression=compression)
+    expected = [[hpcddp.size() - 1] if step == BAD_STEP else [] for step in range(STEPS)]
+    assert optimizer.ranks_named == expected
 
 
 def test_nonfinite_step_is_skipped_on_every_rank():

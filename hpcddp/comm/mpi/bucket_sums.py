@@ -138,6 +138,8 @@ class BucketSums:
             collective = self._comm.plan_allreduce(self._tensors[index], ReduceOp.SUM, label=label, step=step)
             desc = describe_collective(collective)  # here: its patience is this thread's
         handle = self._handles[index]
+        if index > 0 and self._step is not None and self._step.poll():
+            return handle  # the step's operation ended (closed, failed): the handle keeps its error
         handle._reset()
         with self._cond:
             self._collectives[index] = (collective, desc, label, step)
