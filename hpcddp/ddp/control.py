@@ -75,8 +75,6 @@ class ControlNumbers:
         if bucket.control is not None and not self.stopped:
             sums = torch.stack([s.to(bucket.control.device) for s in self.local_sums])
             bucket.control[self._nonfinite_at + self.rank] = torch.isfinite(sums).all().logical_not()
-            if bucket.wire is not None:  # sent in another dtype (fp16, bf16): its copy was made before this flag
-                bucket.wire[-bucket.control.numel() :].copy_(bucket.control)
 
     def read(self, control: torch.Tensor) -> tuple[bool, int, list[int], list[int]]:
         """Return (a new trainable parameter, ranks with data, ranks with non-finite gradients, ranks that stopped).

@@ -25,6 +25,7 @@ class BucketSender:
         self.compressor = compressor
         self._codecs: list[BucketCodec | None] = []
         self._sums: BucketSums | None = None
+        self._before_send: Callable[[Bucket], None] | None = None
 
     def rebuild(self, buckets: Sequence[Bucket], before_send: Callable[[Bucket], None]) -> None:
         """Make a codec per bucket and plan the plain sums; new buckets start their compression memory afresh.
@@ -40,10 +41,16 @@ class BucketSender:
         tensors = [b.buffer if b.wire is None else b.wire for b in buckets]
         if compressor is None:  # the backend's way: MPI runs a step's buckets as one operation
             self._sums = self.comm.bucket_sums(
-                tensors, lambda index, buckets=list(buckets): before_send(buckets[index])
+                tensors, lambda index, buckets=list(buckets): self._ready(buckets[index])
             )
-        else:  # a bucket at a time, between the codecs' stages, each probed at its launch
+        else:  # a bucket at a time, between the codecs' stages, each readied at its launch
             self._sums = BucketSums(self.comm, tensors)
+
+    def _ready(self, bucket: Bucket) -> None:
+        """Ready ``bucket`` as it is sent: its probe and control numbers, then its copy in the wire dtype."""
+        self._before_send(bucket)
+        if bucket.wire is not None:
+            bucket.wire.copy_(bucket.buffer)
 
     def start(self, bucket: Bucket, reduction: int, *, label: str, step: int) -> Handle:
         """Start summing ``bucket`` over the ranks (reduction number ``reduction``).
@@ -56,11 +63,9 @@ class BucketSender:
         """
         codec = self._codecs[bucket.index]
         if codec is not None:
-            self._before_send(bucket)  # before the codec, which may change the bucket (error feedback)
+            self._ready(bucket)  # before the codec, which may change the bucket (error feedback)
         handle = None if codec is None else codec.launch(reduction, label=label, step=step)
         if handle is None:
-            if bucket.wire is not None:
-                bucket.wire.copy_(bucket.buffer)
             handle = self._sums.start(bucket.index, label=label, step=step)
         return handle
 

@@ -40,17 +40,9 @@ __all__ = ["BucketSums"]
 class _BucketHandle(Handle):
     """One bucket's sum: done when its step's operation is (buckets are summed in order, the last one ends it)."""
 
-    def __init__(self, sums: BucketSums, index: int) -> None:  # noqa: D107 - the step's handle holds the latch
-        self.name = "allreduce"
+    def __init__(self, sums: BucketSums, index: int) -> None:
+        super().__init__("allreduce")  # its latch unused: the step's handle says when it is done
         self._sums, self._index = sums, index
-        self._result = None
-        self._error = None
-        self._finishers = []
-        self._finished = False
-        self._completion_hooks = []
-        self.started_at = None
-        self.completed_at = None
-        self.waited = False
 
     def _reset(self) -> None:
         self._error = None
@@ -113,13 +105,14 @@ class BucketSums:
         #: the step's operation waits for the next bucket
         self._waiting = False
         self._step: Handle | None = None
+        on_cpu = all(t.device.type == "cpu" for t in self._tensors)
         #: sum while backward runs (several cores, or GPU buckets: the training thread then mostly waits
         #: for the device), else when the training thread waits for the sums
-        self.overlap = not one_core() or any(t.device.type != "cpu" for t in self._tensors)
+        self.overlap = not (on_cpu and one_core())
         # On the runner, just before the MPI call, where MPI reads the bucket's own memory (CPU); a GPU
-        # bucket is staged to the host as it starts, on the training thread's stream: it is probed there.
+        # bucket is staged to the host as it starts, on the training thread's stream: it is readied there.
         self._before_send = before_send
-        self._send_prepared_by_runner = before_send is not None and all(t.device.type == "cpu" for t in tensors)
+        self._send_prepared_by_runner = before_send is not None and on_cpu
 
     def start(self, index: int, *, label: str, step: int) -> Handle:
         """Hand bucket ``index`` (filled) to the step's operation; bucket 0 submits that operation.
@@ -129,6 +122,9 @@ class BucketSums:
             label: its label, "bucket 2 of step 7" (stall reports, the agreement).
             step: the optimizer's step it belongs to.
         """
+        handle = self._handles[index]
+        if index > 0 and self._step is not None and self._step.poll():
+            return handle  # the step's operation ended (closed, failed): the handle keeps its error
         if self._before_send is not None and not self._send_prepared_by_runner:
             self._before_send(index)
         if index == 0:  # a group timeout (set at bucket 0) or patience: each bucket planned as it starts
@@ -137,9 +133,6 @@ class BucketSums:
         if collective is None or self._plan_each:
             collective = self._comm.plan_allreduce(self._tensors[index], ReduceOp.SUM, label=label, step=step)
             desc = describe_collective(collective)  # here: its patience is this thread's
-        handle = self._handles[index]
-        if index > 0 and self._step is not None and self._step.poll():
-            return handle  # the step's operation ended (closed, failed): the handle keeps its error
         handle._reset()
         with self._cond:
             self._collectives[index] = (collective, desc, label, step)
