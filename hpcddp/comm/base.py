@@ -195,11 +195,12 @@ class BucketSums:
     Args:
         comm: the communicator the buckets are summed on.
         tensors: each bucket's tensor as sent, in bucket order.
-        before_send: called with a bucket's index just before it is sent (``Communicator.bucket_sums``).
+        before_send: called with (first, stop) just before buckets ``first`` to ``stop - 1`` are sent
+            (``Communicator.bucket_sums``).
     """
 
     def __init__(
-        self, comm: Communicator, tensors: Sequence[torch.Tensor], before_send: Callable[[int], None] | None = None
+        self, comm: Communicator, tensors: Sequence[torch.Tensor], before_send: Callable[[int, int], None] | None = None
     ) -> None:
         self._comm = comm
         self._tensors = list(tensors)
@@ -214,7 +215,7 @@ class BucketSums:
             step: the optimizer's step it belongs to.
         """
         if self._before_send is not None:
-            self._before_send(index)
+            self._before_send(index, index + 1)
         return self._comm.allreduce_async_(self._tensors[index], ReduceOp.SUM, label=label, step=step)
 
     def abandon(self) -> None:
@@ -367,7 +368,7 @@ class Communicator(abc.ABC):
         """Start reducing ``tensor`` in place across ranks."""
 
     def bucket_sums(
-        self, tensors: Sequence[torch.Tensor], before_send: Callable[[int], None] | None = None
+        self, tensors: Sequence[torch.Tensor], before_send: Callable[[int, int], None] | None = None
     ) -> BucketSums:
         """Return the in-place sums of ``tensors`` (an optimizer's gradient buckets), started in index order each step.
 
@@ -375,8 +376,9 @@ class Communicator(abc.ABC):
 
         Args:
             tensors: each bucket's tensor as sent, in bucket order.
-            before_send: called with a bucket's index just before it is sent, in bucket order,
-                where it is sent (on the communication thread when that sends while backward runs).
+            before_send: called with (first, stop) just before buckets ``first`` to ``stop - 1``
+                are sent, in bucket order, where they are sent (on the communication thread when
+                that sends while backward runs; every bucket handed over by then at once).
         """
         return BucketSums(self, tensors, before_send)
 

@@ -15,12 +15,11 @@ __all__ = [
     "drop_unused_grads",
     "grad_view",
     "has_dense_strides",
-    "probe_nonfinite",
     "write_used_flags",
 ]
 
 MB = 1024 * 1024
-#: gradient elements of a bucket that probe_nonfinite reads
+#: gradient elements of a bucket that ControlNumbers.before_send reads when it does not scale the whole bucket
 PROBE_SIZE = 1024
 
 
@@ -83,7 +82,7 @@ class Bucket:
     control: torch.Tensor | None = None
     #: compressed copy sent over the wire (fp16/bf16), or None
     wire: torch.Tensor | None = None
-    #: the evenly spread gradient elements ``probe_nonfinite`` reads (a view made once)
+    #: the evenly spread gradient elements ``ControlNumbers.before_send`` reads (a view made once)
     sample: torch.Tensor | None = None
 
     @property
@@ -236,14 +235,3 @@ def write_used_flags(used: torch.Tensor, flags: Sequence[bool]) -> None:
         elif not flag and start is not None:
             used[start:index].fill_(1)
             start = None
-
-
-def probe_nonfinite(bucket: Bucket) -> torch.Tensor:
-    """Sum at most ``PROBE_SIZE`` evenly spread gradient elements of ``bucket``: non-finite if one of them is.
-
-    A NaN or inf loss makes every gradient element non-finite, so a sample finds it;
-    reading the whole buffer would cost a pass over every gradient, every step.
-    """
-    # float64: a float32 sum of large finite gradients overflows and would report them as inf
-    # (a bucket of zero-element parameters sums to 0).
-    return bucket.sample.sum(dtype=torch.float64)

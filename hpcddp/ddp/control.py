@@ -9,13 +9,13 @@ exactly to 256): ranks are counted in groups of 256.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from .buckets import Bucket, probe_nonfinite
+from .buckets import Bucket
 
 __all__ = ["ControlNumbers"]
-
-_NOTHING_FOUND = torch.zeros((), dtype=torch.float64)
 
 #: ranks counted in one control number: sums of ones stay exact in bf16 up to 256
 RANKS_PER_COUNT = 256
@@ -32,22 +32,25 @@ class ControlNumbers:
     Args:
         rank: this rank in the communicator.
         size: the communicator's size.
+        factor: what ``before_send`` multiplies gradients by before the sum (``1 / predivide``).
     """
 
-    def __init__(self, rank: int, size: int) -> None:
+    def __init__(self, rank: int, size: int, factor: float = 1.0) -> None:
         self.rank = rank
+        self._factor = factor
         self._nonfinite_at = _ACTIVE + -(-size // RANKS_PER_COUNT)
         #: how many numbers the last bucket carries
         self.size = self._nonfinite_at + size
-        #: each bucket's probe of its local gradient in this reduction (inf or NaN when a gradient is)
-        self.local_sums: list[torch.Tensor] = []
+        #: device -> [found, 1, factor]: found is 1 once a gradient on it was not finite in this reduction
+        self._probes: dict[torch.device, list[torch.Tensor]] = {}
         #: this rank's backward pass stopped part-way (an exception): it sends the step's remaining
         #: buckets only so that every rank stays in step, and every rank raises instead of using the sums
         self.stopped = False
 
-    def reset(self, num_buckets: int) -> None:
-        """Forget the last reduction's probes and stop: a new reduction of ``num_buckets`` buckets begins."""
-        self.local_sums = [_NOTHING_FOUND] * num_buckets
+    def reset(self) -> None:
+        """Forget the last reduction's probes and stop: a new reduction begins."""
+        for found, _, _ in self._probes.values():
+            found.zero_()
         self.stopped = False
 
     def write(self, control: torch.Tensor, has_data: bool, saw_new_trainable: bool) -> None:
@@ -64,17 +67,46 @@ class ControlNumbers:
         if self.stopped:
             control[self._nonfinite_at + self.rank] = _STOPPED
 
-    def before_send(self, bucket: Bucket) -> None:
-        """Probe ``bucket``'s local gradient just before it is sent, where it is sent; the last one carries the verdict.
+    def before_send(self, buckets: Sequence[Bucket], scaled: Sequence[torch.Tensor]) -> None:
+        """Ready ``buckets`` to be sent, where and just before they are: scale, probe, and the last one's verdict.
 
-        The buckets' communicator calls this in bucket order (on the communication thread
-        when that sends the buckets while backward runs): the last bucket's flag says
-        whether any bucket's probe was inf or NaN.
+        Multiplies ``scaled`` by the factor (the division before the sum, by the reciprocal as
+        DDP does) and checks them in full, the other gradients by their ``Bucket.sample``:
+        one call per device for any number of buckets (the check GradScaler makes, one kernel
+        on a GPU), where a division and a probe per bucket cost two torch calls each. The
+        buckets' communicator calls this in bucket order (on the communication thread when
+        that sends the buckets while backward runs); the last bucket's flag says whether any
+        gradient of the reduction was inf or NaN.
+
+        Args:
+            buckets: consecutive buckets, about to be sent.
+            scaled: gradients of theirs to multiply (whole buckets' ``grads`` or views).
         """
-        self.local_sums[bucket.index] = probe_nonfinite(bucket)
-        if bucket.control is not None and not self.stopped:
-            sums = torch.stack([s.to(bucket.control.device) for s in self.local_sums])
-            bucket.control[self._nonfinite_at + self.rank] = torch.isfinite(sums).all().logical_not()
+        whole = {id(t) for t in scaled}
+        probed = [b.sample for b in buckets if id(b.grads) not in whole]
+        for device in {t.device for t in (*scaled, *probed)}:
+            found, one, by = self._probe(device)
+            mine = [t for t in scaled if t.device == device]
+            if mine:
+                torch._amp_foreach_non_finite_check_and_unscale_(mine, found, by)
+            mine = [t for t in probed if t.device == device]
+            if mine:  # multiplied by 1: read only
+                torch._amp_foreach_non_finite_check_and_unscale_(mine, found, one)
+        last = buckets[-1]
+        if last.control is not None and not self.stopped:
+            flag = last.control[self._nonfinite_at + self.rank :][:1]
+            founds = [probe[0] for probe in self._probes.values()]
+            flag.copy_(founds[0] if len(founds) == 1 else torch.stack([f.to(flag.device) for f in founds]).amax())
+
+    def _probe(self, device: torch.device) -> list[torch.Tensor]:
+        probe = self._probes.get(device)
+        if probe is None:
+            probe = self._probes[device] = [
+                torch.zeros(1, device=device),
+                torch.ones(1, device=device),
+                torch.full((1,), self._factor, device=device),
+            ]
+        return probe
 
     def read(self, control: torch.Tensor) -> tuple[bool, int, list[int], list[int]]:
         """Return (a new trainable parameter, ranks with data, ranks with non-finite gradients, ranks that stopped).

@@ -46,7 +46,16 @@ from .compression import Compressor
 from .consistency import check_same_layout, check_same_parameters, next_optimizer_label
 from .control import ControlNumbers
 from .sending import BucketSender
-from .slots import GradSlot, fill_bucket, grads_outside, note_grads_present, reset_bucket_grads, write_used
+from .slots import (
+    IN_PLACE_BYTES,
+    GradSlot,
+    fill_bucket,
+    grads_outside,
+    hand_views,
+    note_grads_present,
+    reset_bucket_grads,
+    write_used,
+)
 from .timing import ReductionTimes
 from .trainable import average_loose_grads, require_trainable, watch_frozen
 
@@ -124,6 +133,9 @@ class Reducer:
         self.keep_sparse = True
         self._op = op
         self._predivide = predivide
+        #: what each gradient is multiplied by before the sum (the division by predivide, as DDP's
+        #: product by the reciprocal), or None
+        self._scale = 1.0 / predivide if op is ReduceOp.AVERAGE and predivide != 1.0 else None
         self._owner = next_optimizer_label(comm)
         self._lock = threading.RLock()
         self._bucket_args = (bucket_cap_bytes, first_bucket_bytes, wire_dtype)
@@ -147,7 +159,13 @@ class Reducer:
         self._slots: dict[int, GradSlot] = {}
         self._bucket_slots: list[list[GradSlot]] = []
         self._all_slots: list[GradSlot] = []
-        self._control = ControlNumbers(comm.rank, comm.size)
+        #: device -> (parameter, slot) of the small gradients autograd may add into their view (``hand_views``)
+        self._in_place: dict[torch.device, list[tuple[torch.nn.Parameter, GradSlot]]] = {}
+        #: every small view is zero and holds no gradient (zero_grad() since the last launch)
+        self._views_zero = False
+        #: per bucket, what its launch left to scale where it is sent
+        self._unscaled: list[list[torch.Tensor]] = []
+        self._control = ControlNumbers(comm.rank, comm.size, 1.0 if self._scale is None else self._scale)
         self._pending: list[int] = []
         self._next_launch = 0
         #: id -> (parameter, sparse dims) of the parameters whose gradient backward gives sparse
@@ -262,8 +280,9 @@ class Reducer:
         for slot in self._slots.values():
             slot.used = False
             slot.scaled = False
-        for bucket in self._buckets:
-            reset_bucket_grads(bucket, set_to_none)
+        for bucket, slots in zip(self._buckets, self._bucket_slots):
+            reset_bucket_grads(bucket, set_to_none, slots)
+        self._views_zero = bool(self._buckets)
         self._passes_since_reduce = 0
         self._refused = None
 
@@ -301,16 +320,21 @@ class Reducer:
             check_same_layout(self.comm, buckets, self._sender.compressor, "DistributedOptimizer")
         self._remove_hooks()  # after the check: a rebuild refused on every rank keeps the old buckets
         self._buckets = buckets
-        self._sender.rebuild(self._buckets, self._control.before_send)
+        self._sender.rebuild(self._buckets, self._before_send)
         names = {id(p): name for name, p in trainable}
         self._slots = {}
         self._bucket_slots = []
+        self._in_place = {}
+        self._unscaled = [[] for _ in self._buckets]
         for bucket in self._buckets:
             slots = []
             for param, view in zip(bucket.params, bucket.views):
-                slot = GradSlot(bucket=bucket.index, view=view, name=names[id(param)])
+                in_place = view.numel() * view.element_size() <= IN_PLACE_BYTES
+                slot = GradSlot(bucket=bucket.index, view=view, name=names[id(param)], in_place=in_place)
                 self._slots[id(param)] = slot
                 slots.append(slot)
+                if in_place:
+                    self._in_place.setdefault(param.device, []).append((param, slot))
                 if param.grad is not None:  # None stays None: DDP's mark of an unused parameter
                     if param.grad.is_sparse:  # from a backward before the buckets: it stays sparse for the optimizer
                         self._sparse[id(param)] = (param, param.grad.sparse_dim())
@@ -334,6 +358,10 @@ class Reducer:
     def _count_ready(self, param: torch.nn.Parameter) -> None:
         if not self._pass_open:
             self._open_pass()
+            if self._views_zero and self._pass_reduces:
+                # Only this device's: autograd accumulates another device's gradients on another thread.
+                self._views_zero = False
+                hand_views(self._in_place.get(param.device, ()))
         slot = self._slots[id(param)]
         if param.grad.is_sparse and id(param) not in self._sparse:
             self._sparse[id(param)] = (param, param.grad.sparse_dim())
@@ -343,7 +371,7 @@ class Reducer:
             learning=self._learning,
             reduces=self._pass_reduces,
             launched=slot.bucket < self._next_launch,
-            divide_by=self._predivide if self._op is ReduceOp.AVERAGE else None,
+            scale=self._scale,
         )
         if not self._pass_reduces or self._learning:
             return
@@ -405,7 +433,9 @@ class Reducer:
     def _launch(self, bucket: Bucket) -> None:
         index = bucket.index
         self.times.launched(index, len(self._buckets))
-        fill_bucket(bucket, self._bucket_slots[index], self._predivide if self._op is ReduceOp.AVERAGE else None)
+        self._views_zero = False
+        unscaled = fill_bucket(bucket, self._bucket_slots[index])
+        self._unscaled[index] = unscaled if self._scale is not None else []
         if bucket.all_used is not None:  # the last bucket
             write_used(bucket, self._all_slots)
         if bucket.control is not None:
@@ -422,6 +452,13 @@ class Reducer:
                 self.times.launch_waited(started)
         self.times.bucket_submit[index] = time.perf_counter()
         self._handles.append(self._sender.start(bucket, self.num_reductions, label=label, step=step))
+
+    def _before_send(self, first: int, stop: int) -> None:
+        """Ready buckets ``first`` to ``stop - 1`` where they are sent, just before: scaled, probed, in one go."""
+        # Scaled before the sum, as DDP does: it keeps fp16 sums in range.
+        self._control.before_send(
+            self._buckets[first:stop], [grads for index in range(first, stop) for grads in self._unscaled[index]]
+        )
 
     # -- finishing ------------------------------------------------------------------------------
     def _finish(self, started: float) -> None:
@@ -566,6 +603,7 @@ class Reducer:
                 bucket.grads.mul_(factor)
 
     def _reset_reduction(self) -> None:
+        self._views_zero = False
         self._sender.abandon()
         self._handles.clear()
         for slot in self._slots.values():
@@ -576,7 +614,7 @@ class Reducer:
         if self._pending:
             self._pending[-1] += 1
         self._next_launch = 0
-        self._control.reset(len(self._buckets))
+        self._control.reset()
         self._saw_new_trainable = False
 
     def _adopt_new_trainable(self) -> None:

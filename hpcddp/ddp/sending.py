@@ -25,32 +25,33 @@ class BucketSender:
         self.compressor = compressor
         self._codecs: list[BucketCodec | None] = []
         self._sums: BucketSums | None = None
-        self._before_send: Callable[[Bucket], None] | None = None
+        self._buckets: list[Bucket] = []
+        self._before_send: Callable[[int, int], None] | None = None
 
-    def rebuild(self, buckets: Sequence[Bucket], before_send: Callable[[Bucket], None]) -> None:
+    def rebuild(self, buckets: Sequence[Bucket], before_send: Callable[[int, int], None]) -> None:
         """Make a codec per bucket and plan the plain sums; new buckets start their compression memory afresh.
 
         Args:
             buckets: the buckets.
-            before_send: called with each bucket just before it is sent, where it is sent
-                (``ControlNumbers.before_send``).
+            before_send: called with (first, stop) just before buckets ``first`` to ``stop - 1``
+                are sent, where they are sent (the reducer's: the division and the non-finite probe).
         """
         compressor = self.compressor
         self._codecs = [None if compressor is None else compressor.codec(b, self.comm) for b in buckets]
+        self._buckets = list(buckets)
         self._before_send = before_send
         tensors = [b.buffer if b.wire is None else b.wire for b in buckets]
         if compressor is None:  # the backend's way: MPI runs a step's buckets as one operation
-            self._sums = self.comm.bucket_sums(
-                tensors, lambda index, buckets=list(buckets): self._ready(buckets[index])
-            )
+            self._sums = self.comm.bucket_sums(tensors, self._ready)
         else:  # a bucket at a time, between the codecs' stages, each readied at its launch
             self._sums = BucketSums(self.comm, tensors)
 
-    def _ready(self, bucket: Bucket) -> None:
-        """Ready ``bucket`` as it is sent: its probe and control numbers, then its copy in the wire dtype."""
-        self._before_send(bucket)
-        if bucket.wire is not None:
-            bucket.wire.copy_(bucket.buffer)
+    def _ready(self, first: int, stop: int) -> None:
+        """Ready buckets ``first`` to ``stop - 1`` as they are sent: scaled and probed, then copied in the wire dtype."""
+        self._before_send(first, stop)
+        for bucket in self._buckets[first:stop]:
+            if bucket.wire is not None:
+                bucket.wire.copy_(bucket.buffer)
 
     def start(self, bucket: Bucket, reduction: int, *, label: str, step: int) -> Handle:
         """Start summing ``bucket`` over the ranks (reduction number ``reduction``).
@@ -63,7 +64,9 @@ class BucketSender:
         """
         codec = self._codecs[bucket.index]
         if codec is not None:
-            self._ready(bucket)  # before the codec, which may change the bucket (error feedback)
+            self._ready(
+                bucket.index, bucket.index + 1
+            )  # before the codec, which may change the bucket (error feedback)
         handle = None if codec is None else codec.launch(reduction, label=label, step=step)
         if handle is None:
             handle = self._sums.start(bucket.index, label=label, step=step)

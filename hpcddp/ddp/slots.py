@@ -10,7 +10,22 @@ import torch
 
 from .buckets import Bucket, adopt_grad, write_used_flags
 
-__all__ = ["GradSlot", "fill_bucket", "grads_outside", "note_grads_present", "reset_bucket_grads", "write_used"]
+__all__ = [
+    "IN_PLACE_BYTES",
+    "GradSlot",
+    "fill_bucket",
+    "grads_outside",
+    "hand_views",
+    "note_grads_present",
+    "reset_bucket_grads",
+    "write_used",
+]
+
+#: a gradient this small is accumulated by autograd straight into its bucket view (``hand_views``)
+#: instead of being divided into it by the hook. In a hook, between backward's kernels, the first
+#: torch call costs 8-18 us here whatever its size (4 in a loop): more than the three extra passes
+#: over memory (zeroing, adding in place, dividing apart) cost below about this size.
+IN_PLACE_BYTES = 16 * 1024
 
 
 @dataclass
@@ -22,7 +37,7 @@ class GradSlot:
     name: str
     #: got a gradient on this rank since the last reduction
     used: bool = False
-    #: the view holds gradient / predivide (written so by the hook), not a raw sum
+    #: the view holds the gradient scaled (written so by the hook), not a raw sum
     scaled: bool = False
     #: the backward pass ``count`` belongs to, and the accumulations seen in it
     pass_id: int = -1
@@ -36,6 +51,11 @@ class GradSlot:
     had_grad: bool = False
     #: got a gradient from backward on this rank since the last ``step()``
     landed: bool = False
+    #: small enough for autograd to accumulate into the view in place (``IN_PLACE_BYTES``)
+    in_place: bool = False
+    #: backward gave it a dense gradient before: a dense view may be handed to autograd (a
+    #: sparse gradient added to a dense view would stay dense, and the optimizer wants it sparse)
+    dense: bool = False
 
     def land(
         self,
@@ -45,7 +65,7 @@ class GradSlot:
         learning: bool,
         reduces: bool,
         launched: bool,
-        divide_by: float | None,
+        scale: float | None,
     ) -> None:
         """Count one accumulation of ``param.grad`` in backward pass ``pass_id`` and put it in the view.
 
@@ -55,7 +75,7 @@ class GradSlot:
             learning: the first pass, which learns how often each parameter accumulates.
             reduces: this pass ends in a reduction (else it only accumulates locally).
             launched: the bucket's reduction already started.
-            divide_by: divide a fresh gradient by this on its way in (op AVERAGE), or None.
+            scale: multiply a fresh gradient by this on its way in (``1 / predivide``, op AVERAGE), or None.
         """
         if self.pass_id != pass_id:
             self.pass_id, self.count = pass_id, 0
@@ -78,17 +98,20 @@ class GradSlot:
         if self.count > self.expected:  # a raw sum in a bucket not yet sent: still right
             self.expected = self.count
         grad = param.grad
-        if grad is not self.view and grad.is_sparse:  # nn.Embedding(sparse=True): reduced dense
-            grad = grad.to_dense()
         if grad is self.view:
             return
-        if learning or self.expected > 1 or divide_by is None:
-            # Several accumulations may land in the view: keep it a raw sum, divided at launch.
+        if grad.is_sparse:  # nn.Embedding(sparse=True): reduced dense
+            grad = grad.to_dense()
+        else:
+            self.dense = True
+        if learning or self.expected > 1 or scale is None or self.in_place:
+            # Several accumulations may land in the view: keep it a raw sum, scaled where it is sent
+            # (a small one too: one call there scales many, where a call here is dear).
             adopt_grad(param, self.view)
         else:
-            # A fresh gradient: divide it on its way into the bucket, which spares
-            # a separate pass over the buffer at launch.
-            torch.div(grad, divide_by, out=self.view)
+            # A large fresh gradient: scale it on its way into the bucket, which spares
+            # a separate pass over the buffer later (DDP's mul_out).
+            torch.mul(grad, scale, out=self.view)
             param.grad = self.view
             self.scaled = True
 
@@ -120,26 +143,51 @@ def grads_outside(buckets: Sequence[Bucket], bucket_slots: Sequence[Sequence[Gra
     ]
 
 
-def fill_bucket(bucket: Bucket, slots: Sequence[GradSlot], divide_by: float | None) -> None:
-    """Ready ``bucket`` for its reduction: every gradient in its view, divided.
+def hand_views(pairs: Sequence[tuple[torch.nn.Parameter, GradSlot]]) -> None:
+    """Make the zeroed view the gradient of each small parameter that has none, for autograd to add into.
+
+    Called at the first hook of a reducing backward pass, before the other parameters'
+    gradients accumulate, with the views zeroed by ``zero_grad``: autograd then adds each
+    gradient into its view in place (``AccumulateGrad``) instead of handing the hook a
+    fresh tensor to copy, and the hook has no tensor work left. A parameter this pass
+    does not use is left with a view of zeros, which the reduction turns into the average
+    or back into None, as it does for a gradient that is None at launch.
+
+    Args:
+        pairs: (parameter, slot) of the small parameters on the device whose pass began.
+    """
+    for param, slot in pairs:
+        if slot.dense and param.grad is None:
+            param.grad = slot.view
+
+
+def fill_bucket(bucket: Bucket, slots: Sequence[GradSlot]) -> list[torch.Tensor]:
+    """Ready ``bucket`` for its reduction: every gradient in its view; return the views still to scale.
 
     Args:
         bucket: the bucket about to be launched.
         slots: its parameters' slots, in the bucket's order.
-        divide_by: divide the gradients not yet divided by this (op AVERAGE), or None.
+
+    Returns:
+        The gradients the hooks did not scale on their way in: the bucket's whole gradient
+        part when that is all of them, scaled where the bucket is sent.
     """
     unscaled = []
     for param, slot in zip(bucket.params, slots):
         if not slot.scaled:
             adopt_grad(param, slot.view)
             unscaled.append(slot.view)
-    if divide_by is not None and divide_by != 1.0 and unscaled:
-        # Divide before summing, as DDP does: it keeps fp16 sums in range.
-        if len(unscaled) == len(bucket.views):
-            bucket.grads.div_(divide_by)
-        else:
-            for view in unscaled:
-                view.div_(divide_by)
+    return [bucket.grads] if len(unscaled) == len(bucket.views) else unscaled
+
+
+def zero_in_place_views(bucket: Bucket, slots: Sequence[GradSlot]) -> None:
+    """Zero the views ``hand_views`` may give autograd (the whole gradient part when all are small)."""
+    small = [slot.view for slot in slots if slot.in_place]
+    if len(small) == len(slots):
+        bucket.grads.zero_()
+    else:
+        for view in small:
+            view.zero_()
 
 
 def write_used(last: Bucket, slots: Sequence[GradSlot]) -> None:
@@ -152,17 +200,20 @@ def write_used(last: Bucket, slots: Sequence[GradSlot]) -> None:
     write_used_flags(last.all_used, [slot.used or slot.had_grad for slot in slots])
 
 
-def reset_bucket_grads(bucket: Bucket, set_to_none: bool) -> None:
+def reset_bucket_grads(bucket: Bucket, set_to_none: bool, slots: Sequence[GradSlot] | None = None) -> None:
     """Reset the bucket's gradients as torch's ``zero_grad`` does, keeping its views.
 
     Args:
         bucket: the bucket.
         set_to_none: gradients become None (the next backward writes each fresh
             gradient into its view); False zeroes the buffer and keeps the views.
+        slots: the bucket's slots: their small views are zeroed too, for ``hand_views``.
     """
     if set_to_none:
         for param in bucket.params:
             param.grad = None
+        if slots is not None:
+            zero_in_place_views(bucket, slots)
         return
     bucket.grads.zero_()
     for param, view in zip(bucket.params, bucket.views):

@@ -81,10 +81,13 @@ class BucketSums:
     Args:
         comm: the buckets' ``MPICommunicator`` (a gradient channel's).
         tensors: each bucket's tensor as sent, in bucket order.
-        before_send: called with a bucket's index just before it is sent (``Communicator.bucket_sums``).
+        before_send: called with (first, stop) just before buckets ``first`` to ``stop - 1`` are sent
+            (``Communicator.bucket_sums``): on the runner, every bucket handed over by then at once.
     """
 
-    def __init__(self, comm, tensors: Sequence[torch.Tensor], before_send: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self, comm, tensors: Sequence[torch.Tensor], before_send: Callable[[int, int], None] | None = None
+    ) -> None:
         self._comm = comm
         self._engine = comm.engine
         self._log = comm.log
@@ -126,7 +129,7 @@ class BucketSums:
         if index > 0 and self._step is not None and self._step.poll():
             return handle  # the step's operation ended (closed, failed): the handle keeps its error
         if self._before_send is not None and not self._send_prepared_by_runner:
-            self._before_send(index)
+            self._before_send(index, index + 1)
         if index == 0:  # a group timeout (set at bucket 0) or patience: each bucket planned as it starts
             self._plan_each = self._engine.agreement.runs or oplog.is_patient()
         collective, desc = self._fixed[index], None
@@ -171,13 +174,15 @@ class BucketSums:
             return
         log, agree, handles = self._log, engine.agreement.agree, self._handles
         before_send = self._before_send if self._send_prepared_by_runner else None
+        readied = 0  # buckets before this one were readied for sending
         for index in range(len(self._tensors)):
             with cond:
                 while self._started <= index and not self._abandoned and not engine._closed:
                     self._waiting = True
                     cond.wait()
                     self._waiting = False
-                if generation != self._generation or self._started <= index:
+                handed = self._started
+                if generation != self._generation or handed <= index:
                     started = None
                 else:
                     started, self._collectives[index] = self._collectives[index], None
@@ -193,8 +198,9 @@ class BucketSums:
             handle = handles[index]
             handle.started_at = time.perf_counter()
             try:
-                if before_send is not None:
-                    before_send(index)
+                if before_send is not None and index >= readied:
+                    before_send(index, handed)  # every bucket handed over so far: one call
+                    readied = handed
                 if collective.call is not None:
                     agree(collective.call)
                 collective.body()
