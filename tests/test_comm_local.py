@@ -153,10 +153,10 @@ def test_a_waiter_interrupted_holding_the_completion_lock_leaves_the_others_wait
     assert results == [3]
 
 
-def test_waiting_for_the_last_bucket_first_leaves_each_outcome_to_its_own_wait():
-    from hpcddp.ddp.sending import BucketSender
+def test_waiting_for_a_steps_buckets_raises_the_first_failure_in_bucket_order():
+    from hpcddp.comm.base import BucketSums
 
-    handles = [Handle("b0"), Handle("b1")]
+    handles = [Handle("b0"), Handle("b1"), Handle("b2")]
     for handle in handles:
         handle.set_result("sum")
 
@@ -164,7 +164,6 @@ def test_waiting_for_the_last_bucket_first_leaves_each_outcome_to_its_own_wait()
         raise RuntimeError("copy back failed")
 
     handles[1].then(copy_back_fails)
-    BucketSender.wait_last(handles)
-    assert handles[0].wait() == "sum"
     with pytest.raises(RuntimeError, match="copy back failed"):
-        handles[1].wait()
+        BucketSums.wait(handles)
+    assert handles[0].waited and not handles[2].waited

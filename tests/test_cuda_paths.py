@@ -118,9 +118,9 @@ def test_reduction_times_read_a_bucket_end_known_only_after_wait_when_asked():
 
     (bucket,) = build_buckets([torch.nn.Parameter(torch.zeros(3))], 1 << 20, 1 << 20)
     times = ReductionTimes()
-    times.launched(0, 1)
+    times.begin(1)
     handle = KernelsStillRunning("allreduce")
-    times.done(bucket, handle, copy_out_start=7.0, recorder=None, step=0)
+    times.done([bucket], [handle], copy_out_start=7.0, recorder=None, step=0)
     assert times.bucket_done == [42.0]
 
 

@@ -335,7 +335,8 @@ def test_a_launch_that_blocks_inside_backward_is_wait_not_backward():
     times = ReductionTimes()
     for step in range(1, 6):
         times.backward_start = time.perf_counter()
-        times.launched(0, 1)
+        times.begin(1)
+        times.bucket_launch[0] = time.perf_counter()
         blocked = time.perf_counter()
         time.sleep(0.02)  # gloo's agreement at bucket 0's launch, waiting for a slow rank
         times.launch_waited(blocked)

@@ -221,6 +221,17 @@ class BucketSums:
     def abandon(self) -> None:
         """The step ends before its last bucket started: nothing is waiting for the rest here."""
 
+    @staticmethod
+    def wait(handles: Sequence[Handle]) -> None:
+        """Wait for the buckets' sums (``handles``, from ``start``); raise the first failure, in bucket order."""
+        if handles:
+            # A communicator completes buckets in the order they were sent: the training thread then
+            # wakes once for the step, not once per bucket.
+            with contextlib.suppress(Exception):  # a failure is raised by the waits that follow, in bucket order
+                handles[-1].block()
+        for handle in handles:
+            handle.wait()
+
 
 def completed(result: Any, name: str = "") -> Handle:
     """Return a handle that is already done."""

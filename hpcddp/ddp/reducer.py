@@ -52,8 +52,9 @@ from .slots import (
     fill_bucket,
     grads_outside,
     hand_views,
+    in_place_views,
     note_grads_present,
-    reset_bucket_grads,
+    reset_grads,
     write_used,
 )
 from .timing import ReductionTimes
@@ -161,6 +162,8 @@ class Reducer:
         self._all_slots: list[GradSlot] = []
         #: device -> (parameter, slot) of the small gradients autograd may add into their view (``hand_views``)
         self._in_place: dict[torch.device, list[tuple[torch.nn.Parameter, GradSlot]]] = {}
+        #: what zero_grad(set_to_none=True) zeroes for hand_views (``in_place_views``)
+        self._zeroed_views: list[torch.Tensor] = []
         #: every small view is zero and holds no gradient (zero_grad() since the last launch)
         self._views_zero = False
         #: per bucket, what its launch left to scale where it is sent
@@ -280,8 +283,7 @@ class Reducer:
         for slot in self._slots.values():
             slot.used = False
             slot.scaled = False
-        for bucket, slots in zip(self._buckets, self._bucket_slots):
-            reset_bucket_grads(bucket, set_to_none, slots)
+        reset_grads(self._buckets, set_to_none, self._zeroed_views)
         self._views_zero = bool(self._buckets)
         self._passes_since_reduce = 0
         self._refused = None
@@ -342,6 +344,7 @@ class Reducer:
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
             self._bucket_slots.append(slots)
         self._all_slots = [slot for slots in self._bucket_slots for slot in slots]
+        self._zeroed_views = in_place_views(self._buckets, self._bucket_slots)
         for _, param in self.named:
             if not param.requires_grad and param.is_floating_point():
                 self._hooks.append(watch_frozen(param, self._on_new_trainable))
@@ -353,32 +356,27 @@ class Reducer:
         # Autograd runs hooks of parameters on different devices on its device threads at
         # once (DDP's reducer holds its mutex_ here too): the counts below are shared.
         with self._lock:
-            self._count_ready(param)
-
-    def _count_ready(self, param: torch.nn.Parameter) -> None:
-        if not self._pass_open:
-            self._open_pass()
-            if self._views_zero and self._pass_reduces:
-                # Only this device's: autograd accumulates another device's gradients on another thread.
-                self._views_zero = False
-                hand_views(self._in_place.get(param.device, ()))
-        slot = self._slots[id(param)]
-        if param.grad.is_sparse and id(param) not in self._sparse:
-            self._sparse[id(param)] = (param, param.grad.sparse_dim())
-        slot.land(
-            param,
-            self._pass_id,
-            learning=self._learning,
-            reduces=self._pass_reduces,
-            launched=slot.bucket < self._next_launch,
-            scale=self._scale,
-        )
-        if not self._pass_reduces or self._learning:
-            return
-        if slot.count == slot.expected:
-            self._pending[slot.bucket] -= 1
-            if self._pending[slot.bucket] == 0:
-                self._launch_ready()
+            if not self._pass_open:
+                self._open_pass()
+                if self._views_zero and self._pass_reduces:
+                    # Only this device's: autograd accumulates another device's gradients on another thread.
+                    self._views_zero = False
+                    hand_views(self._in_place.get(param.device, ()))
+            slot = self._slots[id(param)]
+            if param.grad.is_sparse and id(param) not in self._sparse:
+                self._sparse[id(param)] = (param, param.grad.sparse_dim())
+            slot.land(
+                param,
+                self._pass_id,
+                learning=self._learning,
+                reduces=self._pass_reduces,
+                launched=slot.bucket < self._next_launch,
+                scale=self._scale,
+            )
+            if self._pass_reduces and not self._learning and slot.count == slot.expected:
+                self._pending[slot.bucket] -= 1
+                if self._pending[slot.bucket] == 0:
+                    self._launch_ready()
 
     def _on_new_trainable(self, param: torch.nn.Parameter) -> None:
         # A parameter frozen when the buckets were built got a gradient: every rank
@@ -417,11 +415,37 @@ class Reducer:
 
     # -- launching -----------------------------------------------------------------------------
     def _launch_ready(self) -> None:
-        # Buckets start strictly in index order so every rank issues the same
-        # sequence of collectives, whatever order its gradients arrive in.
-        while self._next_launch < len(self._buckets) and self._pending[self._next_launch] == 0:
-            self._launch(self._buckets[self._next_launch])
-            self._next_launch += 1
+        """Launch the buckets whose gradients are all ready, strictly in index order.
+
+        So every rank issues the same sequence of collectives, whatever order its gradients arrive in.
+        """
+        buckets, times = self._buckets, self.times
+        while self._next_launch < len(buckets) and self._pending[self._next_launch] == 0:
+            index = self._next_launch
+            bucket = buckets[index]
+            if index == 0:
+                times.begin(len(buckets))
+            times.bucket_launch[index] = time.perf_counter()
+            self._views_zero = False
+            unscaled = fill_bucket(bucket, self._bucket_slots[index])
+            self._unscaled[index] = unscaled if self._scale is not None else []
+            if bucket.all_used is not None:  # the last bucket
+                write_used(bucket, self._all_slots)
+            if bucket.control is not None:
+                self._control.write(bucket.control, self.has_data, self._saw_new_trainable)
+            step = self.steps_taken
+            label = f"bucket {index} of step {step}{self._owner}"
+            if self._channel is not None and (index == 0 or self._channel.agrees_each_bucket):
+                started = time.perf_counter()
+                self._channel.before_bucket(
+                    index, bucket.buffer if bucket.wire is None else bucket.wire, label=label, step=step
+                )
+                # gloo waits here for the other ranks inside backward: the step's reports count it as wait
+                if self._pass_open:
+                    times.launch_waited(started)
+            times.bucket_submit[index] = time.perf_counter()
+            self._handles.append(self._sender.start(bucket, self.num_reductions, label=label, step=step))
+            self._next_launch = index + 1
 
     def _launch_all(self) -> None:
         """Launch every bucket not yet launched; unused parameters count as zero."""
@@ -429,29 +453,6 @@ class Reducer:
             self._pending[index] = 0
         self._launch_ready()
         self._passes_since_reduce = 0
-
-    def _launch(self, bucket: Bucket) -> None:
-        index = bucket.index
-        self.times.launched(index, len(self._buckets))
-        self._views_zero = False
-        unscaled = fill_bucket(bucket, self._bucket_slots[index])
-        self._unscaled[index] = unscaled if self._scale is not None else []
-        if bucket.all_used is not None:  # the last bucket
-            write_used(bucket, self._all_slots)
-        if bucket.control is not None:
-            self._control.write(bucket.control, self.has_data, self._saw_new_trainable)
-        step = self.steps_taken
-        label = f"bucket {index} of step {step}{self._owner}"
-        if self._channel is not None and (index == 0 or self._channel.agrees_each_bucket):
-            started = time.perf_counter()
-            self._channel.before_bucket(
-                index, bucket.buffer if bucket.wire is None else bucket.wire, label=label, step=step
-            )
-            # gloo waits here for the other ranks inside backward: the step's reports count it as wait
-            if self._pass_open:
-                self.times.launch_waited(started)
-        self.times.bucket_submit[index] = time.perf_counter()
-        self._handles.append(self._sender.start(bucket, self.num_reductions, label=label, step=step))
 
     def _before_send(self, first: int, stop: int) -> None:
         """Ready buckets ``first`` to ``stop - 1`` where they are sent, just before: scaled, probed, in one go."""
@@ -469,13 +470,10 @@ class Reducer:
         """
         recorder = timeline.current() if self._record_timeline else None
         try:
-            self._sender.advance(self._handles)
-            self._sender.wait_last(self._handles)
-            for bucket, handle in zip(self._buckets, self._handles):
-                handle.wait()
-                copy_out_start = time.perf_counter()
-                self._sender.copy_out(bucket)
-                self.times.done(bucket, handle, copy_out_start, recorder, self.num_reductions)
+            self._sender.wait(self._handles)
+            copy_out_start = time.perf_counter()
+            self._sender.copy_out(self._buckets)
+            self.times.done(self._buckets, self._handles, copy_out_start, recorder, self.num_reductions)
             if self._channel is not None:
                 self._confirm_step()
         except BaseException as err:
@@ -559,15 +557,13 @@ class Reducer:
         try:
             self._channel.confirm_step()
         except CollectiveMismatchError:
-            for bucket in self._buckets:
-                reset_bucket_grads(bucket, True)  # summed with another step's or optimizer's: never applied
+            reset_grads(self._buckets, True)  # summed with another step's or optimizer's: never applied
             self._sender.reset()  # nor kept in the compression memory
             raise
 
     def _refuse_stopped_step(self, stopped: list[int]) -> None:
         """Some rank's backward stopped part-way: drop this step's sums on every rank and raise."""
-        for bucket in self._buckets:
-            reset_bucket_grads(bucket, True)
+        reset_grads(self._buckets, True)
         self._reset_reduction()
         # Until zero_grad(), step() and synchronize() raise this again: a rank that stepped on the
         # dropped gradients would be a step ahead of the others at the retry.

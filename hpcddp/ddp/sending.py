@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 
 from ..comm.base import BucketSums, Communicator, Handle
@@ -77,29 +76,28 @@ class BucketSender:
         if self._sums is not None:
             self._sums.abandon()
 
-    @staticmethod
-    def advance(handles: Sequence[Handle]) -> None:
-        """Put every compressed bucket's next collective in flight before any bucket is waited for."""
+    def wait(self, handles: Sequence[Handle]) -> None:
+        """Wait for every bucket's reduction; raise the first failure, in bucket order.
+
+        Compressed buckets move stage by stage, each one's next collective put in flight
+        before any is waited for; plain ones are waited for as the backend's sums see fit
+        (MPI: once for the step's operation).
+        """
+        if self.compressor is None:
+            self._sums.wait(handles)
+            return
         for handle in handles:
             if isinstance(handle, StagedReduction):
                 handle.advance()
+        for handle in handles:
+            handle.wait()
 
     @staticmethod
-    def wait_last(handles: Sequence[Handle]) -> None:
-        """Block until the last bucket's plain sum completes, its outcome left for the in-order wait.
-
-        A communicator completes the buckets in the order they were sent: the training thread
-        then wakes once for the step, not once per bucket. Compressed buckets go stage by stage.
-        """
-        if handles and not isinstance(handles[-1], StagedReduction):
-            with contextlib.suppress(Exception):  # a failure is raised by the waits that follow, in bucket order
-                handles[-1].block()
-
-    @staticmethod
-    def copy_out(bucket: Bucket) -> None:
-        """After the wait: move a bucket sent in another dtype back into its buffer."""
-        if bucket.wire is not None:
-            bucket.buffer.copy_(bucket.wire)
+    def copy_out(buckets: Sequence[Bucket]) -> None:
+        """After the wait: move the buckets sent in another dtype back into their buffers."""
+        for bucket in buckets:
+            if bucket.wire is not None:
+                bucket.buffer.copy_(bucket.wire)
 
     def keep_unapplied(self, buckets: Sequence[Bucket]) -> None:
         """After a reduction: the compression memory keeps what was sent for the parameters no rank used."""

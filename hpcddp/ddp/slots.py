@@ -17,7 +17,8 @@ __all__ = [
     "grads_outside",
     "hand_views",
     "note_grads_present",
-    "reset_bucket_grads",
+    "in_place_views",
+    "reset_grads",
     "write_used",
 ]
 
@@ -175,19 +176,20 @@ def fill_bucket(bucket: Bucket, slots: Sequence[GradSlot]) -> list[torch.Tensor]
     unscaled = []
     for param, slot in zip(bucket.params, slots):
         if not slot.scaled:
-            adopt_grad(param, slot.view)
+            if param.grad is not slot.view:
+                adopt_grad(param, slot.view)
             unscaled.append(slot.view)
     return [bucket.grads] if len(unscaled) == len(bucket.views) else unscaled
 
 
-def zero_in_place_views(bucket: Bucket, slots: Sequence[GradSlot]) -> None:
-    """Zero the views ``hand_views`` may give autograd (the whole gradient part when all are small)."""
-    small = [slot.view for slot in slots if slot.in_place]
-    if len(small) == len(slots):
-        bucket.grads.zero_()
-    else:
-        for view in small:
-            view.zero_()
+def in_place_views(buckets: Sequence[Bucket], bucket_slots: Sequence[Sequence[GradSlot]]) -> list[torch.Tensor]:
+    """The views ``hand_views`` may give autograd, which ``reset_grads`` zeroes: a bucket's whole
+    gradient part where all of its parameters are small."""
+    views: list[torch.Tensor] = []
+    for bucket, slots in zip(buckets, bucket_slots):
+        small = [slot.view for slot in slots if slot.in_place]
+        views.extend([bucket.grads] if small and len(small) == len(slots) else small)
+    return views
 
 
 def write_used(last: Bucket, slots: Sequence[GradSlot]) -> None:
@@ -200,24 +202,27 @@ def write_used(last: Bucket, slots: Sequence[GradSlot]) -> None:
     write_used_flags(last.all_used, [slot.used or slot.had_grad for slot in slots])
 
 
-def reset_bucket_grads(bucket: Bucket, set_to_none: bool, slots: Sequence[GradSlot] | None = None) -> None:
-    """Reset the bucket's gradients as torch's ``zero_grad`` does, keeping its views.
+def reset_grads(buckets: Sequence[Bucket], set_to_none: bool, zero: Sequence[torch.Tensor] = ()) -> None:
+    """Reset the buckets' gradients as torch's ``zero_grad`` does, keeping their views.
 
     Args:
-        bucket: the bucket.
+        buckets: the buckets.
         set_to_none: gradients become None (the next backward writes each fresh
-            gradient into its view); False zeroes the buffer and keeps the views.
-        slots: the bucket's slots: their small views are zeroed too, for ``hand_views``.
+            gradient into its view); False zeroes the buffers and keeps the views.
+        zero: views zeroed too when gradients become None (``in_place_views``), in one call.
     """
     if set_to_none:
-        for param in bucket.params:
-            param.grad = None
-        if slots is not None:
-            zero_in_place_views(bucket, slots)
+        for bucket in buckets:
+            for param in bucket.params:
+                param.grad = None
+        if zero:
+            torch._foreach_zero_(list(zero))
         return
-    bucket.grads.zero_()
-    for param, view in zip(bucket.params, bucket.views):
-        # As torch's zero_grad(set_to_none=False): a gradient that is None stays None (no rank
-        # used the parameter yet: optimizers skip it), the others become zeros in their view.
-        if param.grad is not None and param.grad is not view:
-            param.grad = view
+    if buckets:
+        torch._foreach_zero_([bucket.grads for bucket in buckets])
+    for bucket in buckets:
+        for param, view in zip(bucket.params, bucket.views):
+            # As torch's zero_grad(set_to_none=False): a gradient that is None stays None (no rank
+            # used the parameter yet: optimizers skip it), the others become zeros in their view.
+            if param.grad is not None and param.grad is not view:
+                param.grad = view

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..comm.base import Handle
@@ -60,39 +61,41 @@ class ReductionTimes:
         self.launch_wait += waited
         self.wait_total += waited
 
-    def launched(self, index: int, num_buckets: int) -> None:
-        """Note that bucket ``index`` of ``num_buckets`` is being launched now."""
-        if index == 0:
-            self.launch_wait = 0.0
-        if index == 0 or len(self.bucket_launch) != num_buckets:
-            self.bucket_launch = [0.0] * num_buckets
-            self.bucket_submit = [0.0] * num_buckets
-            self.bucket_done = [0.0] * num_buckets
-        self.bucket_launch[index] = time.perf_counter()
+    def begin(self, num_buckets: int) -> None:
+        """A reduction of ``num_buckets`` buckets launches its first bucket now (the launcher stamps
+        ``bucket_launch`` and ``bucket_submit``)."""
+        self.launch_wait = 0.0
+        self.bucket_launch = [0.0] * num_buckets
+        self.bucket_submit = [0.0] * num_buckets
+        self.bucket_done = [0.0] * num_buckets
 
-    def done(self, bucket: Bucket, handle: Handle, copy_out_start: float, recorder, step: int) -> None:
-        """Note that ``bucket``'s reduction finished, and record it in the timeline if one is kept.
+    def done(
+        self, buckets: Sequence[Bucket], handles: Sequence[Handle], copy_out_start: float, recorder, step: int
+    ) -> None:
+        """Note that the reductions of ``buckets`` finished, and record them in the timeline if one is kept.
 
         Args:
-            bucket: the reduced bucket.
-            handle: its finished reduction.
-            copy_out_start: when its result began to be copied out of the wire buffer.
+            buckets: the reduced buckets.
+            handles: their finished reductions, in the same order.
+            copy_out_start: when their results began to be copied out of the wire buffers.
             recorder: the timeline recorder, or None.
             step: the reduction's number (the timeline's step).
         """
-        # When the backend finished it, not when we looked: that shows the overlap.
-        if handle.completed_at is not None:
-            self._done[bucket.index] = handle.completed_at
-        else:
-            self._done[bucket.index] = copy_out_start
-            self._unresolved[bucket.index] = (handle, copy_out_start)
-        if recorder is not None:
-            recorder.bucket_reduction(
-                bucket.index,
-                self.bucket_launch[bucket.index],
-                self.bucket_submit[bucket.index],
-                handle,
-                (copy_out_start, time.perf_counter()),
-                step=step,
-                mib=round(bucket.nbytes / MB, 3),
-            )
+        copied = time.perf_counter()
+        for bucket, handle in zip(buckets, handles):
+            # When the backend finished it, not when we looked: that shows the overlap.
+            if handle.completed_at is not None:
+                self._done[bucket.index] = handle.completed_at
+            else:
+                self._done[bucket.index] = copy_out_start
+                self._unresolved[bucket.index] = (handle, copy_out_start)
+            if recorder is not None:
+                recorder.bucket_reduction(
+                    bucket.index,
+                    self.bucket_launch[bucket.index],
+                    self.bucket_submit[bucket.index],
+                    handle,
+                    (copy_out_start, copied),
+                    step=step,
+                    mib=round(bucket.nbytes / MB, 3),
+                )

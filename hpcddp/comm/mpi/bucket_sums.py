@@ -44,11 +44,6 @@ class _BucketHandle(Handle):
         super().__init__("allreduce")  # its latch unused: the step's handle says when it is done
         self._sums, self._index = sums, index
 
-    def _reset(self) -> None:
-        self._error = None
-        self.started_at = self.completed_at = None
-        self.waited = False
-
     def poll(self) -> bool:
         return self._sums._step.poll()
 
@@ -126,7 +121,7 @@ class BucketSums:
             step: the optimizer's step it belongs to.
         """
         handle = self._handles[index]
-        if index > 0 and self._step is not None and self._step.poll():
+        if index > 0 and self._step is not None and self._step.completed_at is not None:
             return handle  # the step's operation ended (closed, failed): the handle keeps its error
         if self._before_send is not None and not self._send_prepared_by_runner:
             self._before_send(index, index + 1)
@@ -136,7 +131,8 @@ class BucketSums:
         if collective is None or self._plan_each:
             collective = self._comm.plan_allreduce(self._tensors[index], ReduceOp.SUM, label=label, step=step)
             desc = describe_collective(collective)  # here: its patience is this thread's
-        handle._reset()
+        handle._error = handle.started_at = handle.completed_at = None
+        handle.waited = False
         with self._cond:
             self._collectives[index] = (collective, desc, label, step)
             self._started = index + 1
@@ -150,6 +146,23 @@ class BucketSums:
             elif self._waiting:
                 self._cond.notify_all()  # not when the step waits in the queue: that would wake the idle thread
         return handle
+
+    def wait(self, handles: Sequence[Handle]) -> None:
+        """Wait once for the step's operation; raise the first bucket's failure, in bucket order.
+
+        Args:
+            handles: this step's buckets' handles, from ``start``, in bucket order.
+        """
+        step = self._step
+        if step is None or not handles:
+            return
+        step._block(None)
+        for handle in handles:
+            if handle._error is None and handle.completed_at is None:
+                handle._block(None)  # not summed by the step's operation: its own error
+            handle.waited = True
+            if handle._error is not None:
+                raise handle._error
 
     def abandon(self) -> None:
         """The reducer gave up on this step: the buckets not handed over are not sent, and raise."""
