@@ -87,11 +87,16 @@ class ControlNumbers:
         for device in {t.device for t in (*scaled, *probed)}:
             found, one, by = self._probe(device)
             mine = [t for t in scaled if t.device == device]
-            if mine:
-                torch._amp_foreach_non_finite_check_and_unscale_(mine, found, by)
-            mine = [t for t in probed if t.device == device]
-            if mine:  # multiplied by 1: read only
-                torch._amp_foreach_non_finite_check_and_unscale_(mine, found, one)
+            # float64 gradients are multiplied by the float64 factor (as DDP does): the check's factor is float32.
+            wide = [t for t in mine if t.dtype == torch.float64]
+            narrow = [t for t in mine if t.dtype != torch.float64] if wide else mine
+            if narrow:
+                torch._amp_foreach_non_finite_check_and_unscale_(narrow, found, by)
+            if wide:
+                torch._foreach_mul_(wide, self._factor)
+            checked = wide + [t for t in probed if t.device == device]
+            if checked:  # multiplied by 1: read only
+                torch._amp_foreach_non_finite_check_and_unscale_(checked, found, one)
         last = buckets[-1]
         if last.control is not None and not self.stopped:
             flag = last.control[self._nonfinite_at + self.rank :][:1]
