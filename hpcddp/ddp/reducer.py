@@ -275,9 +275,15 @@ class Reducer:
         if self._handles:
             self._finish_abandoned()
             self._reset_reduction()
+        elif self._pass_open and self._pass_reduces and self._channel is not None and self._sender.compressor is None:
+            # A pass that stopped (an exception in backward) before it launched a bucket: the other
+            # ranks wait in the step's buckets, as when some had left, and every rank refuses it alike.
+            self._send_rest_stopped()
+            self._reset_reduction()
         elif self._pass_open:
-            # A pass that stopped (an exception in backward) before it launched a bucket: its
-            # gradients are dropped here, so the next backward opens a pass of its own.
+            # Nobody waits for it (no reduction in this pass, or one rank): its gradients are dropped
+            # here, so the next backward opens a pass of its own. Compressed: the others wait in bucket 0,
+            # which the retried batch's buckets then complete.
             self._pass_open = False
             self._reset_reduction()
         for slot in self._slots.values():
@@ -517,17 +523,22 @@ class Reducer:
             if self._sender.compressor is not None:
                 self._stopped_part_way(None)  # the other ranks wait in collectives this rank never started
                 return
-            # The other ranks wait in buckets this rank never launched: send them, saying in the
-            # control numbers that this rank stopped, and every rank refuses the step alike.
-            self._control.stopped, self._pass_open = True, False
-            self._launch_all()
-            try:
-                self._finish(time.perf_counter())
-            except StepStoppedError:
-                pass  # this rank raised its own error when it stopped
+            # The other ranks wait in buckets this rank never launched.
+            self._send_rest_stopped()
             return
         for handle in self._handles:
             handle.wait()
+
+    def _send_rest_stopped(self) -> None:
+        """Send the step's buckets not yet launched, saying in the control numbers that this rank stopped.
+
+        Every rank then refuses the step alike (``StepStoppedError``); this rank raised its own
+        error when it stopped, so it does not raise again here.
+        """
+        self._control.stopped, self._pass_open = True, False
+        self._launch_all()
+        with contextlib.suppress(StepStoppedError):
+            self._finish(time.perf_counter())
 
     def _refuse_unfinished_pass(self) -> None:
         """Refuse to reduce a backward pass that raised part-way: its gradients are partial.

@@ -156,9 +156,10 @@ def test_a_collective_of_the_script_between_buckets_on_one_rank_and_after_them_o
         optimizer.close()
 
 
+@pytest.mark.parametrize("where", ["after its first buckets", "before any bucket"])
 @pytest.mark.parametrize("then", ["zero_grad", "step"])
-def test_a_rank_whose_backward_stops_part_way_makes_every_rank_refuse_the_step_then_retries_exactly(then):
-    # The last rank raises in a hook after its first buckets were launched. The others wait in
+def test_a_rank_whose_backward_stops_part_way_makes_every_rank_refuse_the_step_then_retries_exactly(then, where):
+    # The last rank raises in a hook after its first buckets were launched (or before any). The others wait in
     # that step's remaining buckets: the last rank sends them, saying it stopped, and every rank
     # refuses the step alike; the retried step then averages exactly. "zero_grad": it retries the
     # batch (as a script that skips a batch after an error does) and sends them at zero_grad().
@@ -168,8 +169,10 @@ def test_a_rank_whose_backward_stops_part_way_makes_every_rank_refuse_the_step_t
         pytest.skip("needs two ranks")
     torch.manual_seed(0)
     net = torch.nn.Sequential(*[torch.nn.Linear(16, 16, dtype=torch.float64) for _ in range(4)])
+    # "before any bucket": the first bucket holds the last two layers, and the stop falls between them
+    first_mb = 0.001 if where == "after its first buckets" else 0.004
     optimizer = hpcddp.DistributedOptimizer(
-        torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters(), bucket_cap_mb=0.001, first_bucket_mb=0.001
+        torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters(), bucket_cap_mb=0.001, first_bucket_mb=first_mb
     )
     x = torch.randn(8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(hpcddp.rank()))
     stopped = rf"rank {hpcddp.size() - 1} stopped part-way through its backward"
@@ -177,21 +180,22 @@ def test_a_rank_whose_backward_stops_part_way_makes_every_rank_refuse_the_step_t
         net(x).square().sum().backward()  # the first pass launches nothing early
         optimizer.step()
         optimizer.zero_grad()
-        hidden = net[:1](x)
+        cut = 1 if where == "after its first buckets" else 3
+        hidden, rest = net[:cut](x), net[cut:]
         if last():
 
             def stop(grad):
                 raise RuntimeError("stopped on purpose")
 
-            hidden.register_hook(stop)  # after the last layers' buckets were launched
+            hidden.register_hook(stop)  # after the last layers' buckets were launched, or before the first
             with pytest.raises(RuntimeError, match="stopped on purpose"):
-                net[1:](hidden).square().sum().backward()
+                rest(hidden).square().sum().backward()
             if then == "step":
                 with pytest.raises(hpcddp.StepStoppedError, match=stopped):
                     optimizer.step()
         else:
             with pytest.raises(hpcddp.StepStoppedError, match=stopped):
-                net[1:](hidden).square().sum().backward()
+                rest(hidden).square().sum().backward()
             if then == "step":  # the same script on every rank: a step on the dropped gradients is refused too
                 with pytest.raises(hpcddp.StepStoppedError, match=stopped):
                     optimizer.step()
