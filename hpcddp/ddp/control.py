@@ -107,9 +107,10 @@ class ControlNumbers:
         probe = self._probes.get(device)
         if probe is None:
             probe = self._probes[device] = [
-                torch.zeros(1, device=device),
-                torch.ones(1, device=device),
-                torch.full((1,), self._factor, device=device),
+                # float32 whatever the default dtype: the check takes no other
+                torch.zeros(1, dtype=torch.float32, device=device),
+                torch.ones(1, dtype=torch.float32, device=device),
+                torch.full((1,), self._factor, dtype=torch.float32, device=device),
             ]
         return probe
 

@@ -52,7 +52,6 @@ from .slots import (
     fill_bucket,
     grads_outside,
     hand_views,
-    in_place_views,
     note_grads_present,
     reset_grads,
     write_used,
@@ -162,10 +161,8 @@ class Reducer:
         self._all_slots: list[GradSlot] = []
         #: device -> (parameter, slot) of the small gradients autograd may add into their view (``hand_views``)
         self._in_place: dict[torch.device, list[tuple[torch.nn.Parameter, GradSlot]]] = {}
-        #: what zero_grad(set_to_none=True) zeroes for hand_views (``in_place_views``)
-        self._zeroed_views: list[torch.Tensor] = []
-        #: every small view is zero and holds no gradient (zero_grad() since the last launch)
-        self._views_zero = False
+        #: no view holds a gradient (zero_grad() since the last launch): hand_views may zero them
+        self._views_free = False
         #: per bucket, what its launch left to scale where it is sent
         self._unscaled: list[list[torch.Tensor]] = []
         self._control = ControlNumbers(comm.rank, comm.size, 1.0 if self._scale is None else self._scale)
@@ -289,8 +286,8 @@ class Reducer:
         for slot in self._slots.values():
             slot.used = False
             slot.scaled = False
-        reset_grads(self._buckets, set_to_none, self._zeroed_views)
-        self._views_zero = bool(self._buckets)
+        reset_grads(self._buckets, set_to_none)
+        self._views_free = bool(self._buckets)
         self._passes_since_reduce = 0
         self._refused = None
 
@@ -350,7 +347,6 @@ class Reducer:
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
             self._bucket_slots.append(slots)
         self._all_slots = [slot for slots in self._bucket_slots for slot in slots]
-        self._zeroed_views = in_place_views(self._buckets, self._bucket_slots)
         for _, param in self.named:
             if not param.requires_grad and param.is_floating_point():
                 self._hooks.append(watch_frozen(param, self._on_new_trainable))
@@ -364,9 +360,9 @@ class Reducer:
         with self._lock:
             if not self._pass_open:
                 self._open_pass()
-                if self._views_zero and self._pass_reduces:
+                if self._views_free and self._pass_reduces:
                     # Only this device's: autograd accumulates another device's gradients on another thread.
-                    self._views_zero = False
+                    self._views_free = False
                     hand_views(self._in_place.get(param.device, ()))
             slot = self._slots[id(param)]
             if param.grad.is_sparse and id(param) not in self._sparse:
@@ -432,7 +428,7 @@ class Reducer:
             if index == 0:
                 times.begin(len(buckets))
             times.bucket_launch[index] = time.perf_counter()
-            self._views_zero = False
+            self._views_free = False
             unscaled = fill_bucket(bucket, self._bucket_slots[index])
             self._unscaled[index] = unscaled if self._scale is not None else []
             if bucket.all_used is not None:  # the last bucket
@@ -610,7 +606,7 @@ class Reducer:
                 bucket.grads.mul_(factor)
 
     def _reset_reduction(self) -> None:
-        self._views_zero = False
+        self._views_free = False
         self._sender.abandon()
         self._handles.clear()
         for slot in self._slots.values():

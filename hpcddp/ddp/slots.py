@@ -17,7 +17,6 @@ __all__ = [
     "grads_outside",
     "hand_views",
     "note_grads_present",
-    "in_place_views",
     "reset_grads",
     "write_used",
 ]
@@ -145,21 +144,25 @@ def grads_outside(buckets: Sequence[Bucket], bucket_slots: Sequence[Sequence[Gra
 
 
 def hand_views(pairs: Sequence[tuple[torch.nn.Parameter, GradSlot]]) -> None:
-    """Make the zeroed view the gradient of each small parameter that has none, for autograd to add into.
+    """Make its zeroed view the gradient of each small parameter that has none, for autograd to add into.
 
     Called at the first hook of a reducing backward pass, before the other parameters'
-    gradients accumulate, with the views zeroed by ``zero_grad``: autograd then adds each
-    gradient into its view in place (``AccumulateGrad``) instead of handing the hook a
-    fresh tensor to copy, and the hook has no tensor work left. A parameter this pass
-    does not use is left with a view of zeros, which the reduction turns into the average
-    or back into None, as it does for a gradient that is None at launch.
+    gradients accumulate, when no view holds a gradient (``zero_grad`` since the last
+    launch): autograd then adds each gradient into its view in place (``AccumulateGrad``)
+    instead of handing the hook a fresh tensor to copy, and the hooks have no tensor work
+    left; the views are zeroed here in one call. A parameter this pass does not use is left
+    with a view of zeros, which the reduction turns into the average or back into None, as
+    it does for a gradient that is None at launch.
 
     Args:
         pairs: (parameter, slot) of the small parameters on the device whose pass began.
     """
-    for param, slot in pairs:
-        if slot.dense and param.grad is None:
-            param.grad = slot.view
+    handed = [(param, slot.view) for param, slot in pairs if slot.dense and param.grad is None]
+    if handed:
+        # Here, not in zero_grad(): a gradient the script still holds keeps its values until backward, as before.
+        torch._foreach_zero_([view for _, view in handed])
+        for param, view in handed:
+            param.grad = view
 
 
 def fill_bucket(bucket: Bucket, slots: Sequence[GradSlot]) -> list[torch.Tensor]:
@@ -182,16 +185,6 @@ def fill_bucket(bucket: Bucket, slots: Sequence[GradSlot]) -> list[torch.Tensor]
     return [bucket.grads] if len(unscaled) == len(bucket.views) else unscaled
 
 
-def in_place_views(buckets: Sequence[Bucket], bucket_slots: Sequence[Sequence[GradSlot]]) -> list[torch.Tensor]:
-    """The views ``hand_views`` may give autograd, which ``reset_grads`` zeroes: a bucket's whole
-    gradient part where all of its parameters are small."""
-    views: list[torch.Tensor] = []
-    for bucket, slots in zip(buckets, bucket_slots):
-        small = [slot.view for slot in slots if slot.in_place]
-        views.extend([bucket.grads] if small and len(small) == len(slots) else small)
-    return views
-
-
 def write_used(last: Bucket, slots: Sequence[GradSlot]) -> None:
     """Write every parameter's used-counter into the last bucket, as it is launched (every other bucket was).
 
@@ -202,21 +195,18 @@ def write_used(last: Bucket, slots: Sequence[GradSlot]) -> None:
     write_used_flags(last.all_used, [slot.used or slot.had_grad for slot in slots])
 
 
-def reset_grads(buckets: Sequence[Bucket], set_to_none: bool, zero: Sequence[torch.Tensor] = ()) -> None:
+def reset_grads(buckets: Sequence[Bucket], set_to_none: bool) -> None:
     """Reset the buckets' gradients as torch's ``zero_grad`` does, keeping their views.
 
     Args:
         buckets: the buckets.
         set_to_none: gradients become None (the next backward writes each fresh
             gradient into its view); False zeroes the buffers and keeps the views.
-        zero: views zeroed too when gradients become None (``in_place_views``), in one call.
     """
     if set_to_none:
         for bucket in buckets:
             for param in bucket.params:
                 param.grad = None
-        if zero:
-            torch._foreach_zero_(list(zero))
         return
     if buckets:
         torch._foreach_zero_([bucket.grads for bucket in buckets])
