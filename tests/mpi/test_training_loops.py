@@ -267,3 +267,48 @@ def test_no_warning_about_hand_assigned_gradients_in_loops_that_reduce_them(capl
     optimizer.close()
     assert hand_warnings(caplog) == []
     assert_ranks_agree(model)
+
+
+# ---- gradients dropped by hand between an accumulating pass and the reducing one ----------------
+
+
+@pytest.mark.parametrize("accumulate", ["no_sync", "passes"])
+@pytest.mark.parametrize("dropped", ["model.zero_grad()", "one p.grad = None"])
+def test_a_gradient_dropped_by_hand_after_an_accumulating_pass_does_not_come_back(accumulate, dropped):
+    # Small gradients are accumulated by autograd in their bucket views: a view that still holds
+    # the accumulating pass's gradient must not be handed back once the script dropped it.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    optimizer = hpcddp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        model.named_parameters(),
+        backward_passes_per_step=2 if accumulate == "passes" else 1,
+    )
+    try:
+        for step in range(3):
+            generator = torch.Generator().manual_seed(10 * hpcddp.rank() + step)
+            first, second = torch.randn(4, 8, generator=generator), torch.randn(4, 8, generator=generator)
+            optimizer.zero_grad()
+            earlier = torch.autograd.grad(model(first).square().sum(), list(model.parameters()))
+            if accumulate == "passes":
+                model(first).square().sum().backward()
+            else:
+                with optimizer.no_sync():
+                    model(first).square().sum().backward()
+            if dropped == "model.zero_grad()":
+                model.zero_grad()
+                kept = []
+            else:
+                model[0].weight.grad = None
+                kept = list(model.parameters())[1:]
+            local = torch.autograd.grad(model(second).square().sum(), list(model.parameters()))
+            model(second).square().sum().backward()
+            optimizer.synchronize()
+            for param, mine, before in zip(model.parameters(), local, earlier):
+                if any(param is other for other in kept):  # not dropped: both passes' gradients
+                    mine = mine + before
+                expected = hpcddp.allreduce(mine, op="sum") / hpcddp.size()
+                torch.testing.assert_close(param.grad, expected, rtol=1e-6, atol=1e-7)
+            optimizer.step()
+    finally:
+        optimizer.close()
