@@ -199,6 +199,9 @@ class BucketSums:
             (``Communicator.bucket_sums``).
     """
 
+    #: buckets are summed while backward runs, so each is started as soon as it is ready (``BucketSender.overlap``)
+    overlap = True
+
     def __init__(
         self, comm: Communicator, tensors: Sequence[torch.Tensor], before_send: Callable[[int, int], None] | None = None
     ) -> None:
@@ -206,17 +209,20 @@ class BucketSums:
         self._tensors = list(tensors)
         self._before_send = before_send
 
-    def start(self, index: int, *, label: str, step: int) -> Handle:
-        """Start summing bucket ``index`` (filled) over the ranks; return its handle.
+    def start(self, first: int, stop: int, *, labels: Sequence[str], step: int, into: list[Handle]) -> None:
+        """Start summing buckets ``first`` to ``stop - 1`` (filled) over the ranks; append their handles to ``into``.
 
         Args:
-            index: the bucket.
-            label: its label, "bucket 2 of step 7" (stall reports, the agreement).
-            step: the optimizer's step it belongs to.
+            first: the first bucket; buckets start strictly in index order.
+            stop: one past the last.
+            labels: their labels, "bucket 2 of step 7" (stall reports, the agreement).
+            step: the optimizer's step they belong to.
+            into: the step's handles, in bucket order: each one appended as its bucket starts.
         """
         if self._before_send is not None:
-            self._before_send(index, index + 1)
-        return self._comm.allreduce_async_(self._tensors[index], ReduceOp.SUM, label=label, step=step)
+            self._before_send(first, stop)
+        for index, label in zip(range(first, stop), labels):
+            into.append(self._comm.allreduce_async_(self._tensors[index], ReduceOp.SUM, label=label, step=step))
 
     def abandon(self) -> None:
         """The step ends before its last bucket started: nothing is waiting for the rest here."""

@@ -46,6 +46,8 @@ class ControlNumbers:
         #: this rank's backward pass stopped part-way (an exception): it sends the step's remaining
         #: buckets only so that every rank stays in step, and every rank raises instead of using the sums
         self.stopped = False
+        self._device: torch.device | None = None
+        self._flag: torch.Tensor | None = None
 
     def reset(self) -> None:
         """Forget the last reduction's probes and stop: a new reduction begins."""
@@ -67,23 +69,46 @@ class ControlNumbers:
         if self.stopped:
             control[self._nonfinite_at + self.rank] = _STOPPED
 
-    def before_send(self, buckets: Sequence[Bucket], scaled: Sequence[torch.Tensor]) -> None:
+    def plan(self, buckets: Sequence[Bucket]) -> None:
+        """Learn the buckets' devices and dtypes, and where this rank's flag lies (after a rebuild)."""
+        kinds = {(b.grads.device, b.grads.dtype == torch.float64) for b in buckets}
+        #: the one device of every bucket when none holds float64 (one call each for scaling and probing)
+        self._device = next(iter(kinds))[0] if len(kinds) == 1 and not next(iter(kinds))[1] else None
+        control = buckets[-1].control if buckets else None
+        self._flag = None if control is None else control[self._nonfinite_at + self.rank :][:1]
+
+    def before_send(
+        self, buckets: Sequence[Bucket], scaled: Sequence[torch.Tensor], probed: Sequence[torch.Tensor]
+    ) -> None:
         """Ready ``buckets`` to be sent, where and just before they are: scale, probe, and the last one's verdict.
 
         Multiplies ``scaled`` by the factor (the division before the sum, by the reciprocal as
-        DDP does) and checks them in full, the other gradients by their ``Bucket.sample``:
-        one call per device for any number of buckets (the check GradScaler makes, one kernel
-        on a GPU), where a division and a probe per bucket cost two torch calls each. The
-        buckets' communicator calls this in bucket order (on the communication thread when
-        that sends the buckets while backward runs); the last bucket's flag says whether any
-        gradient of the reduction was inf or NaN.
+        DDP does) and checks them in full, and checks ``probed`` (``Bucket.sample`` of the
+        buckets not scaled whole): one call per device for any number of buckets (the check
+        GradScaler makes, one kernel on a GPU), where a division and a probe per bucket cost
+        two torch calls each. The buckets' communicator calls this in bucket order (on the
+        communication thread when that sends the buckets while backward runs); the last
+        bucket's flag says whether any gradient of the reduction was inf or NaN.
 
         Args:
             buckets: consecutive buckets, about to be sent.
             scaled: gradients of theirs to multiply (whole buckets' ``grads`` or views).
+            probed: gradient samples of theirs to check only.
         """
-        whole = {id(t) for t in scaled}
-        probed = [b.sample for b in buckets if id(b.grads) not in whole]
+        if self._device is not None:  # one device, no float64: the common case, two calls
+            found, one, by = self._probe(self._device)
+            if scaled:
+                torch._amp_foreach_non_finite_check_and_unscale_(scaled, found, by)
+            if probed:  # multiplied by 1: read only
+                torch._amp_foreach_non_finite_check_and_unscale_(probed, found, one)
+        else:
+            self._before_send_mixed(scaled, probed)
+        if buckets[-1].control is not None and not self.stopped:
+            founds = [probe[0] for probe in self._probes.values()]
+            flag = self._flag
+            flag.copy_(founds[0] if len(founds) == 1 else torch.stack([f.to(flag.device) for f in founds]).amax())
+
+    def _before_send_mixed(self, scaled: Sequence[torch.Tensor], probed: Sequence[torch.Tensor]) -> None:
         for device in {t.device for t in (*scaled, *probed)}:
             found, one, by = self._probe(device)
             mine = [t for t in scaled if t.device == device]
@@ -97,11 +122,6 @@ class ControlNumbers:
             checked = wide + [t for t in probed if t.device == device]
             if checked:  # multiplied by 1: read only
                 torch._amp_foreach_non_finite_check_and_unscale_(checked, found, one)
-        last = buckets[-1]
-        if last.control is not None and not self.stopped:
-            flag = last.control[self._nonfinite_at + self.rank :][:1]
-            founds = [probe[0] for probe in self._probes.values()]
-            flag.copy_(founds[0] if len(founds) == 1 else torch.stack([f.to(flag.device) for f in founds]).amax())
 
     def _probe(self, device: torch.device) -> list[torch.Tensor]:
         probe = self._probes.get(device)

@@ -168,6 +168,9 @@ class Reducer:
         self._control = ControlNumbers(comm.rank, comm.size, 1.0 if self._scale is None else self._scale)
         self._pending: list[int] = []
         self._next_launch = 0
+        #: launch a bucket from its last hook; False: bucket 0 there, the rest at the end of the pass
+        #: (``BucketSender.overlap``)
+        self._launch_in_backward = True
         #: id -> (parameter, sparse dims) of the parameters whose gradient backward gives sparse
         #: (nn.Embedding(sparse=True)): reduced dense, handed to the optimizer sparse (sparse_grads)
         self._sparse: dict[int, tuple[torch.nn.Parameter, int]] = {}
@@ -326,6 +329,8 @@ class Reducer:
         self._remove_hooks()  # after the check: a rebuild refused on every rank keeps the old buckets
         self._buckets = buckets
         self._sender.rebuild(self._buckets, self._before_send)
+        self._launch_in_backward = self._sender.overlap
+        self._control.plan(self._buckets)
         names = {id(p): name for name, p in trainable}
         self._slots = {}
         self._bucket_slots = []
@@ -377,7 +382,9 @@ class Reducer:
             )
             if self._pass_reduces and not self._learning and slot.count == slot.expected:
                 self._pending[slot.bucket] -= 1
-                if self._pending[slot.bucket] == 0:
+                # Bucket 0 launches here whatever the runner: its agreement takes its place in the order of the
+                # optimizer's communicator now, before any collective the script starts later in backward.
+                if self._pending[slot.bucket] == 0 and (self._launch_in_backward or self._next_launch == 0):
                     self._launch_ready()
 
     def _on_new_trainable(self, param: torch.nn.Parameter) -> None:
@@ -421,33 +428,53 @@ class Reducer:
 
         So every rank issues the same sequence of collectives, whatever order its gradients arrive in.
         """
-        buckets, times = self._buckets, self.times
-        while self._next_launch < len(buckets) and self._pending[self._next_launch] == 0:
-            index = self._next_launch
-            bucket = buckets[index]
-            if index == 0:
-                times.begin(len(buckets))
-            times.bucket_launch[index] = time.perf_counter()
-            self._views_free = False
-            unscaled = fill_bucket(bucket, self._bucket_slots[index])
+        buckets, pending = self._buckets, self._pending
+        first = stop = self._next_launch
+        while stop < len(buckets) and pending[stop] == 0:
+            stop += 1
+        if stop == first:
+            return
+        times, step, channel = self.times, self.steps_taken, self._channel
+        if first == 0:
+            times.begin(len(buckets))
+        self._views_free = False
+        now = time.perf_counter()
+        labels = []
+        for index in range(first, stop):
+            times.bucket_launch[index] = now
+            unscaled = fill_bucket(buckets[index], self._bucket_slots[index])
             self._unscaled[index] = unscaled if self._scale is not None else []
-            if bucket.all_used is not None:  # the last bucket
-                write_used(bucket, self._all_slots)
-            if bucket.control is not None:
-                self._control.write(bucket.control, self.has_data, self._saw_new_trainable)
-            step = self.steps_taken
-            label = f"bucket {index} of step {step}{self._owner}"
-            if self._channel is not None and (index == 0 or self._channel.agrees_each_bucket):
+            labels.append(f"bucket {index} of step {step}{self._owner}")
+        if stop == len(buckets):  # the last bucket: its counters and control numbers describe the whole pass
+            last = buckets[-1]
+            write_used(last, self._all_slots)
+            self._control.write(last.control, self.has_data, self._saw_new_trainable)
+        # Where optimizers share a gloo group, each bucket is agreed on just before it starts; else bucket 0 only.
+        each = channel is not None and channel.agrees_each_bucket
+        for part in range(first, stop) if each else (first,):
+            end = part + 1 if each else stop
+            if channel is not None and (part == 0 or each):
                 started = time.perf_counter()
-                self._channel.before_bucket(
-                    index, bucket.buffer if bucket.wire is None else bucket.wire, label=label, step=step
+                bucket = buckets[part]
+                channel.before_bucket(
+                    part, bucket.buffer if bucket.wire is None else bucket.wire, label=labels[part - first], step=step
                 )
                 # gloo waits here for the other ranks inside backward: the step's reports count it as wait
                 if self._pass_open:
                     times.launch_waited(started)
-            times.bucket_submit[index] = time.perf_counter()
-            self._handles.append(self._sender.start(bucket, self.num_reductions, label=label, step=step))
-            self._next_launch = index + 1
+            submitted = time.perf_counter()
+            times.bucket_submit[part:end] = [submitted] * (end - part)
+            try:
+                self._sender.start(
+                    part,
+                    end,
+                    self.num_reductions,
+                    labels=labels[part - first : end - first],
+                    step=step,
+                    into=self._handles,
+                )
+            finally:
+                self._next_launch = len(self._handles)
 
     def _launch_all(self) -> None:
         """Launch every bucket not yet launched; unused parameters count as zero."""
@@ -459,9 +486,12 @@ class Reducer:
     def _before_send(self, first: int, stop: int) -> None:
         """Ready buckets ``first`` to ``stop - 1`` where they are sent, just before: scaled, probed, in one go."""
         # Scaled before the sum, as DDP does: it keeps fp16 sums in range.
-        self._control.before_send(
-            self._buckets[first:stop], [grads for index in range(first, stop) for grads in self._unscaled[index]]
-        )
+        scaled, probed = [], []
+        for bucket, unscaled in zip(self._buckets[first:stop], self._unscaled[first:stop]):
+            if not unscaled or unscaled[0] is not bucket.grads:
+                probed.append(bucket.sample)
+            scaled += unscaled
+        self._control.before_send(self._buckets[first:stop], scaled, probed)
 
     # -- finishing ------------------------------------------------------------------------------
     def _finish(self, started: float) -> None:

@@ -45,6 +45,12 @@ class BucketSender:
         else:  # a bucket at a time, between the codecs' stages, each readied at its launch
             self._sums = BucketSums(self.comm, tensors)
 
+    @property
+    def overlap(self) -> bool:
+        """True where the buckets are summed while backward runs; False where they wait for its end anyway
+        (a CPU rank bound to one core), so starting them earlier gains nothing."""
+        return self._sums.overlap
+
     def _ready(self, first: int, stop: int) -> None:
         """Ready buckets ``first`` to ``stop - 1`` as they are sent: scaled and probed, then copied in the wire dtype."""
         self._before_send(first, stop)
@@ -52,24 +58,29 @@ class BucketSender:
             if bucket.wire is not None:
                 bucket.wire.copy_(bucket.buffer)
 
-    def start(self, bucket: Bucket, reduction: int, *, label: str, step: int) -> Handle:
-        """Start summing ``bucket`` over the ranks (reduction number ``reduction``).
+    def start(
+        self, first: int, stop: int, reduction: int, *, labels: Sequence[str], step: int, into: list[Handle]
+    ) -> None:
+        """Start summing buckets ``first`` to ``stop - 1`` over the ranks (reduction number ``reduction``).
 
         Args:
-            bucket: the bucket, filled.
+            first: the first bucket, filled, as are the others.
+            stop: one past the last.
             reduction: the reduction's number (compressors start after a few).
-            label: its label, "bucket 2 of step 7" (stall reports, the step's agreement).
-            step: the optimizer's step it belongs to.
+            labels: their labels, "bucket 2 of step 7" (stall reports, the step's agreement).
+            step: the optimizer's step they belong to.
+            into: the step's handles, in bucket order: each bucket's is appended as it starts.
         """
-        codec = self._codecs[bucket.index]
-        if codec is not None:
-            self._ready(
-                bucket.index, bucket.index + 1
-            )  # before the codec, which may change the bucket (error feedback)
-        handle = None if codec is None else codec.launch(reduction, label=label, step=step)
-        if handle is None:
-            handle = self._sums.start(bucket.index, label=label, step=step)
-        return handle
+        if self.compressor is None:
+            self._sums.start(first, stop, labels=labels, step=step, into=into)
+            return
+        for index, label in zip(range(first, stop), labels):
+            self._ready(index, index + 1)  # before the codec, which may change the bucket (error feedback)
+            handle = self._codecs[index].launch(reduction, label=label, step=step)
+            if handle is None:  # not compressed yet (PowerSGD's first steps): a plain sum
+                self._sums.start(index, index + 1, labels=(label,), step=step, into=into)
+            else:
+                into.append(handle)
 
     def abandon(self) -> None:
         """The step ends before its last bucket started: the buckets' communicator waits for no more of it."""

@@ -112,31 +112,38 @@ class BucketSums:
         self._before_send = before_send
         self._send_prepared_by_runner = before_send is not None and on_cpu
 
-    def start(self, index: int, *, label: str, step: int) -> Handle:
-        """Hand bucket ``index`` (filled) to the step's operation; bucket 0 submits that operation.
+    def start(self, first: int, stop: int, *, labels: Sequence[str], step: int, into: list[Handle]) -> None:
+        """Hand buckets ``first`` to ``stop - 1`` (filled) to the step's operation; bucket 0 submits that operation.
 
         Args:
-            index: the bucket; buckets start strictly in index order.
-            label: its label, "bucket 2 of step 7" (stall reports, the agreement).
-            step: the optimizer's step it belongs to.
+            first: the first bucket; buckets start strictly in index order.
+            stop: one past the last.
+            labels: their labels, "bucket 2 of step 7" (stall reports, the agreement).
+            step: the optimizer's step they belong to.
+            into: the step's handles, in bucket order: theirs are appended once they are handed over.
         """
-        handle = self._handles[index]
-        if index > 0 and self._step is not None and self._step.completed_at is not None:
-            return handle  # the step's operation ended (closed, failed): the handle keeps its error
+        handles = self._handles[first:stop]
+        if first > 0 and self._step is not None and self._step.completed_at is not None:
+            into += handles  # the step's operation ended (closed, failed): the handles keep its error
+            return
         if self._before_send is not None and not self._send_prepared_by_runner:
-            self._before_send(index, index + 1)
-        if index == 0:  # a group timeout (set at bucket 0) or patience: each bucket planned as it starts
+            self._before_send(first, stop)
+        if first == 0:  # a group timeout (set at bucket 0) or patience: each bucket planned as it starts
             self._plan_each = self._engine.agreement.runs or oplog.is_patient()
-        collective, desc = self._fixed[index], None
-        if collective is None or self._plan_each:
-            collective = self._comm.plan_allreduce(self._tensors[index], ReduceOp.SUM, label=label, step=step)
-            desc = describe_collective(collective)  # here: its patience is this thread's
-        handle._error = handle.started_at = handle.completed_at = None
-        handle.waited = False
+        taken = []
+        for index, label in zip(range(first, stop), labels):
+            collective, desc = self._fixed[index], None
+            if collective is None or self._plan_each:
+                collective = self._comm.plan_allreduce(self._tensors[index], ReduceOp.SUM, label=label, step=step)
+                desc = describe_collective(collective)  # here: its patience is this thread's
+            taken.append((collective, desc, label, step))
+        for handle in handles:
+            handle._error = handle.started_at = handle.completed_at = None
+            handle.waited = False
         with self._cond:
-            self._collectives[index] = (collective, desc, label, step)
-            self._started = index + 1
-            if index == 0:
+            self._collectives[first:stop] = taken
+            self._started = stop
+            if first == 0:
                 self._abandoned = False
                 self._generation += 1  # an abandoned step's operation, still queued, takes none of these
                 # Raises when the communicator is closed or out of step (``GradientChannel.fail``).
@@ -145,7 +152,7 @@ class BucketSums:
                 )
             elif self._waiting:
                 self._cond.notify_all()  # not when the step waits in the queue: that would wake the idle thread
-        return handle
+        into += handles
 
     def wait(self, handles: Sequence[Handle]) -> None:
         """Wait once for the step's operation; raise the first bucket's failure, in bucket order.
@@ -185,10 +192,10 @@ class BucketSums:
         except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
             self._fail(generation, 0, err, out_of_step=False)
             return
-        log, agree, handles = self._log, engine.agreement.agree, self._handles
+        log, agree, handles, perf_counter = self._log, engine.agreement.agree, self._handles, time.perf_counter
         before_send = self._before_send if self._send_prepared_by_runner else None
-        readied = 0  # buckets before this one were readied for sending
-        for index in range(len(self._tensors)):
+        index, count = 0, len(self._tensors)
+        while index < count:
             with cond:
                 while self._started <= index and not self._abandoned and not engine._closed:
                     self._waiting = True
@@ -196,33 +203,35 @@ class BucketSums:
                     self._waiting = False
                 handed = self._started
                 if generation != self._generation or handed <= index:
-                    started = None
-                else:
-                    started, self._collectives[index] = self._collectives[index], None
-            if started is None:
+                    taken = None
+                else:  # every bucket handed over so far, in one go
+                    taken = self._collectives[index:handed]
+                    self._collectives[index:handed] = [None] * (handed - index)
+            if taken is None:
                 self._fail(
                     generation, index, RuntimeError(f"gradient bucket {index} was not sent: the step was abandoned")
                 )
                 return
-            collective, desc, label, step = started
-            if desc is None:  # planned once: named for this step here, off the training thread's path
-                desc = collective.desc._replace(label=label, step=step)
-            seq = log.start(desc)
-            handle = handles[index]
-            handle.started_at = time.perf_counter()
-            try:
-                if before_send is not None and index >= readied:
-                    before_send(index, handed)  # every bucket handed over so far: one call
-                    readied = handed
-                if collective.call is not None:
-                    agree(collective.call)
-                collective.body()
-            except BaseException as err:  # noqa: BLE001 - every later bucket of the step raises it too
+            first = index
+            for collective, desc, label, step in taken:
+                if desc is None:  # planned once: named for this step here, off the training thread's path
+                    desc = collective.desc.for_step(label, step)
+                seq = log.start(desc)
+                handle = handles[index]
+                handle.started_at = perf_counter()
+                try:
+                    if before_send is not None and index == first:
+                        before_send(index, handed)  # every bucket handed over so far: one call
+                    if collective.call is not None:
+                        agree(collective.call)
+                    collective.body()
+                except BaseException as err:  # noqa: BLE001 - every later bucket of the step raises it too
+                    log.finish(seq)
+                    self._fail(generation, index, explain_failure(err, desc._replace(seq=seq)))
+                    return
                 log.finish(seq)
-                self._fail(generation, index, explain_failure(err, desc._replace(seq=seq)))
-                return
-            log.finish(seq)
-            handle.completed_at = time.perf_counter()
+                handle.completed_at = perf_counter()
+                index += 1
 
     def _fail(self, generation: int, index: int, error: BaseException, out_of_step: bool = True) -> None:
         """Fail bucket ``index`` and every later one of step ``generation`` with ``error``.

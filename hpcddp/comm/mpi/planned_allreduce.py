@@ -104,7 +104,7 @@ class PlannedAllreduces:
         oplog.mark_collective_thread()
         desc, call = plan.desc, plan.call
         if stepped:
-            desc = desc._replace(label=label, step=step)
+            desc = desc.for_step(label, step)
             if call is not None:
                 call = call._replace(step=step, name=check or label)
         target = tensor.detach() if tensor.requires_grad else tensor  # a parameter, reduced in place as data
