@@ -73,7 +73,10 @@ class ControlNumbers:
         """Learn the buckets' devices and dtypes, and where this rank's flag lies (after a rebuild)."""
         kinds = {(b.grads.device, b.grads.dtype == torch.float64) for b in buckets}
         #: the one device of every bucket when none holds float64 (one call each for scaling and probing)
-        self._device = next(iter(kinds))[0] if len(kinds) == 1 and not next(iter(kinds))[1] else None
+        self._device = None
+        if len(kinds) == 1:
+            ((device, wide),) = kinds
+            self._device = None if wide else device
         control = buckets[-1].control if buckets else None
         self._flag = None if control is None else control[self._nonfinite_at + self.rank :][:1]
 
