@@ -185,7 +185,7 @@ def test_a_thread_made_without_cuda_sets_no_device(monkeypatch):
 
 
 def test_the_message_future_thread_takes_the_ranks_device(cuda):
-    from hpcddp.torch_backend._p2p import _MessageWork
+    from hpcddp.torch_backend._messages import MessageWork
 
     class _Arrived:
         """A message that completed already: its future's thread settles it at once."""
@@ -200,6 +200,6 @@ def test_the_message_future_thread_takes_the_ranks_device(cuda):
             return [torch.zeros(1)]
 
     with torch.cuda.device(1):
-        work = _MessageWork(_Arrived(), None, "recv from rank 1")
+        work = MessageWork(_Arrived(), None, "recv from rank 1")
         work.get_future().wait()
     assert _wait_for(cuda.calls) == [("hpcddp-message-future", 3)]

@@ -6,9 +6,9 @@ After ``hpcddp.init()`` under mpirun or ``srun --mpi=pmix``::
     dist.init_process_group("hpcddp")   # or "mpi": torch's wheels have no MPI, hpcddp serves it
 
 and torch's own DistributedDataParallel, FSDP2, SyncBatchNorm, DistributedSampler and
-torch.distributed.checkpoint run over MPI. Modules: ``group`` (the ProcessGroup and its
-Work), ``_exchange`` and ``_p2p`` (the rest of its collectives), ``_futures`` (their torch
-futures), ``install`` (registration with torch). They check torch's arguments and name
+torch.distributed.checkpoint run over MPI. Modules: ``group`` (the ProcessGroup: every
+collective and message, and its Work), ``_messages`` (a message's Work), ``_futures`` (torch
+futures of collectives), ``install`` (registration with torch). They check torch's arguments and name
 them in messages; the transfers, the metadata check before each collective and the
 op and dtype tables are the communicator's (``hpcddp.comm``: the one road to MPI).
 """

@@ -1,9 +1,7 @@
-"""send/recv for ``ProcessGroupHPCDDP``: the communicator's point-to-point messages (``hpcddp.comm.mpi.p2p``).
+"""The torch Work of a point-to-point message of ``ProcessGroupHPCDDP`` (torch's isend/irecv/send/recv).
 
-Point-to-point messages do not go through the queue (rule 6 of ``hpcddp.comm.mpi.engine``):
-a rank that posts isend then irecv while its peer does the same must not block in the
-first. The same protocol as hpcddp's own ``send_async``/``recv_async_``, so the two
-APIs' messages match.
+The message itself is the communicator's (``hpcddp.comm.mpi.p2p``); this Work gives it torch's
+``wait``/``is_completed``/``get_future`` and gloo's "Timed out" after the group's timeout.
 """
 
 from __future__ import annotations
@@ -15,12 +13,12 @@ import torch
 import torch.distributed as dist
 
 from ..comm._cuda_events import current_cuda_device, use_cuda_device
-from ._profiling import begin, end_when_done, wait_ended
+from ._profiling import wait_ended
 
-__all__ = ["PointToPoint"]
+__all__ = ["MessageWork"]
 
 
-class _MessageWork(dist.Work):
+class MessageWork(dist.Work):
     """A message in flight; ``is_completed()`` moves it on, ``wait()`` completes it (raising on a mismatch)."""
 
     def __init__(self, message, group_timeout: float | None, describe: str, profiled=None) -> None:
@@ -83,26 +81,3 @@ class _MessageWork(dist.Work):
         """The sender of a receive from any rank (torch's ``recv(src=None)`` returns it)."""
         self.wait()
         return self._message.source
-
-
-class PointToPoint:
-    """Mixin of ``ProcessGroupHPCDDP``: send, recv, recv_anysource (torch's isend/irecv/send/recv,
-    batch_isend_irecv)."""
-
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> _MessageWork:
-        return self._message("send", f"to rank {dst}", tensors, lambda: self._comm.p2p.send(tensors[0], dst, tag))
-
-    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> _MessageWork:
-        return self._message("recv", f"from rank {src}", tensors, lambda: self._comm.p2p.recv(tensors[0], src, tag))
-
-    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> _MessageWork:
-        post = lambda: self._comm.p2p.recv(tensors[0], None, tag)  # noqa: E731
-        return self._message("recvAnySource", "from any rank", tensors, post)
-
-    def _message(self, op: str, peer: str, tensors: list[torch.Tensor], post) -> _MessageWork:
-        """Post a message (``post()``) on an open communicator, with its profiler event ``op`` (torch's name)."""
-        engine = self._comm.engine
-        engine.check_open("send" if op == "send" else "recv")
-        event = begin(f"{self._backend_name}:{op}", tensors)
-        describe = f"{op} {peer} on {engine.agreement.label}"
-        return _MessageWork(end_when_done(event, post()), engine.agreement.timeout, describe, event)
