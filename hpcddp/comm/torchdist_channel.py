@@ -42,7 +42,7 @@ import collections
 
 import torch
 
-from ._torchdist_ops import Agreeing
+from ._torchdist_work import Agreeing
 from .agreement import CollectiveMismatchError, describe_call
 from .reduction import ReduceOp
 
