@@ -246,8 +246,8 @@ def _cause(ranked: list[tuple[int, CollectiveCall]]) -> str:
         ahead = ranks_text([r for r, s in ranked if s.step == steps[-1]])
         behind = ranks_text([r for r, s in ranked if s.step == steps[0]])
         return (
-            f"{ahead} took a step without reducing gradients (it skipped a backward pass or called step() without "
-            f"one), or {behind} reduced twice in one step (a second backward pass, or a step() left out); every "
+            f"{ahead} took a step without reducing gradients (it skipped a backward pass, called step() without "
+            f"one, or none of the optimizer's parameters got a gradient there), or {behind} reduced twice in one step (a second backward pass, or a step() left out); every "
             "rank must run the same backward passes and steps (wrap uneven data in hpcddp.join(optimizer))"
         )
     if len({s.name for _, s in ranked if _is_bucket(s)}) > 1:
