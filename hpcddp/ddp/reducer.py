@@ -28,6 +28,7 @@ are used on GPUs (``hpcddp.comm.torchdist_channel``).
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import threading
 import time
@@ -59,11 +60,24 @@ from .slots import (
 from .timing import ReductionTimes
 from .trainable import average_loose_grads, require_trainable, watch_frozen
 
-__all__ = ["ReductionTimes", "Reducer", "StepStoppedError"]
+__all__ = ["Phase", "ReductionTimes", "Reducer", "StepStoppedError"]
 
 
 class StepStoppedError(RuntimeError):
     """Some rank stopped part-way through a step; every rank raises this at the end of that step."""
+
+
+class Phase(enum.Enum):
+    """Where a reducer's current reduction stands (docs/architecture.md, "The reducer's states")."""
+
+    #: no backward pass open and no bucket in flight
+    IDLE = "idle"
+    #: a backward pass is open: gradients land in their bucket views and full buckets may already be in flight
+    PASS = "pass"
+    #: the pass ended (or ``synchronize`` launched without one): every bucket is in flight, not yet waited for
+    LAUNCHED = "launched"
+    #: every rank refused this step (some rank stopped part-way): nothing reduces or steps until ``zero_grad``
+    REFUSED = "refused"
 
 
 log = logging.getLogger("hpcddp")
@@ -147,7 +161,7 @@ class Reducer:
         self._record_timeline = record_timeline
         self._after_reduction = after_reduction
         self._sync = True
-        self._pass_open = False
+        self._phase = Phase.IDLE
         self._pass_reduces = False
         self._pass_id = 0
         self._passes_since_reduce = 0
@@ -174,8 +188,8 @@ class Reducer:
         #: id -> (parameter, sparse dims) of the parameters whose gradient backward gives sparse
         #: (nn.Embedding(sparse=True)): reduced dense, handed to the optimizer sparse (sparse_grads)
         self._sparse: dict[int, tuple[torch.nn.Parameter, int]] = {}
-        #: why this step was refused on every rank (StepStoppedError), until zero_grad()
-        self._refused: str | None = None
+        #: why every rank refused this step (the StepStoppedError of Phase.REFUSED)
+        self._refusal = ""
         if comm.size > 1:
             trainable = require_trainable(self.named)
             check_same_parameters(comm, trainable, "DistributedOptimizer")
@@ -186,6 +200,11 @@ class Reducer:
     def buckets(self) -> list[Bucket]:
         """The gradient buckets, in launch order (empty in a world of one)."""
         return self._buckets
+
+    @property
+    def phase(self) -> Phase:
+        """Where the current reduction stands."""
+        return self._phase
 
     @property
     def reduced_names(self) -> list[str]:
@@ -252,9 +271,9 @@ class Reducer:
         """
         if not self._buckets:
             return
-        if self._refused is not None:  # every rank refused this step: none may reduce or step on it
-            raise StepStoppedError(self._refused)
-        if self._pass_open:
+        if self._phase is Phase.REFUSED:  # every rank refused this step: none may reduce or step on it
+            raise StepStoppedError(self._refusal)
+        if self._phase is Phase.PASS:
             self._refuse_unfinished_pass()
         started = time.perf_counter()
         if not self._handles and (force or self._passes_since_reduce > 0):
@@ -275,16 +294,20 @@ class Reducer:
         if self._handles:
             self._finish_abandoned()
             self._reset_reduction()
-        elif self._pass_open and self._pass_reduces and self._channel is not None and self._sender.compressor is None:
+        elif (
+            self._phase is Phase.PASS
+            and self._pass_reduces
+            and self._channel is not None
+            and self._sender.compressor is None
+        ):
             # A pass that stopped (an exception in backward) before it launched a bucket: the other
             # ranks wait in the step's buckets, as when some had left, and every rank refuses it alike.
             self._send_rest_stopped()
             self._reset_reduction()
-        elif self._pass_open:
+        elif self._phase is Phase.PASS:
             # Nobody waits for it (no reduction in this pass, or one rank): its gradients are dropped
             # here, so the next backward opens a pass of its own. Compressed: the others wait in bucket 0,
             # which the retried batch's buckets then complete.
-            self._pass_open = False
             self._reset_reduction()
         for slot in self._slots.values():
             slot.used = False
@@ -292,7 +315,7 @@ class Reducer:
         reset_grads(self._buckets, set_to_none)
         self._views_free = bool(self._buckets)
         self._passes_since_reduce = 0
-        self._refused = None
+        self._phase, self._refusal = Phase.IDLE, ""
 
     def close(self) -> None:
         """Remove the hooks and free the buckets' communicator: the parameters' gradients stay local from now on."""
@@ -363,7 +386,7 @@ class Reducer:
         # Autograd runs hooks of parameters on different devices on its device threads at
         # once (DDP's reducer holds its mutex_ here too): the counts below are shared.
         with self._lock:
-            if not self._pass_open:
+            if self._phase is not Phase.PASS:
                 self._open_pass()
                 if self._views_free and self._pass_reduces:
                     # Only this device's: autograd accumulates another device's gradients on another thread.
@@ -391,7 +414,7 @@ class Reducer:
         # A parameter frozen when the buckets were built got a gradient: every rank
         # learns it from the last bucket's control numbers and rebuilds the buckets.
         with self._lock:
-            if not self._pass_open:
+            if self._phase is not Phase.PASS:
                 self._open_pass()
             self._saw_new_trainable = True
 
@@ -399,17 +422,20 @@ class Reducer:
         # A pass after a reduction and no zero_grad (GradScaler skipped the step, a second
         # loss): the gradients accumulate onto the averaged ones and the next reduction
         # averages the sum, avg(old) + avg(new), as DDP does.
+        if self._phase is Phase.REFUSED:
+            # On every rank alike (each refused the step), before any of this pass's collectives.
+            raise StepStoppedError(f"{self._refusal} (backward() before that zero_grad())")
         self._open_window()
-        self._pass_open = True
+        self._phase = Phase.PASS
         self._pass_id += 1
         self._pass_reduces = self._sync and self._passes_since_reduce + 1 >= self.backward_passes_per_step
         self.times.backward_start = time.perf_counter()
         pass_id = self._pass_id
-        at_end_of_backward(self._end_pass, lambda: self._pass_open and self._pass_id == pass_id)
+        at_end_of_backward(self._end_pass, lambda: self._phase is Phase.PASS and self._pass_id == pass_id)
 
     def _end_pass(self) -> None:
         with self._lock:
-            self._pass_open = False
+            self._phase = Phase.IDLE
             self._passes_since_reduce += 1
             self._learning = False
             self.times.backward_end = time.perf_counter()
@@ -460,7 +486,7 @@ class Reducer:
                     part, bucket.buffer if bucket.wire is None else bucket.wire, label=labels[part - first], step=step
                 )
                 # gloo waits here for the other ranks inside backward: the step's reports count it as wait
-                if self._pass_open:
+                if self._phase is Phase.PASS:
                     times.launch_waited(started)
             submitted = time.perf_counter()
             times.bucket_submit[part:end] = [submitted] * (end - part)
@@ -478,6 +504,7 @@ class Reducer:
 
     def _launch_all(self) -> None:
         """Launch every bucket not yet launched; unused parameters count as zero."""
+        self._phase = Phase.LAUNCHED
         for index in range(self._next_launch, len(self._buckets)):
             self._pending[index] = 0
         self._launch_ready()
@@ -523,6 +550,7 @@ class Reducer:
             drop_unused_grads(self._buckets)
         self.num_reductions += 1
         self._reset_reduction()
+        self._phase = Phase.IDLE
         if changed:
             self._adopt_new_trainable()
         self.times.waited(started)
@@ -561,7 +589,7 @@ class Reducer:
         Every rank then refuses the step alike (``StepStoppedError``); this rank raised its own
         error when it stopped, so it does not raise again here.
         """
-        self._control.stopped, self._pass_open = True, False
+        self._control.stopped = True
         self._launch_all()
         with contextlib.suppress(StepStoppedError):
             self._finish(time.perf_counter())
@@ -585,7 +613,7 @@ class Reducer:
                 "gradients are partial and would be averaged with the other ranks' full ones; call zero_grad() and "
                 "run the batch again"
             )
-        self._control.stopped, self._pass_open = True, False
+        self._control.stopped = True
         self._launch_all()
         self._finish(time.perf_counter())  # raises StepStoppedError on every rank
 
@@ -602,14 +630,15 @@ class Reducer:
         """Some rank's backward stopped part-way: drop this step's sums on every rank and raise."""
         reset_grads(self._buckets, True)
         self._reset_reduction()
-        # Until zero_grad(), step() and synchronize() raise this again: a rank that stepped on the
-        # dropped gradients would be a step ahead of the others at the retry.
-        self._refused = (
+        # Until zero_grad(), step(), synchronize() and backward() raise this again: a rank that stepped
+        # on the dropped gradients would be a step ahead of the others at the retry.
+        self._phase = Phase.REFUSED
+        self._refusal = (
             f"gradient reduction of step {self.steps_taken}{self._owner}: {ranks_text(stopped)} stopped part-way "
             "through its backward pass (an exception it caught) and sent the rest of the step only to keep the ranks "
             "in step: this step's gradients were dropped on every rank (None); zero_grad() and run the batch again"
         )
-        raise StepStoppedError(self._refused)
+        raise StepStoppedError(self._refusal)
 
     def _stopped_part_way(self, err: BaseException | None) -> None:
         """This rank's reduction failed or was left part-way: unless every rank refused the step, it is out of step."""
