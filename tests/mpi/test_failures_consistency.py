@@ -216,6 +216,51 @@ def test_a_rank_whose_backward_stops_part_way_makes_every_rank_refuse_the_step_t
         optimizer.close()
 
 
+def test_a_backward_on_a_refused_step_before_zero_grad_raises_on_every_rank_then_retries_exactly():
+    # The last rank stops part-way and steps; every rank refuses the step. A backward pass before zero_grad()
+    # would reduce into that refused step: it raises on every rank before any collective, and zero_grad()
+    # then the batch again average exactly (against plain allreduce of each rank's local gradients).
+    if hpcddp.size() == 1:
+        pytest.skip("needs two ranks")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(16, 16, dtype=torch.float64) for _ in range(4)])
+    optimizer = hpcddp.DistributedOptimizer(
+        torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters(), bucket_cap_mb=0.001, first_bucket_mb=0.001
+    )
+    x = torch.randn(8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(hpcddp.rank()))
+    stopped = rf"rank {hpcddp.size() - 1} stopped part-way through its backward"
+    try:
+        net(x).square().sum().backward()  # the first pass launches nothing early
+        optimizer.step()
+        optimizer.zero_grad()
+        hidden, rest = net[:1](x), net[1:]
+        if last():
+
+            def stop(grad):
+                raise RuntimeError("stopped on purpose")
+
+            hidden.register_hook(stop)
+            with pytest.raises(RuntimeError, match="stopped on purpose"):
+                rest(hidden).square().sum().backward()
+        else:
+            with pytest.raises(hpcddp.StepStoppedError, match=stopped):
+                rest(hidden).square().sum().backward()
+        with pytest.raises(hpcddp.StepStoppedError, match=stopped):
+            optimizer.step()
+        for _ in range(2):  # refused again, not reduced: the step stays refused until zero_grad()
+            with pytest.raises(hpcddp.StepStoppedError, match=r"backward\(\) before that zero_grad\(\)"):
+                net(x).square().sum().backward()
+        optimizer.zero_grad()
+        local = torch.autograd.grad(net(x).square().sum(), list(net.parameters()))
+        net(x).square().sum().backward()
+        for param, mine in zip(net.parameters(), local):
+            torch.testing.assert_close(
+                param.grad, hpcddp.allreduce(mine, op="sum") / hpcddp.size(), rtol=1e-12, atol=1e-12
+            )
+    finally:
+        optimizer.close()
+
+
 def test_compression_settings_compare_by_value_not_by_repr():
     # 2 on one rank and 2.0 on another behave alike: the layout check must not refuse them.
     net = model(hidden=32)
