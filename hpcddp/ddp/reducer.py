@@ -14,8 +14,8 @@ One ``Reducer`` owns the reduction of a set of parameters, as DDP's C++ Reducer 
 - the last bucket carries a few control numbers along with the gradients (join,
   unfrozen parameters, non-finite gradients: ``control``), no extra collective per step.
 
-The states of one reduction (IDLE, PASS, LAUNCHED) are described in docs/architecture.md
-("The reducer's states"); they change only under ``_lock``.
+Where one reduction stands is a ``Phase`` (IDLE, PASS, LAUNCHED, REFUSED), described in
+docs/architecture.md ("The reducer's states"); it changes only under ``_lock``.
 
 Every rank therefore launches the same buckets in the same order, each tagged with the
 optimizer's step, and the ranks compare the step once, at bucket 0, through the
