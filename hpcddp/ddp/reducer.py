@@ -15,7 +15,7 @@ One ``Reducer`` owns the reduction of a set of parameters, as DDP's C++ Reducer 
   unfrozen parameters, non-finite gradients: ``control``), no extra collective per step.
 
 Where one reduction stands is a ``Phase`` (IDLE, PASS, LAUNCHED, REFUSED), described in
-docs/architecture.md ("The reducer's states"); it changes only under ``_lock``.
+docs/architecture.md ("The reducer's states"); hooks change it under ``_lock``, the training thread between passes.
 
 Every rank therefore launches the same buckets in the same order, each tagged with the
 optimizer's step, and the ranks compare the step once, at bucket 0, through the
