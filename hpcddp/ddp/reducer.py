@@ -583,16 +583,20 @@ class Reducer:
         for handle in self._handles:
             handle.wait()
 
-    def _send_rest_stopped(self) -> None:
+    def _send_rest_stopped(self, *, raise_refusal: bool = False) -> None:
         """Send the step's buckets not yet launched, saying in the control numbers that this rank stopped.
 
-        Every rank then refuses the step alike (``StepStoppedError``); this rank raised its own
-        error when it stopped, so it does not raise again here.
+        Every rank then refuses the step alike (``StepStoppedError``, Phase.REFUSED). At
+        ``zero_grad()`` this rank raised its own error when it stopped, so it does not raise
+        again (``raise_refusal`` False); at ``step()`` it raises with the others.
         """
         self._control.stopped = True
         self._launch_all()
-        with contextlib.suppress(StepStoppedError):
+        try:
             self._finish(time.perf_counter())
+        except StepStoppedError:
+            if raise_refusal:
+                raise
 
     def _refuse_unfinished_pass(self) -> None:
         """Refuse to reduce a backward pass that raised part-way: its gradients are partial.
@@ -613,9 +617,7 @@ class Reducer:
                 "gradients are partial and would be averaged with the other ranks' full ones; call zero_grad() and "
                 "run the batch again"
             )
-        self._control.stopped = True
-        self._launch_all()
-        self._finish(time.perf_counter())  # raises StepStoppedError on every rank
+        self._send_rest_stopped(raise_refusal=True)
 
     def _confirm_step(self) -> None:
         """Raise on every rank, the step's sums dropped, when its agreement (read after the buckets on GPUs) failed."""
