@@ -8,6 +8,7 @@ import hpcddp
 from hpcddp.comm.base import Communicator, ReduceOp, completed
 from hpcddp.comm.local import LocalCommunicator
 from hpcddp.ddp.optimizer import DistributedOptimizer
+from hpcddp.ddp.reducer import Phase
 
 pytestmark = pytest.mark.unit
 
@@ -354,3 +355,25 @@ def test_layer_unfrozen_after_wrapping_joins_the_buckets():
     assert optimizer.reducer.holds(model[0].weight) and "0.weight" in optimizer.parameter_names
     for a, b in zip(reference.parameters(), model.parameters()):
         torch.testing.assert_close(b, a)
+
+
+def test_an_error_ending_one_optimizers_backward_still_ends_the_others_pass():
+    # Autograd stops a pass's final callbacks at the first that raises; a second optimizer's
+    # pass would stay open on this rank while other ranks end theirs.
+    model, x, y = model_and_data()
+    reference, _, _ = model_and_data()
+    head = [model[0].weight, model[0].bias]
+    rest = [p for p in model.parameters() if not any(p is h for h in head)]
+    first = DistributedOptimizer(torch.optim.SGD(rest, lr=0.1), communicator=TwinRanks())
+    second = DistributedOptimizer(torch.optim.SGD(head, lr=0.1), communicator=TwinRanks())
+
+    def refuse(started):
+        raise RuntimeError("this reduction failed")
+
+    first.reducer._finish = refuse  # ``rest`` gets its gradients first: its pass ends first
+    with pytest.raises(RuntimeError, match="this reduction failed"):
+        F.cross_entropy(model(x), y).backward()
+    F.cross_entropy(reference(x), y).backward()
+    assert second.reducer.phase is Phase.IDLE
+    for mine, theirs in zip(head, reference[0].parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad)  # twin ranks: the average of equal gradients
